@@ -1,0 +1,54 @@
+# gthulhu-node. Every target installs what it needs first (scripts/install-deps, idempotent and quick).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest
+CMD ?= uname -a
+
+.PHONY: help deps build bpf proto lint test test-unit bench demo lab-shell lab-run install clean
+
+help:
+	@echo "make demo       the agent scheduling a vLLM-like workload in the sched_ext lab VM"
+	@echo "make test       every test: lint, unit, host and lab-VM tests"
+	@echo "make bench      benchmarks (figures and ratios against baselines measured in the same run)"
+	@echo "make lab-shell  a root shell in the sched_ext lab VM; make lab-run CMD='...' runs one command"
+	@echo "make install    install the agent, its systemd unit and a default config on this host"
+
+deps:
+	@scripts/install-deps
+
+build: deps bpf proto
+
+bpf: deps
+	@$(MAKE) -s -C bpf
+
+proto: deps
+	@scripts/gen-proto
+
+lint: build
+	$(VENV)/bin/ruff check gthulhu_node tests
+	$(VENV)/bin/mypy
+
+test: build lint
+	$(PYTEST) -m "not bench" tests
+
+test-unit: build
+	$(PYTEST) tests/unit
+
+bench: build
+	$(PYTEST) -m bench -s -p no:cacheprovider tests/bench
+
+demo: build
+	$(PY) -m tests.vm.demo
+
+lab-shell: build
+	$(PY) -m tests.vm.lab shell
+
+lab-run: build
+	$(PY) -m tests.vm.lab run -- $(CMD)
+
+install: build
+	scripts/install
+
+clean:
+	rm -rf bpf/.output gthulhu_node/api/gen gthulhu_node/data/*.bpf.o .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,135 @@
+"""The backend interface: the only thing the reconciler writes to.
+
+One reconciler owns the desired table and is the only writer to the backend (DESIGN.md). The table is
+keyed by `EntryKey`: a TID entry covers one thread, a TGID entry covers every thread of a process that has
+no TID entry of its own (the scheduler looks up TID first, then TGID, then uses its default).
+
+Every entry carries the start time of the task it was computed for (the thread for a TID entry, the
+process leader for a TGID entry), in clock ticks since boot as `/proc/<pid>/stat` field 22 reports it.
+A backend must never apply an entry to a task that started at another time: that is how a reused TID is
+kept from inheriting a dead task's strategy.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+class KeyKind(enum.StrEnum):
+    TID = "tid"
+    TGID = "tgid"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class EntryKey:
+    """Which task(s) an entry covers: one thread (TID) or a whole process (TGID)."""
+
+    kind: KeyKind
+    id: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What the backend holds for one key: the winning intent's priority and slice."""
+
+    priority: int  # 0-20; > 0 is boosted
+    slice_ns: int  # 0 (the scheduler's default) or 50,000-1,000,000,000
+    start_time: int  # clock ticks since boot of the task the key names (see module docstring)
+
+
+class BackendError(Exception):
+    """A backend could not do what was asked; the message is for people."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot run on this host (missing kernel support, not root, ...)."""
+
+
+class MapFullError(BackendError):
+    """The backend has no room for another entry: a distinct error, never silent."""
+
+
+class TaskGoneError(BackendError):
+    """The task a key names no longer exists (or its id was reused): normal, not a fault."""
+
+
+class InvalidEntryError(BackendError):
+    """An entry outside the contract's ranges, refused before anything was written."""
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What one batch did. Keys in `failed` were not written (or not deleted) and say why."""
+
+    upserted: int = 0
+    deleted: int = 0
+    failed: dict[EntryKey, BackendError] = field(default_factory=dict)
+
+
+class BackendState(enum.StrEnum):
+    STOPPED = "stopped"
+    RUNNING = "running"
+    # The kernel removed the scheduler (error, watchdog, sysrq): the agent reports and reloads.
+    EJECTED = "ejected"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendHealth:
+    state: BackendState
+    reason: str = ""
+
+
+class Backend(abc.ABC):
+    """A place where strategies take effect. Not thread-safe: only the reconciler's thread calls it."""
+
+    #: short name shown in status, logs and metrics ("sched_ext", "eevdf", "dry-run")
+    name: str = ""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Make the backend ready (load and attach a scheduler, ...). Raises BackendUnavailable."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Undo what start did and everything applied since (clean detach, restore originals)."""
+
+    @abc.abstractmethod
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        """Write a batch. Per-key failures are returned, not raised; other keys still go through.
+
+        Raises InvalidEntryError for an out-of-range entry before any write of the batch.
+        """
+
+    @abc.abstractmethod
+    def read_back(self) -> dict[EntryKey, Entry]:
+        """What the backend holds now, read from where it takes effect (the kernel, for real backends)."""
+
+    def health(self) -> BackendHealth:
+        """Whether the backend still works; a real scheduler can be ejected by the kernel."""
+        return BackendHealth(BackendState.RUNNING)
+
+    def counters(self) -> dict[str, int]:
+        """Backend-specific counters for metrics (BPF counters for the scheduler)."""
+        return {}
+
+
+def check_entry(key: EntryKey, entry: Entry) -> None:
+    """Refuse an entry outside the contract (DESIGN.md) before it reaches any map."""
+    from gthulhu_node.intents.model import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
+
+    if not 0 <= entry.priority <= PRIORITY_MAX:
+        raise InvalidEntryError(f"{key}: priority {entry.priority} is outside 0-{PRIORITY_MAX}")
+    if entry.slice_ns != 0 and not SLICE_MIN_NS <= entry.slice_ns <= SLICE_MAX_NS:
+        raise InvalidEntryError(
+            f"{key}: slice {entry.slice_ns} ns is outside 0 or {SLICE_MIN_NS}-{SLICE_MAX_NS} ns"
+        )
+    if key.id <= 0 or key.id >= 1 << 31:
+        raise InvalidEntryError(f"{key}: not a valid task id")
+    if entry.start_time < 0:
+        raise InvalidEntryError(f"{key}: negative start time")

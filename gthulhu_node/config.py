@@ -1,0 +1,151 @@
+"""The agent's configuration: one YAML file (default /etc/gthulhu-node/config.yaml), one section per part.
+
+Every setting has a sane default, so an empty file (or none) gives a working agent that listens only on a
+root-only unix socket and serves metrics on loopback. Unknown keys are refused: a typo must not silently
+fall back to a default.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_PATH = Path("/etc/gthulhu-node/config.yaml")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodeConfig(_Section):
+    """Who this node is, for intents' nodeNames / nodeSelectors."""
+
+    name: str = Field(default_factory=socket.gethostname)
+    labels: dict[str, str] = {}
+
+
+class BackendConfig(_Section):
+    """Which backend turns strategies into scheduling. `auto`: sched_ext when the kernel has it,
+    else sched_setattr on EEVDF (6.12+), else the dry run."""
+
+    kind: Literal["auto", "sched_ext", "eevdf", "dry-run"] = "auto"
+    # dry run only: where to mirror what it holds, for tools and benchmarks that read it from outside
+    dry_run_record: Path | None = None
+
+
+class SchedulerConfig(_Section):
+    """Settings of the sched_ext scheduler, fixed before it is loaded."""
+
+    bpf_object: Path | None = None  # default: the object built into the package
+    default_slice_ns: int = Field(default=5_000_000, ge=50_000, le=1_000_000_000)
+    boost_share_percent: int = Field(default=75, ge=1, le=100)
+    boost_window_ns: int = Field(default=100_000_000, ge=1_000_000, le=10_000_000_000)
+    map_capacity: int = Field(default=65_536, ge=1, le=4_194_304)
+    watchdog_timeout_ms: int = Field(default=0, ge=0)  # 0: the kernel's default
+    reload_backoff_initial_s: float = Field(default=1.0, gt=0)
+    reload_backoff_max_s: float = Field(default=60.0, gt=0)
+
+
+class WatchConfig(_Section):
+    """Task watching: proc connector events plus a periodic full /proc scan."""
+
+    rescan_interval_s: float = Field(default=30.0, gt=0)
+    proc_root: Path = Path("/proc")
+
+
+class ApiConfig(_Section):
+    """The gRPC API. By default only a unix socket that only root can open."""
+
+    socket: Path = Path("/run/gthulhu-node/api.sock")
+    tcp_listen: str | None = None  # "host:port"; requires the three TLS files below
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    max_message_bytes: int = Field(default=4 << 20, ge=1024)
+    max_intents_per_source: int = Field(default=10_000, ge=1)
+
+
+class PoliciesConfig(_Section):
+    """Local policy files, the source `local`."""
+
+    directory: Path = Path("/etc/gthulhu-node/policies.d")
+
+
+class StateConfig(_Section):
+    """Where accepted intents are persisted."""
+
+    directory: Path = Path("/var/lib/gthulhu-node")
+
+
+class MetricsConfig(_Section):
+    """Prometheus endpoint. Loopback by default; empty listen disables it."""
+
+    listen: str = "127.0.0.1:9812"
+
+
+class LogConfig(_Section):
+    """`auto`: journald fields under systemd, console on a terminal, JSON lines otherwise."""
+
+    format: Literal["auto", "journald", "json", "console"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class RestConfig(_Section):
+    """The upstream Decision Maker REST API (for an existing Gthulhu Manager). Off by default."""
+
+    enabled: bool = False
+    listen: str = "0.0.0.0:8080"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    jwt_private_key: Path | None = None
+    jwt_public_key: Path | None = None
+    token_ttl_s: int = Field(default=3600, ge=60)
+    insecure_allow_plain_http: bool = False
+
+
+class ProbeConfig(_Section):
+    """The continuous BCC run-queue latency probe. Off by default (it costs CPU)."""
+
+    enabled: bool = False
+
+
+class AgentConfig(_Section):
+    node: NodeConfig = NodeConfig()
+    backend: BackendConfig = BackendConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    watch: WatchConfig = WatchConfig()
+    api: ApiConfig = ApiConfig()
+    policies: PoliciesConfig = PoliciesConfig()
+    state: StateConfig = StateConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    log: LogConfig = LogConfig()
+    rest: RestConfig = RestConfig()
+    probe: ProbeConfig = ProbeConfig()
+
+
+class ConfigError(Exception):
+    """The configuration file is unreadable or invalid; the message names the file and the field."""
+
+
+def load(path: Path | None = None) -> AgentConfig:
+    """Load the configuration; a missing default file means all defaults, a missing named file is an error."""
+    target = path or DEFAULT_PATH
+    if not target.exists():
+        if path is not None:
+            raise ConfigError(f"{target}: no such file")
+        return AgentConfig()
+    try:
+        data = yaml.safe_load(target.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{target}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{target}: expected a mapping at the top level")
+    try:
+        return AgentConfig.model_validate(data)
+    except ValueError as exc:
+        raise ConfigError(f"{target}: {exc}") from None

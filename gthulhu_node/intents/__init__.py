@@ -1,0 +1,1 @@
+"""Intents: what sources ask this node to do (model, store, sources)."""

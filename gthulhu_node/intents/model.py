@@ -1,0 +1,143 @@
+"""The intent contract shared by every source and backend (DESIGN.md, "The intent contract").
+
+Validation lives here and only here, so a local file, a gRPC push and a REST push are refused for the same
+reasons with the same words. Nothing is clamped: a value outside its bounds is an error naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Any
+
+import re2
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+RESERVED_SOURCES = frozenset({"local", "manager"})
+
+PRIORITY_MAX = 20
+SLICE_MIN_NS = 50_000
+SLICE_MAX_NS = 1_000_000_000
+PATTERN_MAX_BYTES = 256
+COMM_MAX_BYTES = 15
+# RE2 refuses programs above this size; it keeps a valid-but-enormous pattern (a{1000}{1000}) out.
+RE2_MAX_MEM = 8 << 20
+
+
+class Scope(enum.StrEnum):
+    """What a match covers: the matching thread, or its whole process (through a TGID entry)."""
+
+    THREAD = "thread"
+    PROCESS = "process"
+
+
+class NodeSelector(BaseModel):
+    """One label requirement, as upstream writes it: `{"key": ..., "value": ...}`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    key: Annotated[str, Field(min_length=1, max_length=317)]
+    value: Annotated[str, Field(max_length=63)] = ""
+
+
+def compile_pattern(pattern: str) -> Any:
+    """Compile a user pattern with RE2 (linear time), refusing what the contract refuses.
+
+    Raises ValueError with a message that says what is wrong with the pattern.
+    """
+    size = len(pattern.encode())
+    if size == 0:
+        raise ValueError("commandRegex is empty")
+    if size > PATTERN_MAX_BYTES:
+        raise ValueError(f"commandRegex is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
+    options = re2.Options()
+    options.max_mem = RE2_MAX_MEM
+    options.log_errors = False
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        raise ValueError(f"commandRegex {pattern!r} is not valid RE2 syntax: {exc}") from None
+
+
+class Intent(BaseModel):
+    """One rule for this node. Field names follow upstream's REST API so its JSON works unchanged."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    id: str
+    command_regex: str = Field(alias="commandRegex")
+    priority: int = 0
+    execution_time: int = Field(default=0, alias="executionTime")
+    scope: Scope = Scope.THREAD
+    node_names: tuple[str, ...] = Field(default=(), alias="nodeNames")
+    node_selectors: tuple[NodeSelector, ...] = Field(default=(), alias="nodeSelectors")
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not ID_RE.match(v):
+            raise ValueError("id must be 1-64 characters of [A-Za-z0-9._-]")
+        return v
+
+    @field_validator("command_regex")
+    @classmethod
+    def _check_regex(cls, v: str) -> str:
+        compile_pattern(v)
+        return v
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _check_priority(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("priority must be an integer")
+        if not 0 <= v <= PRIORITY_MAX:
+            raise ValueError(f"priority {v} is outside 0-{PRIORITY_MAX}")
+        return v
+
+    @field_validator("execution_time", mode="before")
+    @classmethod
+    def _check_slice(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("executionTime must be an integer number of nanoseconds")
+        if v != 0 and not SLICE_MIN_NS <= v <= SLICE_MAX_NS:
+            raise ValueError(
+                f"executionTime {v} ns is outside 0 or {SLICE_MIN_NS}-{SLICE_MAX_NS} ns"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _check_node_names(self) -> Intent:
+        for name in self.node_names:
+            if not name or len(name) > 253:
+                raise ValueError("nodeNames entries must be 1-253 characters")
+        return self
+
+    @property
+    def is_noop(self) -> bool:
+        """priority 0 and executionTime 0: valid, but changes nothing (status carries a warning)."""
+        return self.priority == 0 and self.execution_time == 0
+
+    def selects_node(self, node_name: str, labels: dict[str, str]) -> bool:
+        """Empty nodeNames and nodeSelectors mean this node; otherwise either list may select it."""
+        if not self.node_names and not self.node_selectors:
+            return True
+        if node_name in self.node_names:
+            return True
+        return bool(self.node_selectors) and all(
+            labels.get(sel.key) == sel.value for sel in self.node_selectors
+        )
+
+
+def intent_key(source: str, intent_id: str) -> str:
+    """The full key of an intent: `source/id`. It orders ties in precedence."""
+    return f"{source}/{intent_id}"
+
+
+def check_source(source: str, *, allow_reserved: bool = False) -> str:
+    """Validate a source name; `local` and `manager` are reserved for the agent's own sources."""
+    if not SOURCE_RE.match(source):
+        raise ValueError("source must be 1-63 characters of [a-z0-9._-], starting with a letter or digit")
+    if source in RESERVED_SOURCES and not allow_reserved:
+        raise ValueError(f"source {source!r} is reserved")
+    return source
