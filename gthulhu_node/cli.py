@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
+from typing import cast
 
 from gthulhu_node import __version__
+
+# Each module under gthulhu_node/commands/ defines register(subparsers) and sets `func` on its parsers.
+COMMANDS: list[str] = [
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,17 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
         "priority and time slice through its own sched_ext scheduler.",
     )
     parser.add_argument("--version", action="version", version=f"gthulhu-node {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"gthulhu_node.commands.{name}").register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
+    func = getattr(args, "func", None)
+    if func is None:
         parser.print_help()
         return 0
-    return 0
+    return cast(Callable[[argparse.Namespace], int], func)(args)
 
 
 if __name__ == "__main__":

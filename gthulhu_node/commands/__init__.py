@@ -1,0 +1,1 @@
+"""Subcommands of the `gthulhu-node` CLI, one module each."""
