@@ -1,0 +1,400 @@
+"""The intent store: the validated intents of every source, versioned per source, persisted atomically.
+
+Why one store: every source (the gRPC API, local policy files, the upstream Manager's REST push) ends in
+the same place, with the same validation and the same replace-one-source semantics, and the reconciler
+reads one consistent snapshot of all of them. A source's push replaces that source's intents only.
+
+Generations make retries and reordering safe. Per source the store keeps the generation of the last
+accepted push and the digest of its content:
+- generation 0: "no ordering" (people, the CLI, the REST push): a set equal to the stored one is a no-op,
+  any other set is stored with the next generation;
+- lower than the stored generation: refused (StaleGenerationError), nothing changes;
+- equal to it: the same content again is a no-op success (a retry), other content is refused;
+- higher: the set replaces the stored one.
+A delete removes one intent and keeps the generation, so a retried push of the same generation stays a
+no-op rather than bringing the deleted intent back.
+
+Persistence: one JSON file, `intents.json`, under the state directory, written as temp file + fsync +
+rename + fsync of the directory, so after a crash (SIGKILL, power loss) the file holds either the old or
+the new set, never a mix. The `local` source is not persisted: the policy files are its persistence.
+A file that cannot be read is logged, renamed aside with a timestamp, and the store starts empty.
+
+Thread-safe: gRPC handlers, the REST server and the local-file watcher call it concurrently. Listeners
+are told "source X changed" after the change is stored and persisted; they read `snapshot()` for the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gthulhu_node.intents.model import Intent, check_source
+from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
+
+log = structlog.get_logger(__name__)
+
+STATE_FILE = "intents.json"
+STATE_FORMAT = "gthulhu-node-intents"
+STATE_VERSION = 1
+# Sources whose intents live elsewhere on disk and are therefore not written to the state file.
+NOT_PERSISTED = frozenset({"local"})
+
+
+class StoreError(Exception):
+    """A request the store refuses; the message is for people."""
+
+
+class StaleGenerationError(StoreError):
+    """A push whose generation is older than (or conflicts with) the stored one: nothing changed."""
+
+
+class IntentNotFoundError(StoreError):
+    """A delete of an intent (or source) the store does not hold."""
+
+
+class LimitError(StoreError):
+    """Too many sources (the per-source intent count is an IntentValidationError on `intents`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSet:
+    """What one source holds now."""
+
+    source: str
+    generation: int
+    intents: tuple[Intent, ...]
+    # digest of the content of the last accepted push (a retry of it is a no-op)
+    push_digest: str
+    # unix time of the last change
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyOutcome:
+    source: str
+    generation: int
+    # False when the push was a no-op (same content as stored)
+    changed: bool
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters for metrics (read at scrape time)."""
+
+    applies: int = 0
+    applies_unchanged: int = 0
+    refused_stale: int = 0
+    refused_invalid: int = 0
+    deletes: int = 0
+    persist_writes: int = 0
+    persist_errors: int = 0
+    corrupt_state_files: int = 0
+    loaded_intents: int = 0
+    intents: dict[str, int] = field(default_factory=dict)  # per source
+
+
+def digest(intents: Sequence[Intent]) -> str:
+    """Content digest of a set, independent of order (precedence never depends on order)."""
+    docs = sorted((intent_to_doc(i) for i in intents), key=lambda d: str(d["id"]))
+    blob = json.dumps(docs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+EMPTY_DIGEST = digest(())
+
+
+class IntentStore:
+    """Validated intents per source; see the module docstring for the semantics."""
+
+    def __init__(
+        self,
+        state_dir: Path | None,
+        *,
+        max_intents_per_source: int = 10_000,
+        max_sources: int = 64,
+    ) -> None:
+        """`state_dir` None keeps everything in memory (tests, dry runs)."""
+        self._state_dir = state_dir
+        self._max_intents = max_intents_per_source
+        self._max_sources = max_sources
+        self._lock = threading.RLock()
+        self._sources: dict[str, SourceSet] = {}
+        self._listeners: list[Callable[[str], None]] = []
+        self._stats = StoreStats()
+
+    @property
+    def max_intents_per_source(self) -> int:
+        return self._max_intents
+
+    @property
+    def state_file(self) -> Path | None:
+        return self._state_dir / STATE_FILE if self._state_dir is not None else None
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, SourceSet]:
+        """Every source's current set (an immutable copy)."""
+        with self._lock:
+            return dict(self._sources)
+
+    def get(self, source: str) -> SourceSet | None:
+        with self._lock:
+            return self._sources.get(source)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            counts = {name: len(ss.intents) for name, ss in self._sources.items()}
+            return dataclasses.replace(self._stats, intents=counts)
+
+    def subscribe(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(source)` after every stored change (from the thread that made it)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    def apply(
+        self,
+        source: str,
+        generation: int,
+        intents: Sequence[Intent],
+        *,
+        allow_reserved: bool = False,
+    ) -> ApplyOutcome:
+        """Replace `source`'s set (module docstring: generation rules).
+
+        Raises IntentValidationError (bad source, too many intents, duplicate id), StaleGenerationError,
+        LimitError, or OSError when the state could not be persisted (then nothing changed).
+        """
+        try:
+            check_source(source, allow_reserved=allow_reserved)
+        except ValueError as exc:
+            self._count("refused_invalid")
+            raise IntentValidationError("source", str(exc)) from None
+        if generation < 0:
+            self._count("refused_invalid")
+            raise IntentValidationError("generation", "must not be negative")
+        try:
+            check_set(intents, max_count=self._max_intents)
+        except IntentValidationError:
+            self._count("refused_invalid")
+            raise
+        new_digest = digest(intents)
+        with self._lock:
+            current = self._sources.get(source)
+            cur_gen = current.generation if current else 0
+            cur_push = current.push_digest if current else EMPTY_DIGEST
+            cur_content = digest(current.intents) if current else EMPTY_DIGEST
+            if generation == 0:
+                if new_digest == cur_content:
+                    self._stats.applies_unchanged += 1
+                    return ApplyOutcome(source, cur_gen, changed=False)
+                new_gen = cur_gen + 1
+            elif generation < cur_gen:
+                self._stats.refused_stale += 1
+                raise StaleGenerationError(
+                    f"generation {generation} of source {source!r} is stale: {cur_gen} is stored"
+                )
+            elif generation == cur_gen:
+                if new_digest == cur_push:
+                    self._stats.applies_unchanged += 1
+                    return ApplyOutcome(source, cur_gen, changed=False)
+                self._stats.refused_stale += 1
+                raise StaleGenerationError(
+                    f"generation {generation} of source {source!r} is already stored with other "
+                    "content: use a higher generation"
+                )
+            else:
+                new_gen = generation
+            if current is None and len(self._sources) >= self._max_sources:
+                raise LimitError(f"at most {self._max_sources} sources; {source!r} would be one more")
+            changed = new_digest != cur_content
+            new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time())
+            self._commit(source, new)
+            self._stats.applies += 1
+        log.info(
+            "intents_accepted",
+            source=source,
+            generation=new_gen,
+            intents=len(intents),
+            changed=changed,
+        )
+        self._notify(source)
+        return ApplyOutcome(source, new_gen, changed)
+
+    def delete(self, source: str, intent_id: str, *, allow_reserved: bool = False) -> SourceSet:
+        """Remove one intent of a source, keeping its generation. Raises IntentNotFoundError."""
+        try:
+            check_source(source, allow_reserved=allow_reserved)
+        except ValueError as exc:
+            raise IntentValidationError("source", str(exc)) from None
+        with self._lock:
+            current = self._sources.get(source)
+            if current is None or all(i.id != intent_id for i in current.intents):
+                raise IntentNotFoundError(f"no intent {intent_id!r} in source {source!r}")
+            kept = tuple(i for i in current.intents if i.id != intent_id)
+            new = SourceSet(source, current.generation, kept, current.push_digest, time.time())
+            self._commit(source, new)
+            self._stats.deletes += 1
+        log.info("intent_deleted", source=source, intent_id=intent_id)
+        self._notify(source)
+        return new
+
+    def _commit(self, source: str, new: SourceSet) -> None:
+        """Swap in `new` and persist; on a write error the old set stays (lock held by the caller)."""
+        old = self._sources.get(source)
+        self._sources[source] = new
+        if source in NOT_PERSISTED:
+            return
+        try:
+            self._save()
+        except OSError as exc:
+            if old is None:
+                del self._sources[source]
+            else:
+                self._sources[source] = old
+            self._stats.persist_errors += 1
+            log.error("intents_persist_failed", source=source, error=str(exc))
+            raise
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self._stats, name, getattr(self._stats, name) + 1)
+
+    def _notify(self, source: str) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(source)
+            except Exception:
+                log.exception("intents_listener_failed", source=source)
+
+    # -- persistence ---------------------------------------------------------------------------------
+
+    def _document(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "sources": {
+                name: {
+                    "generation": ss.generation,
+                    "pushDigest": ss.push_digest,
+                    "updated": ss.updated,
+                    "intents": [intent_to_doc(i) for i in ss.intents],
+                }
+                for name, ss in sorted(self._sources.items())
+                if name not in NOT_PERSISTED
+            },
+        }
+
+    def _save(self) -> None:
+        target = self.state_file
+        if target is None:
+            return
+        atomic_write(target, json.dumps(self._document(), indent=1, ensure_ascii=False).encode() + b"\n")
+        self._stats.persist_writes += 1
+
+    def load(self) -> int:
+        """Load the last accepted intents (call once, before any traffic). Returns how many were loaded.
+
+        A state file that cannot be parsed or validated is moved aside (`intents.json.corrupt-<time>`) and
+        the store starts empty; the reason is logged. Missing file: empty store.
+        """
+        target = self.state_file
+        if target is None or not target.exists():
+            return 0
+        try:
+            sources = _parse_state(target.read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            aside = target.with_name(f"{target.name}.corrupt-{stamp}")
+            try:
+                os.replace(target, aside)
+            except OSError as mv_exc:
+                log.error("intents_state_move_failed", path=str(target), error=str(mv_exc))
+            log.error("intents_state_corrupt", path=str(target), moved_to=str(aside), error=str(exc))
+            with self._lock:
+                self._stats.corrupt_state_files += 1
+            return 0
+        count = sum(len(ss.intents) for ss in sources.values())
+        with self._lock:
+            self._sources.update(sources)
+            self._stats.loaded_intents = count
+        log.info("intents_loaded", path=str(target), sources=len(sources), intents=count)
+        for source in sources:
+            self._notify(source)
+        return count
+
+
+def _parse_state(blob: bytes) -> dict[str, SourceSet]:
+    """Parse and validate a state file; ValueError says what is wrong."""
+    doc = json.loads(blob)
+    if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
+        raise ValueError("not a gthulhu-node intents state file")
+    if doc.get("version") != STATE_VERSION:
+        raise ValueError(f"unsupported state version {doc.get('version')!r}")
+    raw_sources = doc.get("sources")
+    if not isinstance(raw_sources, Mapping):
+        raise ValueError("sources: expected an object")
+    out: dict[str, SourceSet] = {}
+    for name, entry in raw_sources.items():
+        check_source(name, allow_reserved=True)
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"sources.{name}: expected an object")
+        gen = entry.get("generation")
+        if isinstance(gen, bool) or not isinstance(gen, int) or gen < 0:
+            raise ValueError(f"sources.{name}.generation: expected a non-negative integer")
+        raw_intents = entry.get("intents")
+        if not isinstance(raw_intents, list):
+            raise ValueError(f"sources.{name}.intents: expected a list")
+        intents = [parse_intent(d, f"sources.{name}.intents[{i}]") for i, d in enumerate(raw_intents)]
+        check_set(intents, max_count=len(intents) or 1, where=f"sources.{name}.intents")
+        push = entry.get("pushDigest")
+        updated = entry.get("updated", 0.0)
+        out[name] = SourceSet(
+            name,
+            gen,
+            tuple(intents),
+            push if isinstance(push, str) else digest(intents),
+            float(updated) if isinstance(updated, int | float) else 0.0,
+        )
+    return out
+
+
+def atomic_write(target: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write `data` to `target` so that a crash leaves the old or the new content, never a mix."""
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
