@@ -15,7 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-RESERVED_SOURCES = frozenset({"local", "manager"})
+# manager-pods: the upstream Manager's pod intents (REST `POST /api/v1/intents`), kept apart from its
+# node policies (`manager`) because each push replaces only its own set.
+RESERVED_SOURCES = frozenset({"local", "manager", "manager-pods"})
+# A Kubernetes pod UID (a UUID, or 32 hex digits for static pods), as the Manager sends it.
+POD_UID_RE = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,63}$")
 
 PRIORITY_MAX = 20
 SLICE_MIN_NS = 50_000
@@ -72,6 +76,9 @@ class Intent(BaseModel):
     scope: Scope = Scope.THREAD
     node_names: tuple[str, ...] = Field(default=(), alias="nodeNames")
     node_selectors: tuple[NodeSelector, ...] = Field(default=(), alias="nodeSelectors")
+    # Optional extra selector: only threads of processes in this pod's cgroup (matched through
+    # /proc/<pid>/cgroup). Left out of documents when unset, so other intents serialize as before.
+    pod_uid: str | None = Field(default=None, alias="podUID", exclude_if=lambda v: v is None)
 
     @field_validator("id")
     @classmethod
@@ -79,6 +86,15 @@ class Intent(BaseModel):
         if not ID_RE.match(v):
             raise ValueError("id must be 1-64 characters of [A-Za-z0-9._-]")
         return v
+
+    @field_validator("pod_uid")
+    @classmethod
+    def _check_pod_uid(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not POD_UID_RE.match(v):
+            raise ValueError("podUID must be a pod UID: 1-64 hex digits and '-'")
+        return v.lower()
 
     @field_validator("command_regex")
     @classmethod
