@@ -1,0 +1,78 @@
+"""Choosing the backend: `auto` takes the best one this kernel can run, or the configured kind is forced.
+
+auto, in order:
+  1. sched_ext, when the kernel has it (/sys/kernel/sched_ext exists);
+  2. (kernels without sched_ext, 6.12+: the EEVDF backend slots in here, see `_auto_without_sched_ext`);
+  3. the dry run, which changes nothing and says so.
+The reason string says which one was chosen and why; status, logs and metrics show it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gthulhu_node.backends.base import Backend, BackendUnavailable
+from gthulhu_node.backends.dryrun import DryRunBackend
+
+log = structlog.get_logger(__name__)
+
+SCHED_EXT_SYSFS = Path("/sys/kernel/sched_ext")
+
+
+def kernel_has_sched_ext(sysfs: Path = SCHED_EXT_SYSFS) -> bool:
+    return sysfs.is_dir()
+
+
+def _sched_ext(config: Any) -> Backend:
+    # Imported lazily: the scheduler package needs libbpf and the built BPF object, which hosts without
+    # sched_ext do not need.
+    from gthulhu_node.scheduler.backend import (  # type: ignore[import-not-found,unused-ignore]
+        SchedExtBackend,
+    )
+
+    backend: Backend = SchedExtBackend(config)
+    return backend
+
+
+def _dry_run(config: Any) -> Backend:
+    return DryRunBackend(record=config.backend.dry_run_record)
+
+
+def _auto_without_sched_ext(config: Any) -> tuple[Backend, str] | None:
+    """The place for backends that work without sched_ext (the EEVDF backend, 6.12+). None: none fits."""
+    return None
+
+
+def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend, str]:
+    """Return (backend, reason) for an AgentConfig. The backend is not started yet.
+
+    Raises BackendUnavailable when a forced kind cannot be built here.
+    """
+    kind = config.backend.kind
+    if kind == "dry-run":
+        return _dry_run(config), "dry run forced by configuration (backend.kind: dry-run)"
+    if kind == "sched_ext":
+        if not kernel_has_sched_ext(sysfs):
+            raise BackendUnavailable(f"backend.kind is sched_ext but this kernel has no {sysfs}")
+        return _sched_ext(config), "sched_ext forced by configuration"
+    if kind == "eevdf":
+        try:
+            from gthulhu_node.backends import eevdf
+        except ImportError as exc:
+            raise BackendUnavailable(f"the eevdf backend is not available: {exc}") from None
+        backend: Backend = eevdf.EevdfBackend(proc_root=config.watch.proc_root)
+        return backend, "eevdf forced by configuration"
+    if kind != "auto":
+        raise BackendUnavailable(f"unknown backend kind {kind!r}")
+    if kernel_has_sched_ext(sysfs):
+        return _sched_ext(config), f"auto: the kernel has sched_ext ({sysfs} exists)"
+    other = _auto_without_sched_ext(config)
+    if other is not None:
+        return other
+    return (
+        _dry_run(config),
+        f"auto: the kernel has no sched_ext ({sysfs} is missing); dry run, scheduling is not changed",
+    )

@@ -1,0 +1,357 @@
+"""The engine: the one thread that owns the reconciler (and therefore the only thread touching the backend).
+
+Its loop waits (poll) on three things at once:
+- the proc connector socket: every pending event is drained and applied in one batch, so a new or renamed
+  thread is written to the backend in the same wakeup, with no batching timer;
+- an eventfd for submitted work: other threads (gRPC, local files, metrics) call `submit(fn)` and get a
+  Future; fn(reconciler) runs on the engine thread between event batches;
+- timers: the periodic full rescan (`watch.rescan_interval_s`), backend health checks (an ejected scheduler
+  is reloaded with exponential backoff, then every entry is written again), and registered periodic hooks
+  (the service feeds the systemd watchdog from one, so a stuck engine stops the watchdog).
+
+Lost events (ENOBUFS) or a socket error: a fresh socket and a full rescan at once.
+`stop()` ends the thread and removes nothing: the Agent decides what happens to the backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from gthulhu_node.backends.base import BackendError, BackendState
+from gthulhu_node.reconciler import Reconciler
+from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineStopped(RuntimeError):
+    """Work was submitted to an engine that is not running (or stopped before running it)."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    events_available: bool = False
+    events_reopens: int = 0
+    loop_wakeups: int = 0
+    submitted: int = 0
+    backend_state: str = ""
+    backend_ejections: int = 0
+    backend_reloads: int = 0
+    backend_reload_failures: int = 0
+    last_ejection_reason: str = ""
+    hook_failures: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Periodic:
+    name: str
+    interval_s: float
+    fn: Callable[[], None]
+    due: float
+
+
+class Engine:
+    """Runs the reconciler on its own thread. Thread-safe: submit/request_rescan/add_periodic/stop."""
+
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        *,
+        rescan_interval_s: float = 30.0,
+        health_interval_s: float = 1.0,
+        reload_backoff_initial_s: float = 1.0,
+        reload_backoff_max_s: float = 60.0,
+        use_events: bool = True,
+        events: ProcEventSource | None = None,
+    ) -> None:
+        self.reconciler = reconciler
+        self.rescan_interval_s = rescan_interval_s
+        self.health_interval_s = health_interval_s
+        self.reload_backoff_initial_s = reload_backoff_initial_s
+        self.reload_backoff_max_s = reload_backoff_max_s
+        self._use_events = use_events
+        self._events = events if events is not None else ProcEventSource()
+        self._work: collections.deque[tuple[Callable[[Reconciler], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
+        self._periodic: list[_Periodic] = []
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._rescan_requested = False
+        self._lock = threading.Lock()
+        self._ejected = False
+        self._backoff_s = reload_backoff_initial_s
+        self._next_reload = 0.0
+        self._stats = EngineStats()
+
+    @classmethod
+    def from_config(cls, reconciler: Reconciler, config: Any) -> Engine:
+        """Build from an AgentConfig (its `watch` and `scheduler` sections)."""
+        return cls(
+            reconciler,
+            rescan_interval_s=config.watch.rescan_interval_s,
+            reload_backoff_initial_s=config.scheduler.reload_backoff_initial_s,
+            reload_backoff_max_s=config.scheduler.reload_backoff_max_s,
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the thread; returns once events are subscribed and the first full scan was applied.
+
+        The backend must already be started (by the Agent) before this is called.
+        """
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="gthulhu-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("engine did not finish its first scan in time")
+        if self._start_error is not None:
+            raise self._start_error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread. Pending submitted work fails with EngineStopped. Removes no entry."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._fail_pending()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def close(self) -> None:
+        self.stop()
+        with contextlib.suppress(OSError):
+            os.close(self._wake_fd)
+
+    # ---- thread-safe entry points -------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[Reconciler], T]) -> concurrent.futures.Future[T]:
+        """Run fn(reconciler) on the engine thread; its result (or exception) lands in the Future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping.is_set():
+            fut.set_exception(EngineStopped("engine is stopped"))
+            return fut
+        self._work.append((fn, fut))
+        self._wake()
+        return fut
+
+    def call(self, fn: Callable[[Reconciler], T], timeout: float | None = 30.0) -> T:
+        """submit(fn) and wait for its result."""
+        return self.submit(fn).result(timeout)
+
+    def request_rescan(self) -> None:
+        with self._lock:
+            self._rescan_requested = True
+        self._wake()
+
+    def add_periodic(self, name: str, interval_s: float, fn: Callable[[], None]) -> None:
+        """Call fn() on the engine thread every interval_s (first call one interval from now)."""
+        with self._lock:
+            self._periodic.append(_Periodic(name, interval_s, fn, time.monotonic() + interval_s))
+        self._wake()
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(**{f: getattr(s, f) for f in EngineStats.__dataclass_fields__})
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._wake_fd, 1)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def _open_events(self) -> bool:
+        if not self._use_events:
+            return False
+        try:
+            if self._events.is_open:
+                self._events.reopen()
+                self._stats.events_reopens += 1
+            else:
+                self._events.open()
+        except EventsUnavailable as exc:
+            if self._stats.events_available or not self._events.is_open:
+                log.error("proc_events_unavailable", error=str(exc))
+            self._stats.events_available = False
+            return False
+        self._stats.events_available = True
+        return True
+
+    def _rescan(self, reason: str) -> None:
+        r = self.reconciler
+        try:
+            r.rescan()
+        except Exception as exc:  # a scan must never kill the engine
+            log.exception("rescan_failed", reason=reason, error=str(exc))
+        else:
+            st = r.stats()
+            log.debug("rescan_done", reason=reason, tasks=st.tasks, seconds=st.scan_duration_last_s)
+
+    def _run(self) -> None:
+        try:
+            self._open_events()
+            self._rescan("start")
+            self._stats.backend_state = self.reconciler.backend.health().state.value
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except Exception as exc:
+            log.exception("engine_crashed", error=str(exc))
+            raise
+        finally:
+            self._events.close()
+            self._fail_pending()
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_fd, select.POLLIN)
+        events_fd = -1
+
+        def register_events() -> None:
+            nonlocal events_fd
+            if events_fd >= 0:
+                with contextlib.suppress(KeyError):
+                    poller.unregister(events_fd)
+                events_fd = -1
+            if self._events.is_open:
+                events_fd = self._events.fileno()
+                poller.register(events_fd, select.POLLIN | select.POLLERR)
+
+        register_events()
+        now = time.monotonic()
+        next_rescan = now + self.rescan_interval_s
+        next_health = now + self.health_interval_s
+        r = self.reconciler
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            with self._lock:
+                periodic = list(self._periodic)
+            due = min([next_rescan, next_health, *(p.due for p in periodic)])
+            timeout_ms = max(0, int((due - now) * 1000) + 1)
+            ready = poller.poll(timeout_ms)
+            self._stats.loop_wakeups += 1
+            for fd, _mask in ready:
+                if fd == events_fd:
+                    batch = self._events.read_pending()
+                    try:
+                        r.handle_events(batch.events)
+                    except Exception as exc:
+                        log.exception("event_handling_failed", error=str(exc))
+                    if batch.lost or batch.error:
+                        if batch.lost:
+                            r.note_events_lost()
+                            log.warning("proc_events_lost", events_in_batch=len(batch.events))
+                        else:
+                            r.note_event_read_error()
+                            log.warning("proc_events_error", error=batch.error)
+                        self._open_events()
+                        register_events()
+                        self._rescan("events_lost" if batch.lost else "events_error")
+                        next_rescan = time.monotonic() + self.rescan_interval_s
+                elif fd == self._wake_fd:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._wake_fd)
+            self._run_work()
+            with self._lock:
+                rescan_now, self._rescan_requested = self._rescan_requested, False
+            now = time.monotonic()
+            if rescan_now or now >= next_rescan:
+                if self._use_events and not self._events.is_open and self._open_events():
+                    register_events()
+                self._rescan("requested" if rescan_now else "periodic")
+                next_rescan = time.monotonic() + self.rescan_interval_s
+            if now >= next_health:
+                self._check_backend(now)
+                next_health = now + self.health_interval_s
+            for p in periodic:
+                if now >= p.due:
+                    p.due = now + p.interval_s
+                    try:
+                        p.fn()
+                    except Exception as exc:
+                        self._stats.hook_failures += 1
+                        log.exception("periodic_hook_failed", hook=p.name, error=str(exc))
+
+    def _run_work(self) -> None:
+        work = self._work
+        r = self.reconciler
+        while work:
+            fn, fut = work.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self._stats.submitted += 1
+            try:
+                result = fn(r)
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        r.flush()
+
+    def _fail_pending(self) -> None:
+        while self._work:
+            _fn, fut = self._work.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineStopped("engine stopped before running this"))
+
+    def _check_backend(self, now: float) -> None:
+        """Health check; an ejected backend is reloaded with exponential backoff, then fully resynced."""
+        backend = self.reconciler.backend
+        r = self.reconciler
+        if not self._ejected:
+            health = backend.health()
+            self._stats.backend_state = health.state.value
+            if health.state is not BackendState.EJECTED:
+                return
+            self._ejected = True
+            r.hold_writes = True
+            self._stats.backend_ejections += 1
+            self._stats.last_ejection_reason = health.reason
+            self._backoff_s = self.reload_backoff_initial_s
+            self._next_reload = now
+            log.error("scheduler_ejected", backend=backend.name, reason=health.reason)
+        if now < self._next_reload:
+            return
+        try:
+            try:
+                backend.stop()
+            except BackendError as exc:
+                log.warning("backend_stop_failed", backend=backend.name, error=str(exc))
+            backend.start()
+        except Exception as exc:
+            self._stats.backend_reload_failures += 1
+            self._next_reload = now + self._backoff_s
+            log.error("backend_reload_failed", backend=backend.name, error=str(exc),
+                      retry_in_s=self._backoff_s)
+            self._backoff_s = min(self._backoff_s * 2, self.reload_backoff_max_s)
+            return
+        self._ejected = False
+        r.hold_writes = False
+        self._stats.backend_reloads += 1
+        self._stats.backend_state = backend.health().state.value
+        log.info("backend_reloaded", backend=backend.name)
+        r.resync()

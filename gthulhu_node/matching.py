@@ -1,0 +1,176 @@
+"""Matching tasks to intents: compiled RE2 patterns and the precedence of DESIGN.md's intent contract.
+
+A pattern is an unanchored RE2 search on the task's comm (the kernel's 15-byte thread name, not the
+command line). When several intents match one task, exactly one wins, never a merge:
+  1. the higher `priority`;
+  2. then the smaller non-zero `executionTime` (a non-zero slice beats 0, the scheduler's default);
+  3. then the lexicographically smaller `source/id`.
+An intent with `podUID` matches only threads of processes in that pod's cgroup (/proc/<pid>/cgroup); the
+reconciler reads a process's pod once, only when such an intent's pattern matches one of its threads.
+This order is total, so every task has at most one winner and the result never depends on input order.
+
+Many threads share a comm, so results are cached per comm (a bounded dict: comm is at most 15 bytes and
+the number of distinct names on a host is small). A `PolicySet` is immutable: a policy change builds a
+new one and the reconciler recomputes everything against it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import re2
+
+from gthulhu_node.intents.model import Intent, Scope, compile_pattern
+
+# Bound on the per-comm cache; names past it are matched without caching (never wrong, only slower).
+COMM_CACHE_MAX = 65_536
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledIntent:
+    """One intent, ready to match. `rank` orders precedence: the smallest rank wins."""
+
+    key: str  # "source/id"
+    intent: Intent
+    pattern: Any  # re2._Regexp
+    rank: tuple[int, int, str]
+
+    @property
+    def priority(self) -> int:
+        return self.intent.priority
+
+    @property
+    def slice_ns(self) -> int:
+        return self.intent.execution_time
+
+    @property
+    def scope(self) -> Scope:
+        return self.intent.scope
+
+    @property
+    def is_noop(self) -> bool:
+        """Matches, but writes nothing (priority 0 and executionTime 0)."""
+        return self.intent.is_noop
+
+    @property
+    def pod_uid(self) -> str | None:
+        """When set, only threads of processes in this Kubernetes pod's cgroup match (normalized)."""
+        uid = self.intent.pod_uid
+        return None if uid is None else normalize_pod_uid(uid)
+
+
+def precedence_rank(key: str, intent: Intent) -> tuple[int, int, str]:
+    """The sort key of DESIGN.md's precedence: smaller is stronger."""
+    slice_rank = intent.execution_time if intent.execution_time > 0 else 1 << 62
+    return (-intent.priority, slice_rank, key)
+
+
+@dataclass(frozen=True, slots=True)
+class CommMatch:
+    """What one comm matches, each tuple strongest first."""
+
+    thread: tuple[CompiledIntent, ...]  # scope=thread intents whose pattern matches
+    process: tuple[CompiledIntent, ...]  # scope=process intents whose pattern matches
+
+    @property
+    def any(self) -> bool:
+        return bool(self.thread or self.process)
+
+
+_NO_MATCH = CommMatch((), ())
+
+
+# A pod's cgroup directory names its UID: `pod<uid>` with the cgroupfs driver, `pod<uid with _>` with the
+# systemd driver (kubepods-burstable-pod1234_5678....slice).
+_POD_IN_CGROUP = re2.compile(
+    r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12}|[0-9a-fA-F]{32})"
+)
+
+
+def pod_uid_of(cgroup_text: str) -> str | None:
+    """The pod UID in a /proc/<pid>/cgroup file's text (normalized, see normalize_pod_uid), or None."""
+    m = _POD_IN_CGROUP.search(cgroup_text)
+    if m is None:
+        return None
+    return normalize_pod_uid(str(m.group(1)))
+
+
+def normalize_pod_uid(uid: str) -> str:
+    """Compare pod UIDs by their hex digits only: cgroup drivers write '-' as '_' (or drop it)."""
+    return uid.replace("-", "").replace("_", "").lower()
+
+
+def read_pod_uid(tgid: int, proc_root: Path = Path("/proc")) -> str | None:
+    """The pod a process belongs to, from its cgroup; None when it is in none (or is gone)."""
+    try:
+        with open(b"%s/%d/cgroup" % (os.fsencode(proc_root), tgid), "rb") as f:
+            text = f.read(8192).decode("utf-8", "replace")
+    except OSError:
+        return None
+    return pod_uid_of(text)
+
+
+def best(candidates: Iterable[CompiledIntent | None]) -> CompiledIntent | None:
+    """The winner among candidates by precedence (None when there is none)."""
+    winner: CompiledIntent | None = None
+    for c in candidates:
+        if c is not None and (winner is None or c.rank < winner.rank):
+            winner = c
+    return winner
+
+
+class PolicySet:
+    """An immutable, compiled set of intents for this node.
+
+    Build it with `PolicySet.build([(intent_key, intent), ...])`. Patterns were validated with the
+    intent; they are compiled again here with the same `compile_pattern`, so a pattern the contract
+    refuses raises ValueError here too.
+    """
+
+    def __init__(self, compiled: Iterable[CompiledIntent]) -> None:
+        ordered = sorted(compiled, key=lambda c: c.rank)
+        self.ordered: tuple[CompiledIntent, ...] = tuple(ordered)
+        self.by_key: dict[str, CompiledIntent] = {c.key: c for c in ordered}
+        if len(self.by_key) != len(ordered):
+            raise ValueError("duplicate intent key in policy set")
+        self.has_process_scope = any(c.scope is Scope.PROCESS for c in ordered)
+        self.has_pod_selectors = any(c.pod_uid is not None for c in ordered)
+        self._cache: dict[str, CommMatch] = {}
+
+    @classmethod
+    def build(cls, intents: Iterable[tuple[str, Intent]]) -> PolicySet:
+        return cls(
+            CompiledIntent(key, intent, compile_pattern(intent.command_regex), precedence_rank(key, intent))
+            for key, intent in intents
+        )
+
+    @classmethod
+    def empty(cls) -> PolicySet:
+        return cls(())
+
+    def __len__(self) -> int:
+        return len(self.ordered)
+
+    def match(self, comm: str) -> CommMatch:
+        """Every intent whose pattern matches `comm`, split by scope, strongest first. Cached per comm."""
+        hit = self._cache.get(comm)
+        if hit is not None:
+            return hit
+        thread: list[CompiledIntent] = []
+        process: list[CompiledIntent] = []
+        for c in self.ordered:
+            if c.pattern.search(comm) is not None:
+                (process if c.scope is Scope.PROCESS else thread).append(c)
+        result = CommMatch(tuple(thread), tuple(process)) if thread or process else _NO_MATCH
+        if len(self._cache) < COMM_CACHE_MAX:
+            self._cache[comm] = result
+        return result
+
+    def winner(self, comm: str) -> CompiledIntent | None:
+        """The strongest intent of either scope matching `comm` alone (ignoring other threads)."""
+        m = self.match(comm)
+        return best((m.thread[0] if m.thread else None, m.process[0] if m.process else None))

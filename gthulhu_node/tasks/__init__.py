@@ -1,0 +1,1 @@
+"""Finding Linux tasks: full /proc snapshots (the ground truth) and proc connector events (the fast path)."""
