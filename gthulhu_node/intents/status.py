@@ -16,7 +16,7 @@ import enum
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gthulhu_node.intents.model import Intent, intent_key
@@ -67,6 +67,7 @@ class SourceStatus:
     intents: int
     updated: float
     errors: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class StatusEvent:
     agent: AgentSummary | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Watcher:
     events: queue.Queue[StatusEvent | None] = field(default_factory=lambda: queue.Queue(maxsize=10_000))
     overflowed: bool = False
@@ -162,25 +163,16 @@ class StatusBoard:
         with self._lock:
             return self._intents.get(key)
 
-    def watch(self, stop: threading.Event, *, poll_s: float = 0.5) -> Iterator[StatusEvent]:
-        """Yield change events as they are published until `stop` is set or `close()` is called.
-
-        A watcher that falls 10,000 events behind is ended (the client reconnects and gets a snapshot).
-        """
-        watcher = _Watcher()
+    def subscribe(self) -> Subscription:
+        """Start receiving every change published from now on (take the snapshot after this call)."""
+        sub = Subscription(self)
         with self._lock:
-            self._watchers.append(watcher)
-        try:
-            while not stop.is_set():
-                try:
-                    ev = watcher.events.get(timeout=poll_s)
-                except queue.Empty:
-                    continue
-                if ev is None:
-                    return
-                yield ev
-        finally:
-            with self._lock:
+            self._watchers.append(sub._watcher)
+        return sub
+
+    def _unsubscribe(self, watcher: _Watcher) -> None:
+        with self._lock:
+            if watcher in self._watchers:
                 self._watchers.remove(watcher)
 
     def close(self) -> None:
@@ -192,6 +184,35 @@ class StatusBoard:
     def watcher_count(self) -> int:
         with self._lock:
             return len(self._watchers)
+
+
+class Subscription:
+    """One watcher's queue of change events. A watcher that falls 10,000 events behind is ended (its
+    stream closes; the client reconnects and gets a fresh snapshot) rather than silently missing events."""
+
+    def __init__(self, board: StatusBoard) -> None:
+        self._board = board
+        self._watcher = _Watcher()
+        self.closed = False
+
+    def get(self, timeout: float) -> StatusEvent | None:
+        """The next event; None on timeout. Sets `closed` when the board ended the stream."""
+        try:
+            ev = self._watcher.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if ev is None:
+            self.closed = True
+        return ev
+
+    def close(self) -> None:
+        self._board._unsubscribe(self._watcher)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _offer(watcher: _Watcher, ev: StatusEvent | None) -> None:

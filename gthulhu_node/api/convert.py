@@ -1,0 +1,146 @@
+"""Between protobuf messages and the agent's own types. One place, so server and CLI agree."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.parse import IntentValidationError, parse_intent
+from gthulhu_node.intents.status import (
+    AgentSummary,
+    IntentState,
+    IntentStatus,
+    MatchRow,
+    SourceStatus,
+    StatusEvent,
+    StatusSnapshot,
+)
+
+STATE_TO_PB = {
+    IntentState.PENDING: pb.INTENT_STATE_PENDING,
+    IntentState.APPLIED: pb.INTENT_STATE_APPLIED,
+    IntentState.FAILED: pb.INTENT_STATE_FAILED,
+    IntentState.NOT_FOR_THIS_NODE: pb.INTENT_STATE_NOT_FOR_THIS_NODE,
+}
+PB_TO_STATE = {v: k for k, v in STATE_TO_PB.items()}
+
+
+def intent_doc_from_pb(msg: pb.Intent) -> dict[str, Any]:
+    """The intent's JSON document (upstream names); validation happens on the document."""
+    doc: dict[str, Any] = {
+        "id": msg.id,
+        "commandRegex": msg.command_regex,
+        "priority": msg.priority,
+        "executionTime": msg.execution_time,
+        "scope": msg.scope or "thread",
+        "nodeNames": list(msg.node_names),
+        "nodeSelectors": [{"key": s.key, "value": s.value} for s in msg.node_selectors],
+    }
+    if msg.pod_uid:
+        doc["podUID"] = msg.pod_uid
+    return doc
+
+
+def intents_from_pb(msgs: Sequence[pb.Intent], *, max_count: int) -> list[Intent]:
+    """Validate a request's intents. Raises IntentValidationError naming `intents[i].field`."""
+    if len(msgs) > max_count:
+        raise IntentValidationError("intents", f"{len(msgs)} intents, at most {max_count} per source")
+    return [parse_intent(intent_doc_from_pb(m), f"intents[{i}]") for i, m in enumerate(msgs)]
+
+
+def intent_to_pb(intent: Intent) -> pb.Intent:
+    return pb.Intent(
+        id=intent.id,
+        command_regex=intent.command_regex,
+        priority=intent.priority,
+        execution_time=intent.execution_time,
+        scope=intent.scope.value,
+        node_names=list(intent.node_names),
+        node_selectors=[pb.NodeSelector(key=s.key, value=s.value) for s in intent.node_selectors],
+        pod_uid=intent.pod_uid or "",
+    )
+
+
+def intent_from_pb(msg: pb.Intent) -> Intent:
+    """For clients reading status back: the server only sends valid intents."""
+    return parse_intent(intent_doc_from_pb(msg))
+
+
+def _ts(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def intent_status_to_pb(st: IntentStatus) -> pb.IntentStatus:
+    return pb.IntentStatus(
+        source=st.source,
+        intent=intent_to_pb(st.intent),
+        key=st.key,
+        state=STATE_TO_PB[st.state],
+        reason=st.reason,
+        matched_tasks=st.matched_tasks,
+        last_changed=_ts(st.last_changed),
+        warnings=list(st.warnings),
+        generation=st.generation,
+    )
+
+
+def summary_to_pb(a: AgentSummary) -> pb.AgentSummary:
+    return pb.AgentSummary(
+        node_name=a.node_name,
+        node_labels=dict(a.node_labels),
+        backend=a.backend,
+        backend_reason=a.backend_reason,
+        scheduler_state=a.scheduler_state,
+        scheduler_reason=a.scheduler_reason,
+        ready=a.ready,
+        matched_tasks=a.matched_tasks,
+        version=a.version,
+    )
+
+
+def source_status_to_pb(s: SourceStatus) -> pb.SourceStatus:
+    return pb.SourceStatus(
+        source=s.source,
+        generation=s.generation,
+        intents=s.intents,
+        updated=_ts(s.updated),
+        errors=list(s.errors),
+        notes=list(s.notes),
+    )
+
+
+def snapshot_to_pb(snap: StatusSnapshot) -> pb.GetStatusResponse:
+    return pb.GetStatusResponse(
+        agent=summary_to_pb(snap.agent),
+        sources=[source_status_to_pb(s) for s in snap.sources],
+        intents=[intent_status_to_pb(s) for s in snap.intents],
+    )
+
+
+def event_to_pb(ev: StatusEvent) -> pb.StatusEvent:
+    if ev.snapshot is not None:
+        return pb.StatusEvent(snapshot=snapshot_to_pb(ev.snapshot))
+    if ev.changed is not None:
+        return pb.StatusEvent(changed=intent_status_to_pb(ev.changed))
+    if ev.removed is not None:
+        return pb.StatusEvent(removed=ev.removed)
+    assert ev.agent is not None
+    return pb.StatusEvent(agent=summary_to_pb(ev.agent))
+
+
+def match_to_pb(m: MatchRow) -> pb.Match:
+    return pb.Match(
+        tid=m.tid,
+        tgid=m.tgid,
+        comm=m.comm,
+        intent=m.intent,
+        priority=m.priority,
+        slice_ns=m.slice_ns,
+        scope=m.scope,
+    )

@@ -1,0 +1,316 @@
+"""The gRPC server: NodeAgent over a root-only unix socket, optionally TCP with mutual TLS, plus the
+standard health service.
+
+Security model: the default listener is a unix socket (mode 0600, in a 0700 directory the agent creates),
+so only root can talk to the agent. TCP is opt-in (`api.tcp_listen`) and then only with TLS and a client
+certificate signed by `api.tls_client_ca`; starting TCP without the three TLS files is refused. Every
+request is bounded: message size (`api.max_message_bytes`), intents per source, pattern length (256 bytes,
+RE2 with a memory cap), and handler threads. Validation errors are INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gthulhu_node.api import convert
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
+from gthulhu_node.config import ApiConfig
+from gthulhu_node.intents.model import check_source
+from gthulhu_node.intents.parse import IntentValidationError
+from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
+from gthulhu_node.intents.store import (
+    IntentNotFoundError,
+    IntentStore,
+    LimitError,
+    StaleGenerationError,
+)
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = "gthulhu.node.v1.NodeAgent"
+# Responses can be larger than requests (status of every source); bounded all the same.
+MAX_SEND_BYTES = 64 << 20
+WATCH_POLL_S = 0.5
+
+T = TypeVar("T")
+
+
+class AgentAPI(Protocol):
+    """What the server needs from the agent."""
+
+    store: IntentStore
+    board: StatusBoard
+
+    def status(self, source: str = "") -> StatusSnapshot: ...
+
+    def matches(self, intent: str = "") -> list[MatchRow]: ...
+
+    def sync(self, timeout: float = 5.0) -> None:
+        """Wait until the last store change is in effect and status reflects it (best effort)."""
+
+
+class ApiConfigError(Exception):
+    """The API cannot start as configured (missing TLS files, socket in use, ...)."""
+
+
+@dataclass(slots=True)
+class ApiStats:
+    requests: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # by status code name
+    watch_streams: int = 0
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class NodeAgentService(pb_grpc.NodeAgentServicer):
+    """The NodeAgent RPCs. Writes go to the store; the agent turns store changes into scheduling."""
+
+    def __init__(self, agent: AgentAPI, *, max_watchers: int) -> None:
+        self._agent = agent
+        self._max_watchers = max_watchers
+        self._lock = threading.Lock()
+        self._stats = ApiStats()
+        self._stop = threading.Event()
+
+    def stats(self) -> ApiStats:
+        with self._lock:
+            return ApiStats(dict(self._stats.requests), dict(self._stats.errors), self._stats.watch_streams)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        with self._lock:
+            self._stats.requests[method] = self._stats.requests.get(method, 0) + 1
+        try:
+            return fn()
+        except _Aborted as exc:
+            self._fail(method, context, exc.code, exc.message)
+        except IntentValidationError as exc:
+            self._fail(method, context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StaleGenerationError as exc:
+            self._fail(method, context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except IntentNotFoundError as exc:
+            self._fail(method, context, grpc.StatusCode.NOT_FOUND, str(exc))
+        except LimitError as exc:
+            self._fail(method, context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except OSError as exc:
+            self._fail(method, context, grpc.StatusCode.UNAVAILABLE, f"could not persist intents: {exc}")
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _fail(self, method: str, context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> None:
+        with self._lock:
+            self._stats.errors[code.name] = self._stats.errors.get(code.name, 0) + 1
+        log.info("api_request_refused", method=method, code=code.name, error=msg[:500])
+        context.abort(code, msg)
+
+    @staticmethod
+    def _client_source(source: str) -> str:
+        try:
+            return check_source(source)
+        except ValueError as exc:
+            raise IntentValidationError("source", str(exc)) from None
+
+    def ApplyIntents(
+        self, request: pb.ApplyIntentsRequest, context: grpc.ServicerContext
+    ) -> pb.ApplyIntentsResponse:
+        def run() -> pb.ApplyIntentsResponse:
+            source = self._client_source(request.source)
+            intents = convert.intents_from_pb(
+                request.intents, max_count=self._agent.store.max_intents_per_source
+            )
+            outcome = self._agent.store.apply(source, request.generation, intents)
+            if outcome.changed:
+                self._agent.sync()
+            return pb.ApplyIntentsResponse(generation=outcome.generation, changed=outcome.changed)
+
+        return self._call("ApplyIntents", context, run)
+
+    def DeleteIntent(
+        self, request: pb.DeleteIntentRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteIntentResponse:
+        def run() -> pb.DeleteIntentResponse:
+            source = self._client_source(request.source)
+            self._agent.store.delete(source, request.id)
+            self._agent.sync()
+            return pb.DeleteIntentResponse()
+
+        return self._call("DeleteIntent", context, run)
+
+    def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.ServicerContext
+    ) -> pb.GetStatusResponse:
+        return self._call(
+            "GetStatus", context, lambda: convert.snapshot_to_pb(self._agent.status(request.source))
+        )
+
+    def ListMatches(
+        self, request: pb.ListMatchesRequest, context: grpc.ServicerContext
+    ) -> pb.ListMatchesResponse:
+        return self._call(
+            "ListMatches",
+            context,
+            lambda: pb.ListMatchesResponse(
+                matches=[convert.match_to_pb(m) for m in self._agent.matches(request.intent)]
+            ),
+        )
+
+    def WatchStatus(
+        self, request: pb.WatchStatusRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StatusEvent]:
+        def admit() -> None:
+            with self._lock:
+                if self._stats.watch_streams >= self._max_watchers:
+                    raise _Aborted(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"at most {self._max_watchers} status watchers at a time",
+                    )
+                self._stats.watch_streams += 1
+
+        self._call("WatchStatus", context, admit)
+        try:
+            yield from self._watch(request.source, context)
+        finally:
+            with self._lock:
+                self._stats.watch_streams -= 1
+
+    def _watch(self, source: str, context: grpc.ServicerContext) -> Iterator[pb.StatusEvent]:
+        with self._agent.board.subscribe() as sub:
+            yield convert.event_to_pb(StatusEvent(snapshot=self._agent.status(source)))
+            while context.is_active() and not self._stop.is_set():
+                ev = sub.get(WATCH_POLL_S)
+                if sub.closed:
+                    return
+                if ev is None:
+                    continue
+                if source and ev.changed is not None and ev.changed.source != source:
+                    continue
+                if source and ev.removed is not None and not ev.removed.startswith(source + "/"):
+                    continue
+                yield convert.event_to_pb(ev)
+
+
+class ApiServer:
+    """The grpc.Server with its listeners and the health service."""
+
+    def __init__(self, config: ApiConfig, agent: AgentAPI) -> None:
+        self.config = config
+        workers = config.workers
+        self.service = NodeAgentService(agent, max_watchers=max(1, workers - 2))
+        self.health = health.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            options=options,
+            maximum_concurrent_rpcs=workers * 8,
+        )
+        pb_grpc.add_NodeAgentServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._set_health(False)
+        self.socket_path: Path | None = config.socket
+        self.tcp_port: int | None = None
+
+    def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        """Bind the listeners and start serving (health NOT_SERVING until `set_ready`)."""
+        path = self.config.socket
+        _prepare_socket_path(path)
+        bound = self._server.add_insecure_port(f"unix://{path}")
+        if bound == 0:
+            raise ApiConfigError(f"cannot listen on unix socket {path}")
+        if self.config.tcp_listen:
+            self.tcp_port = self._add_tls_port(self.config)
+        self._server.start()
+        # The socket exists once start() returns; the 0700 directory keeps others out of the window
+        # between bind and this chmod.
+        os.chmod(path, 0o600)
+        log.info("api_listening", socket=str(path), tcp=self.config.tcp_listen, tcp_port=self.tcp_port)
+
+    def _add_tls_port(self, config: ApiConfig) -> int:
+        files = {
+            "tls_cert": config.tls_cert,
+            "tls_key": config.tls_key,
+            "tls_client_ca": config.tls_client_ca,
+        }
+        missing = [name for name, p in files.items() if p is None]
+        if missing:
+            raise ApiConfigError(
+                f"api.tcp_listen is set but {', '.join('api.' + m for m in missing)} not: TCP is served "
+                "only with TLS and client certificate verification"
+            )
+        try:
+            cert, key, ca = (p.read_bytes() for p in files.values() if p is not None)
+        except OSError as exc:
+            raise ApiConfigError(f"cannot read TLS file: {exc}") from None
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        assert config.tcp_listen is not None
+        port = self._server.add_secure_port(config.tcp_listen, creds)
+        if port == 0:
+            raise ApiConfigError(f"cannot listen on {config.tcp_listen}")
+        return port
+
+    def set_ready(self, ready: bool) -> None:
+        self._set_health(ready)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._set_health(False)
+        self.health.enter_graceful_shutdown()
+        self.service.stop()
+        self._server.stop(grace).wait(grace + 1)
+        path = self.config.socket
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+        except OSError:
+            pass
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory (0700) and remove a stale socket; refuse one that is in use."""
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(parents=True, mode=0o700)
+        os.chmod(parent, 0o700)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ApiConfigError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: left over from a crash
+        return
+    finally:
+        probe.close()
+    raise ApiConfigError(f"{path} is in use: another gthulhu-node agent is running")

@@ -1,0 +1,297 @@
+"""Local policy files: the source `local`, for hosts without a manager (and for pinning things locally).
+
+Where: `policies.directory` (default /etc/gthulhu-node/policies.d/), files ending in .yaml, .yml or .json
+(hidden files and editor leftovers are ignored), read in name order. What a file may hold:
+- one intent: `{"id": "vllm", "commandRegex": "^EngineCore", "priority": 10}`;
+- a list of intents, or `{"intents": [...]}`;
+- upstream Gthulhu's REST request body for a node scheduling policy, as it is:
+  `{"nodeNames": [...], "nodeSelectors": [...], "commandRegex": ..., "priority": ..., "executionTime": ...}`;
+  upstream-only fields (`draSelectors`) are accepted and ignored, with a note in the file's status.
+An entry without `id` gets `<file stem>-<index>` (index from 0 in the file's list).
+
+Reloading: a cheap poll of the directory (one stat per file every `poll_interval_s`, default 1 s) plus an
+immediate reload on SIGHUP (`reload()`). Why not inotify: a poll of a handful of files costs nothing
+measurable, needs no ctypes binding, and also sees changes inotify misses (bind mounts, a directory that
+appears later, files replaced over NFS/config management).
+
+A bad file (unreadable, not YAML/JSON, invalid intent, duplicate id, world-writable) is reported (log line,
+counter, the `local` source's errors in status) and does not affect the other files. A file that was good
+earlier in this run keeps its last good intents until it is fixed or removed: a typo while editing must not
+drop a policy that is in effect. (At start there is no earlier version, so a bad file contributes nothing.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import yaml
+
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.parse import IntentValidationError, parse_intent
+from gthulhu_node.intents.store import IntentStore, StoreError
+
+log = structlog.get_logger(__name__)
+
+SOURCE = "local"
+SUFFIXES = (".yaml", ".yml", ".json")
+# Fields of upstream's REST body that have no meaning on a node agent; accepted and ignored.
+IGNORED_UPSTREAM_FIELDS = ("draSelectors",)
+MAX_FILE_BYTES = 4 << 20
+
+
+class PolicyFileError(ValueError):
+    """A policy file that cannot be used; the message names the file and, when known, the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileResult:
+    intents: tuple[Intent, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class LocalFilesStats:
+    files: int = 0
+    bad_files: int = 0
+    reloads: int = 0
+    load_errors: int = 0  # total bad-file observations since start (a counter)
+
+
+@dataclass(slots=True)
+class _FileState:
+    signature: tuple[int, int, int]
+    good: FileResult | None
+    error: str | None
+
+
+def parse_document(doc: Any, stem: str) -> FileResult:
+    """Turn a parsed YAML/JSON document into intents (see the module docstring for the forms)."""
+    notes: list[str] = []
+    if isinstance(doc, Mapping) and "intents" in doc:
+        extra = sorted(set(doc) - {"intents"})
+        if extra:
+            raise PolicyFileError(f"{extra[0]}: unknown field next to 'intents'")
+        entries, where = doc["intents"], "intents"
+        if not isinstance(entries, list):
+            raise PolicyFileError("intents: expected a list")
+    elif isinstance(doc, list):
+        entries, where = doc, ""
+    elif isinstance(doc, Mapping):
+        entries, where = [doc], ""
+    elif doc is None:
+        return FileResult(())
+    else:
+        raise PolicyFileError(
+            f"expected an intent, a list of intents or {{intents: [...]}}, got {type(doc).__name__}"
+        )
+    intents: list[Intent] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(entries):
+        path = f"{where}[{index}]" if where or len(entries) > 1 or isinstance(doc, list) else ""
+        if not isinstance(entry, Mapping):
+            raise PolicyFileError(f"{path or 'entry'}: expected an object, got {type(entry).__name__}")
+        data = dict(entry)
+        for name in IGNORED_UPSTREAM_FIELDS:
+            if name in data:
+                del data[name]
+                notes.append(f"{path + '.' if path else ''}{name}: upstream-only field, ignored on a node")
+        data.setdefault("id", f"{stem}-{index}")
+        try:
+            intent = parse_intent(data, path)
+        except IntentValidationError as exc:
+            hint = ""
+            if exc.field.endswith("id") and "id" not in entry:
+                hint = " (the id defaults to <file stem>-<index>: rename the file or give an id)"
+            raise PolicyFileError(f"{exc}{hint}") from None
+        if intent.id in seen:
+            raise PolicyFileError(f"{path}.id: duplicate id {intent.id!r} in this file")
+        seen.add(intent.id)
+        intents.append(intent)
+    return FileResult(tuple(intents), tuple(notes))
+
+
+def read_file(path: Path) -> FileResult:
+    """Read and parse one policy file. Raises PolicyFileError naming what is wrong."""
+    try:
+        st = path.stat()
+        if stat.S_IMODE(st.st_mode) & stat.S_IWOTH:
+            raise PolicyFileError("world-writable: anyone could change this node's scheduling; chmod o-w")
+        if st.st_size > MAX_FILE_BYTES:
+            raise PolicyFileError(f"{st.st_size} bytes, at most {MAX_FILE_BYTES} are read")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PolicyFileError(f"cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise PolicyFileError(f"not valid {kind}: {' '.join(str(exc).split())}") from None
+    return parse_document(doc, path.stem)
+
+
+def policy_files(directory: Path) -> list[Path]:
+    """The policy files in `directory`, in name order (empty when it does not exist)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("policy_dir_unreadable", directory=str(directory), error=str(exc))
+        return []
+    return [
+        directory / n
+        for n in names
+        if n.endswith(SUFFIXES) and not n.startswith(".") and (directory / n).is_file()
+    ]
+
+
+def _signature(path: Path) -> tuple[int, int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class LocalPolicies:
+    """Keeps the store's `local` source equal to the good content of the policy files."""
+
+    def __init__(self, directory: Path, store: IntentStore, *, poll_interval_s: float = 1.0) -> None:
+        self.directory = directory
+        self._store = store
+        self._poll = poll_interval_s
+        self._lock = threading.Lock()
+        self._files: dict[Path, _FileState] = {}
+        # files whose good content could not be combined with the others (id clash, total limit)
+        self._combine_errors: dict[Path, str] = {}
+        self._stats = LocalFilesStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def errors(self) -> dict[str, str]:
+        """Bad files now: path -> reason."""
+        with self._lock:
+            out = {str(p): s.error for p, s in self._files.items() if s.error}
+            out.update({str(p): e for p, e in self._combine_errors.items() if str(p) not in out})
+            return out
+
+    def notes(self) -> list[str]:
+        with self._lock:
+            return [f"{p}: {n}" for p, s in self._files.items() if s.good for n in s.good.notes]
+
+    def stats(self) -> LocalFilesStats:
+        with self._lock:
+            self._stats.files = len(self._files)
+            self._stats.bad_files = len(
+                {p for p, s in self._files.items() if s.error} | set(self._combine_errors)
+            )
+            return LocalFilesStats(**{k: getattr(self._stats, k) for k in LocalFilesStats.__slots__})
+
+    def reload(self, *, force: bool = True) -> bool:
+        """Re-read the directory and push the result to the store. Returns whether the store changed.
+
+        `force` re-reads every file (SIGHUP); otherwise only files whose signature changed are read.
+        """
+        with self._lock:
+            self._stats.reloads += 1
+            current = policy_files(self.directory)
+            changed_any = set(self._files) != set(current)
+            for path in current:
+                sig = _signature(path)
+                old = self._files.get(path)
+                if not force and old is not None and old.signature == sig:
+                    continue
+                try:
+                    result: FileResult | None = read_file(path)
+                    error = None
+                except PolicyFileError as exc:
+                    result, error = None, str(exc)
+                new = _FileState(sig, result if result is not None else (old.good if old else None), error)
+                if error:
+                    self._stats.load_errors += 1
+                    log.error(
+                        "policy_file_invalid",
+                        path=str(path),
+                        error=error,
+                        kept_previous=bool(old and old.good),
+                    )
+                if old is None or new != old:
+                    changed_any = True
+                self._files[path] = new
+            for gone in set(self._files) - set(current):
+                del self._files[gone]
+                log.info("policy_file_removed", path=str(gone))
+            combined = self._combine()
+        try:
+            outcome = self._store.apply(SOURCE, 0, combined, allow_reserved=True)
+        except (IntentValidationError, StoreError, OSError) as exc:
+            log.error("policy_files_refused", directory=str(self.directory), error=str(exc))
+            with self._lock:
+                self._stats.load_errors += 1
+            return False
+        if outcome.changed or changed_any:
+            log.info("policy_files_loaded", directory=str(self.directory), intents=len(combined))
+        return outcome.changed
+
+    def _combine(self) -> list[Intent]:
+        """All files' intents in name order; a file whose ids collide with an earlier file's is bad."""
+        taken: dict[str, Path] = {}
+        combined: list[Intent] = []
+        errors: dict[Path, str] = {}
+        limit = self._store.max_intents_per_source
+        for path in sorted(self._files):
+            fs = self._files[path]
+            if fs.good is None:
+                continue
+            clash = next((i.id for i in fs.good.intents if i.id in taken), None)
+            if clash is not None:
+                errors[path] = f"id {clash!r} is also defined in {taken[clash].name}; not loaded"
+                continue
+            if len(combined) + len(fs.good.intents) > limit:
+                errors[path] = f"more than {limit} local intents in total; not loaded"
+                continue
+            for intent in fs.good.intents:
+                taken[intent.id] = path
+            combined.extend(fs.good.intents)
+        for path, error in errors.items():
+            if self._combine_errors.get(path) != error:
+                log.error("policy_file_invalid", path=str(path), error=error, kept_previous=False)
+        self._combine_errors = errors
+        return combined
+
+    def start_polling(self) -> None:
+        """Poll the directory for changes in a background thread (load once with `reload` first)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="policy-files", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            try:
+                if self._dirty():
+                    self.reload(force=False)
+            except Exception:
+                log.exception("policy_files_poll_failed", directory=str(self.directory))
+
+    def _dirty(self) -> bool:
+        current = policy_files(self.directory)
+        with self._lock:
+            if set(current) != set(self._files):
+                return True
+            return any(_signature(p) != self._files[p].signature for p in current)
