@@ -3,14 +3,16 @@ and the gRPC API into one thing a service can start, reload and stop.
 
 Order matters, and it is why this class exists:
 1. the backend is selected and started (the scheduler loaded),
-2. the last accepted intents are loaded from the state directory and the local policy files are read,
-   and the resulting policy is handed to the reconciler and applied,
+2. the last accepted intents are loaded from the state directory and the local policy files are read;
+   the resulting policy is given to the reconciler before the engine's first full scan, so the first
+   write to the backend already carries them,
 3. only then are the gRPC API (and, through `store`, the REST push) open to traffic, and the agent is
    ready: the service sends READY=1 after `start()` returns.
 
 Other parts feed intents through `agent.store` (`IntentStore.apply(source, generation, intents,
 allow_reserved=True)` for the `manager` source): the agent listens to the store and hands every change to
-the reconciler, then recomputes per-intent status.
+the reconciler (on the engine thread), then recomputes per-intent status. Status is also recomputed every
+`STATUS_INTERVAL_S`, so matched-task counts follow tasks that come and go.
 """
 
 from __future__ import annotations
@@ -21,11 +23,35 @@ from typing import Any
 
 import structlog
 
+from gthulhu_node import __version__
+from gthulhu_node.api.server import ApiServer, ApiStats
+from gthulhu_node.backends.base import Backend, BackendState, MapFullError
+from gthulhu_node.backends.select import select_backend
 from gthulhu_node.config import AgentConfig
-from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusSnapshot
-from gthulhu_node.intents.store import IntentStore, StoreStats
+from gthulhu_node.engine import Engine
+from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
+from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
+from gthulhu_node.intents.model import Intent, intent_key
+from gthulhu_node.intents.status import (
+    NO_MATCH_WARNING,
+    NOOP_WARNING,
+    NOT_FOR_THIS_NODE_REASON,
+    AgentSummary,
+    IntentState,
+    IntentStatus,
+    MatchRow,
+    SourceStatus,
+    StatusBoard,
+    StatusSnapshot,
+)
+from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
+from gthulhu_node.matching import PolicySet
+from gthulhu_node.reconciler import IntentStats, Reconciler
 
 log = structlog.get_logger(__name__)
+
+STATUS_INTERVAL_S = 1.0
+SYNC_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -34,21 +60,27 @@ class AgentStats:
 
     ready: bool = False
     store: StoreStats = field(default_factory=StoreStats)
-    # per state ("pending", "applied", ...) -> number of intents
+    # per state ("pending", "applied", "failed", "not_for_this_node") -> number of intents
     intents_by_state: dict[str, int] = field(default_factory=dict)
     matched_tasks: int = 0
-    local_files: int = 0
-    local_file_errors: int = 0
-    local_reloads: int = 0
-    api_requests: dict[str, int] = field(default_factory=dict)  # per method
-    api_errors: dict[str, int] = field(default_factory=dict)  # per gRPC status code name
-    watch_streams: int = 0
+    local_files: LocalFilesStats = field(default_factory=LocalFilesStats)
+    api: ApiStats = field(default_factory=ApiStats)
+    policy_updates: int = 0
+    policy_errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Effect:
+    """What the reconciler holds: the intents in its policy set, and the error if building failed."""
+
+    intents: dict[str, Intent]
+    error: str = ""
 
 
 class Agent:
     """One gthulhu-node agent. Not started by the constructor; see the module docstring for the order."""
 
-    def __init__(self, config: AgentConfig, *, backend: Any = None) -> None:
+    def __init__(self, config: AgentConfig, *, backend: Backend | None = None) -> None:
         """`backend` overrides the configured selection (tests); otherwise select_backend(config)."""
         self.config = config
         self.store = IntentStore(
@@ -57,9 +89,25 @@ class Agent:
             max_sources=config.api.max_sources,
         )
         self.board = StatusBoard()
-        self._backend_override = backend
+        self.local = LocalPolicies(config.policies.directory, self.store)
+        self.backend: Backend | None = backend
+        self.backend_reason = "given by the caller" if backend is not None else ""
+        self.engine: Engine | None = None
+        self.api: ApiServer | None = None
+        self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
         self._ready = threading.Event()
         self._stopped = threading.Event()
+        self._effect = _Effect({})
+        self._effect_lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._kick = threading.Event()
+        self._status_thread: threading.Thread | None = None
+        self._matched_tasks = 0
+        self._policy_updates = 0
+        self._policy_errors = 0
+        self.store.subscribe(self._on_store_change)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
@@ -67,34 +115,300 @@ class Agent:
         return self._ready.is_set()
 
     def start(self) -> None:
-        """Start backend, engine, saved intents, local files, API (in that order). Raises on failure,
-        after undoing what was started."""
-        raise NotImplementedError  # filled in with the reconciler/engine (issue 4)
+        """Backend, saved intents, local files, engine (first scan applies them), status, API.
+
+        Raises (BackendUnavailable, ApiConfigError, OSError, ...) after undoing what was started.
+        """
+        try:
+            self._start()
+        except BaseException:
+            log.error("agent_start_failed", exc_info=True)
+            self.stop()
+            raise
+        self._ready.set()
+        if self.api is not None:
+            self.api.set_ready(True)
+        self._kick.set()
+        log.info("agent_ready", summary=self.summary())
+
+    def _start(self) -> None:
+        if self.backend is None:
+            self.backend, self.backend_reason = select_backend(self.config)
+        log.info("backend_selected", backend=self.backend.name, reason=self.backend_reason)
+        self.backend.start()
+        self.store.load()
+        self.local.reload(force=True)
+        effect, policy = self._build_policy()
+        self._effect = effect
+        reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
+        self.engine = Engine.from_config(reconciler, self.config)
+        self.engine.start()
+        self.local.start_polling()
+        self._status_thread = threading.Thread(target=self._status_loop, name="intent-status", daemon=True)
+        self._status_thread.start()
+        self.refresh_status()
+        self.api = ApiServer(self.config.api, self)
+        self.api.start()
+        if self.config.rest.enabled:
+            # Imported only when enabled: aiohttp and the token machinery are not needed otherwise.
+            from gthulhu_node.rest.server import RestServer
+
+            self.rest = RestServer(
+                self.config.rest, self.store, node_name=self.config.node.name, status=self.status
+            )
+            self.rest.start()
 
     def stop(self) -> None:
-        """Stop the API (ending watch streams), the file watcher, the engine, then the backend."""
+        """Stop the API (ending watch streams), the file watcher, the engine, then the backend. Idempotent."""
+        if self._stopped.is_set():
+            return
         self._ready.clear()
         self._stopped.set()
+        self._kick.set()
         self.board.close()
+        if self.rest is not None:
+            try:
+                self.rest.stop()
+            except Exception:
+                log.exception("rest_stop_failed")
+        if self.api is not None:
+            self.api.stop()
+        self.local.stop()
+        if self._status_thread is not None:
+            self._status_thread.join(timeout=5)
+        if self.engine is not None:
+            self.engine.close()
+        if self.backend is not None:
+            try:
+                self.backend.stop()
+            except Exception:
+                log.exception("backend_stop_failed", backend=self.backend.name)
+        log.info("agent_stopped")
 
     def reload(self) -> None:
-        """SIGHUP: re-read the local policy files now (the config itself is not reloaded)."""
-
-    def summary(self) -> str:
-        """One line for systemd's STATUS=: readiness, backend, intents applied and tasks matched."""
-        return "starting" if not self.ready else "ready"
-
-    def status(self, source: str = "") -> StatusSnapshot:
-        """Per-intent status (of one source, or all) and the agent summary."""
-        raise NotImplementedError
-
-    def matches(self, intent: str = "") -> list[MatchRow]:
-        """The tasks intents govern right now (of one `source/id`, or all)."""
-        raise NotImplementedError
-
-    def stats(self) -> AgentStats:
-        """Counters for metrics."""
-        return AgentStats(ready=self.ready, store=self.store.stats())
+        """SIGHUP: re-read every local policy file now (the config file itself is not reloaded)."""
+        log.info("agent_reload", directory=str(self.local.directory))
+        self.local.reload(force=True)
+        self.sync()
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
+
+    # ---- policy -------------------------------------------------------------------------------------
+
+    def _node_intents(self, sources: dict[str, SourceSet]) -> list[tuple[str, Intent]]:
+        node = self.config.node
+        return [
+            (intent_key(name, i.id), i)
+            for name, ss in sorted(sources.items())
+            for i in ss.intents
+            if i.selects_node(node.name, node.labels)
+        ]
+
+    def _build_policy(self) -> tuple[_Effect, PolicySet]:
+        wanted = self._node_intents(self.store.snapshot())
+        try:
+            return _Effect(dict(wanted)), PolicySet.build(wanted)
+        except ValueError as exc:  # validated intents compile; this is a guard, not a path
+            self._policy_errors += 1
+            log.error("policy_build_failed", error=str(exc))
+            return _Effect(dict(wanted), error=str(exc)), PolicySet.empty()
+
+    def _on_store_change(self, source: str) -> None:
+        engine = self.engine
+        if engine is None or not engine.running:
+            return  # during start the policy is built once, after every source is loaded
+        engine.submit(self._apply_latest)
+
+    def _apply_latest(self, reconciler: Reconciler) -> None:
+        """On the engine thread: give the reconciler the store's current policy, if it changed."""
+        effect, policy = self._build_policy()
+        with self._effect_lock:
+            if effect == self._effect:
+                return
+        reconciler.set_policy(policy)
+        with self._effect_lock:
+            self._effect = effect
+            self._policy_updates += 1
+        self._kick.set()
+
+    def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
+        """Wait until earlier store changes are in the reconciler, then recompute status (best effort)."""
+        engine = self.engine
+        if engine is not None and engine.running:
+            try:
+                engine.submit(lambda r: None).result(timeout)
+            except Exception as exc:
+                log.warning("agent_sync_failed", error=str(exc))
+        self.refresh_status()
+
+    # ---- status -------------------------------------------------------------------------------------
+
+    def _status_loop(self) -> None:
+        while not self._stopped.is_set():
+            self._kick.wait(STATUS_INTERVAL_S)
+            self._kick.clear()
+            if self._stopped.is_set():
+                return
+            try:
+                self.refresh_status()
+            except Exception:
+                log.exception("status_refresh_failed")
+
+    def refresh_status(self) -> None:
+        """Recompute every intent's status from the store and the reconciler; publish the changes."""
+        with self._refresh_lock:
+            stats: dict[str, IntentStats] | None = None
+            engine = self.engine
+            if engine is not None and engine.running:
+                try:
+                    stats, self._matched_tasks = engine.call(
+                        lambda r: (r.intent_stats(), len(r.matches())), timeout=SYNC_TIMEOUT_S
+                    )
+                except Exception as exc:
+                    log.warning("status_stats_unavailable", error=str(exc))
+            statuses = self._compute(self.store.snapshot(), stats)
+            self.board.publish(statuses, self._summary())
+
+    def _compute(
+        self, sources: dict[str, SourceSet], stats: dict[str, IntentStats] | None
+    ) -> list[IntentStatus]:
+        node = self.config.node
+        with self._effect_lock:
+            effect = self._effect
+        backend_state, backend_reason = self._backend_state()
+        out: list[IntentStatus] = []
+        for name, ss in sources.items():
+            for intent in ss.intents:
+                key = intent_key(name, intent.id)
+                warnings: list[str] = [NOOP_WARNING] if intent.is_noop else []
+                base = (name, intent)
+                if not intent.selects_node(node.name, node.labels):
+                    reason = NOT_FOR_THIS_NODE_REASON.format(node=_describe_node(node.name, node.labels))
+                    out.append(
+                        IntentStatus(*base, IntentState.NOT_FOR_THIS_NODE, reason, 0, 0.0, (), ss.generation)
+                    )
+                    continue
+                st = stats.get(key) if stats is not None else None
+                if effect.intents.get(key) != intent or st is None:
+                    out.append(
+                        IntentStatus(*base, IntentState.PENDING, "", 0, 0.0, tuple(warnings), ss.generation)
+                    )
+                    continue
+                state, reason = IntentState.APPLIED, ""
+                if effect.error:
+                    state, reason = IntentState.FAILED, f"policy could not be built: {effect.error}"
+                elif backend_state != BackendState.RUNNING.value:
+                    state, reason = IntentState.FAILED, f"backend is {backend_state}: {backend_reason}"
+                elif st.pending_failures:
+                    state = IntentState.FAILED
+                    why = st.last_error or "write failed"
+                    reason = f"{st.pending_failures} task entries not written: {why}"
+                    if MapFullError.__name__ in st.last_error or "full" in st.last_error.lower():
+                        warnings.append("the scheduler's map is full: raise scheduler.map_capacity")
+                if st.matched_tasks == 0:
+                    warnings.append(NO_MATCH_WARNING)
+                elif st.applied_tasks == 0:
+                    warnings.append(f"matches {st.matched_tasks} tasks, but other intents win all of them")
+                for winner, n in sorted(st.overlaps.items()):
+                    warnings.append(f"overlaps with {winner} on {n} tasks: {winner} wins")
+                out.append(
+                    IntentStatus(*base, state, reason, st.applied_tasks, 0.0, tuple(warnings), ss.generation)
+                )
+        return out
+
+    def _backend_state(self) -> tuple[str, str]:
+        if self.engine is None:
+            return ("starting" if not self._stopped.is_set() else "stopped"), ""
+        es = self.engine.stats()
+        state = es.backend_state or BackendState.RUNNING.value
+        return state, es.last_ejection_reason if state != BackendState.RUNNING.value else ""
+
+    def _summary(self) -> AgentSummary:
+        state, reason = self._backend_state()
+        return AgentSummary(
+            node_name=self.config.node.name,
+            node_labels=dict(self.config.node.labels),
+            backend=self.backend.name if self.backend is not None else "",
+            backend_reason=self.backend_reason,
+            scheduler_state=state,
+            scheduler_reason=reason,
+            ready=self.ready,
+            matched_tasks=self._matched_tasks,
+            version=__version__,
+        )
+
+    def status(self, source: str = "") -> StatusSnapshot:
+        """Per-intent status (of one source, or all) and the agent summary."""
+        intents = [s for s in self.board.intents() if not source or s.source == source]
+        sources = self.store.snapshot()
+        local_errors = tuple(f"{path}: {err}" for path, err in sorted(self.local.errors().items()))
+        local_notes = tuple(self.local.notes())
+        rows: list[SourceStatus] = []
+        names = set(sources) | ({LOCAL_SOURCE} if local_errors or local_notes else set())
+        for name in sorted(names):
+            if source and name != source:
+                continue
+            ss = sources.get(name)
+            rows.append(
+                SourceStatus(
+                    name,
+                    ss.generation if ss else 0,
+                    len(ss.intents) if ss else 0,
+                    ss.updated if ss else 0.0,
+                    local_errors if name == LOCAL_SOURCE else (),
+                    local_notes if name == LOCAL_SOURCE else (),
+                )
+            )
+        return StatusSnapshot(self._summary(), tuple(rows), tuple(intents))
+
+    def matches(self, intent: str = "") -> list[MatchRow]:
+        """The tasks intents govern right now (of one `source/id`, or all)."""
+        engine = self.engine
+        if engine is None or not engine.running:
+            return []
+        found = engine.call(lambda r: r.matches(), timeout=SYNC_TIMEOUT_S)
+        return [
+            MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope)
+            for m in found
+            if not intent or m.intent_key == intent
+        ]
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS=: readiness, backend, intents by state and tasks matched."""
+        if self._stopped.is_set():
+            return "stopped"
+        if not self.ready:
+            return "starting"
+        counts = self._counts()
+        backend = self.backend.name if self.backend is not None else "?"
+        state, _ = self._backend_state()
+        parts = [f"{counts[s.value]} {s.value.replace('_', ' ')}" for s in IntentState if counts.get(s.value)]
+        return (
+            f"backend {backend} ({state}); intents: {', '.join(parts) or 'none'}; "
+            f"{self._matched_tasks} tasks matched"
+        )
+
+    def _counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for st in self.board.intents():
+            counts[st.state.value] = counts.get(st.state.value, 0) + 1
+        return counts
+
+    def stats(self) -> AgentStats:
+        """Counters for metrics."""
+        return AgentStats(
+            ready=self.ready,
+            store=self.store.stats(),
+            intents_by_state=self._counts(),
+            matched_tasks=self._matched_tasks,
+            local_files=self.local.stats(),
+            api=self.api.service.stats() if self.api is not None else ApiStats(),
+            policy_updates=self._policy_updates,
+            policy_errors=self._policy_errors,
+        )
+
+
+def _describe_node(name: str, labels: dict[str, str]) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return f"node {name!r}" + (f" (labels {shown})" if shown else " (no labels)")
