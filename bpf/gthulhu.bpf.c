@@ -1,0 +1,467 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * gthulhu: a sched_ext scheduler whose per-task policy is written by the gthulhu-node agent.
+ *
+ * Every SCHED_NORMAL task is scheduled here. A task's strategy comes from tid_map (its own thread id),
+ * else tgid_map (its process), else the default. Entries carry the start time of the task they were
+ * written for, so a reused id never inherits a dead task's strategy.
+ *
+ *  - priority > 0 (boosted): queued in BOOST_DSQ ahead of everything else, higher priority first; a waking
+ *    boosted task preempts an unboosted one on its CPU.
+ *  - priority 0 with a slice: fair, with its own slice.
+ *  - no entry: fair (weighted vtime) with the default slice, in FAIR_DSQ.
+ *  - starvation guard: a boosted task that used more than boost_share_percent of one CPU in the current
+ *    window, or all boosted tasks together more than that share of the node, run unboosted until the
+ *    window ends.
+ *
+ * docs/scheduler.md explains each choice.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include "gthulhu.h"
+
+char _license[] SEC("license") = "GPL";
+
+/* The sched_ext kfuncs were renamed in 6.13; the build makes one object per naming (see Makefile). */
+#ifdef GTHULHU_KFUNCS_6_12
+void scx_bpf_dispatch(struct task_struct *p, u64 dsq_id, u64 slice, u64 enq_flags) __ksym;
+void scx_bpf_dispatch_vtime(struct task_struct *p, u64 dsq_id, u64 slice, u64 vtime, u64 enq_flags) __ksym;
+bool scx_bpf_consume(u64 dsq_id) __ksym;
+#define dsq_insert scx_bpf_dispatch
+#define dsq_insert_vtime scx_bpf_dispatch_vtime
+#define dsq_move_to_local scx_bpf_consume
+#else
+void scx_bpf_dsq_insert(struct task_struct *p, u64 dsq_id, u64 slice, u64 enq_flags) __ksym;
+void scx_bpf_dsq_insert_vtime(struct task_struct *p, u64 dsq_id, u64 slice, u64 vtime, u64 enq_flags) __ksym;
+bool scx_bpf_dsq_move_to_local(u64 dsq_id) __ksym;
+#define dsq_insert scx_bpf_dsq_insert
+#define dsq_insert_vtime scx_bpf_dsq_insert_vtime
+#define dsq_move_to_local scx_bpf_dsq_move_to_local
+#endif
+s32 scx_bpf_create_dsq(u64 dsq_id, s32 node) __ksym;
+s32 scx_bpf_select_cpu_dfl(struct task_struct *p, s32 prev_cpu, u64 wake_flags, bool *is_idle) __ksym;
+s32 scx_bpf_pick_idle_cpu(const struct cpumask *cpus_allowed, u64 flags) __ksym;
+s32 scx_bpf_task_cpu(const struct task_struct *p) __ksym;
+s32 scx_bpf_dsq_nr_queued(u64 dsq_id) __ksym;
+void scx_bpf_kick_cpu(s32 cpu, u64 flags) __ksym;
+bool bpf_cpumask_test_cpu(u32 cpu, const struct cpumask *cpumask) __ksym;
+u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
+
+#define OP(name, args...) SEC("struct_ops/" #name) BPF_PROG(name, ##args)
+
+#define BOOST_DSQ 1
+#define FAIR_DSQ 2
+#define MAX_CPUS 512
+#define USER_HZ 100
+#define PF_EXITING 0x00000004
+/* The agent's own threads rank above every intent's priority. */
+#define AGENT_PRIORITY (GTHULHU_PRIORITY_MAX + 1)
+
+const volatile struct gthulhu_settings settings = {
+	.default_slice_ns = 5000000,
+	.boost_window_ns = 100000000,
+	.boost_share_percent = 75,
+	.nr_cpus = 1,
+};
+
+struct gthulhu_bss bss;
+
+/* Scheduler-internal state, not part of the layout shared with Python. */
+static u64 vtime_now SEC(".data") = 0;
+static u64 boost_seq SEC(".data") = 0;
+static u64 node_window_start SEC(".data") = 0;
+static u64 node_boost_used SEC(".data") = 0;
+static u64 throttled_until SEC(".data") = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536); /* set by the loader (config.scheduler.map_capacity) */
+	__type(key, u32);
+	__type(value, struct gthulhu_entry);
+} tid_map SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, u32);
+	__type(value, struct gthulhu_entry);
+} tgid_map SEC(".maps");
+
+struct task_ctx {
+	u64 vtime;        /* fair virtual time, charged for every run (boosted ones too) */
+	u64 started_at;   /* when the current run began */
+	u64 window_start; /* start of this task's boost accounting window */
+	u64 window_used;  /* boosted run time inside it */
+	u64 demoted_until;
+	u32 prio;         /* effective priority of the current/queued run: 0 fair */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct task_ctx);
+} task_ctxs SEC(".maps");
+
+/* What each CPU runs now: 0 unboosted or idle, else the boosted priority (a preemption target check). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_CPUS);
+	__type(key, u32);
+	__type(value, u32);
+} cpu_prio SEC(".maps");
+
+struct strategy {
+	u64 slice;
+	u32 prio;
+};
+
+static __always_inline void count(u64 *counter)
+{
+	__sync_fetch_and_add(counter, 1);
+}
+
+static __always_inline u64 ticks(u64 boottime_ns)
+{
+	return boottime_ns / (1000000000ULL / USER_HZ);
+}
+
+static __always_inline void take(struct strategy *s, const struct gthulhu_entry *e)
+{
+	s->prio = e->priority;
+	s->slice = e->slice_ns ? e->slice_ns : settings.default_slice_ns;
+}
+
+/*
+ * TID entry, else TGID entry, else default. An entry written for an earlier task with the same id (its
+ * start time differs) is deleted: that is the only way such an entry could be looked up again.
+ */
+static void lookup_strategy(struct task_struct *p, struct strategy *s)
+{
+	struct gthulhu_entry *e;
+	u32 tid = p->pid, tgid = p->tgid;
+
+	s->prio = 0;
+	s->slice = settings.default_slice_ns;
+
+	e = bpf_map_lookup_elem(&tid_map, &tid);
+	if (e) {
+		if (e->start_time == ticks(p->start_boottime)) {
+			take(s, e);
+			count(&bss.stats.tid_hits);
+			return;
+		}
+		count(&bss.stats.stale_entries);
+		bpf_map_delete_elem(&tid_map, &tid);
+	}
+	e = bpf_map_lookup_elem(&tgid_map, &tgid);
+	if (e) {
+		if (e->start_time == ticks(p->group_leader->start_boottime)) {
+			take(s, e);
+			count(&bss.stats.tgid_hits);
+			return;
+		}
+		count(&bss.stats.stale_entries);
+		bpf_map_delete_elem(&tgid_map, &tgid);
+	}
+	count(&bss.stats.misses);
+	if (settings.agent_tgid && tgid == settings.agent_tgid) {
+		s->prio = AGENT_PRIORITY;
+		count(&bss.stats.agent_boosts);
+	}
+}
+
+static __always_inline u64 boost_budget(void)
+{
+	return settings.boost_window_ns * settings.boost_share_percent / 100;
+}
+
+/* The starvation guard: a boosted task over its share, or a node over its boost share, runs fair. */
+static u32 effective_prio(struct task_ctx *tctx, u32 prio, u64 now)
+{
+	if (!prio || now < tctx->demoted_until || now < throttled_until)
+		return 0;
+	return prio;
+}
+
+static __always_inline struct task_ctx *ctx_of(struct task_struct *p)
+{
+	return bpf_task_storage_get(&task_ctxs, p, 0, 0);
+}
+
+static __always_inline u32 prio_on(s32 cpu)
+{
+	u32 key = cpu;
+	u32 *v = bpf_map_lookup_elem(&cpu_prio, &key);
+
+	return v ? *v : 0;
+}
+
+static __always_inline void set_prio_on(s32 cpu, u32 prio)
+{
+	u32 key = cpu;
+	u32 *v = bpf_map_lookup_elem(&cpu_prio, &key);
+
+	if (v)
+		*v = prio;
+}
+
+/* Wake an idle CPU the task may run on, so a queued task does not wait for the next tick. */
+static __always_inline void kick_idle(struct task_struct *p)
+{
+	s32 cpu = scx_bpf_pick_idle_cpu(p->cpus_ptr, 0);
+
+	if (cpu >= 0)
+		scx_bpf_kick_cpu(cpu, SCX_KICK_IDLE);
+}
+
+/*
+ * Boosted wakers go straight to a CPU that runs something less important (prefer the one the default
+ * policy picked), so enqueue can insert them into that CPU's local DSQ and preempt.
+ */
+s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
+{
+	struct task_ctx *tctx = ctx_of(p);
+	struct strategy s;
+	bool idle = false;
+	s32 cpu, i;
+	u32 prio;
+
+	cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
+	if (!tctx)
+		return cpu;
+	lookup_strategy(p, &s);
+	prio = effective_prio(tctx, s.prio, bpf_ktime_get_ns());
+	if (idle) {
+		tctx->prio = prio;
+		dsq_insert(p, SCX_DSQ_LOCAL, s.slice, 0);
+		count(&bss.stats.direct_dispatches);
+		count(prio ? &bss.stats.boosted_dispatches : &bss.stats.fair_dispatches);
+		return cpu;
+	}
+	if (!prio || prio_on(cpu) < prio || p->nr_cpus_allowed == 1)
+		return cpu;
+	for (i = 0; i < MAX_CPUS && i < settings.nr_cpus; i++) {
+		if (prio_on(i) < prio && bpf_cpumask_test_cpu(i, p->cpus_ptr))
+			return i;
+	}
+	return cpu;
+}
+
+void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
+{
+	struct task_ctx *tctx = ctx_of(p);
+	struct strategy s;
+	u64 vtime, floor;
+	s32 cpu;
+	u32 prio;
+
+	lookup_strategy(p, &s);
+	if (!tctx) {
+		dsq_insert(p, FAIR_DSQ, s.slice, enq_flags);
+		return;
+	}
+	prio = effective_prio(tctx, s.prio, bpf_ktime_get_ns());
+	tctx->prio = prio;
+
+	if (prio) {
+		count(&bss.stats.boosted_dispatches);
+		/*
+		 * Local DSQ + SCX_ENQ_PREEMPT: the task runs the moment its CPU reschedules, instead of waiting for
+		 * that CPU's next dispatch (measured in LAB.md: this path matters most for a waking boosted task).
+		 * Only the task's own CPU, so migration-disabled tasks and affinity stay safe.
+		 */
+		cpu = scx_bpf_task_cpu(p);
+		if (prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+			dsq_insert(p, SCX_DSQ_LOCAL_ON | cpu, s.slice, enq_flags | SCX_ENQ_PREEMPT | SCX_ENQ_HEAD);
+			count(&bss.stats.preemptions);
+			return;
+		}
+		/* Higher priority first, FIFO within one priority. */
+		vtime = ((u64)(AGENT_PRIORITY - prio) << 56) | (__sync_fetch_and_add(&boost_seq, 1) & ((1ULL << 56) - 1));
+		dsq_insert_vtime(p, BOOST_DSQ, s.slice, vtime, enq_flags);
+		kick_idle(p);
+		return;
+	}
+
+	count(&bss.stats.fair_dispatches);
+	/* A sleeper keeps at most one default slice of credit, so waking up never buys a burst. */
+	vtime = tctx->vtime;
+	floor = vtime_now > settings.default_slice_ns ? vtime_now - settings.default_slice_ns : 0;
+	if (vtime < floor)
+		vtime = floor;
+	dsq_insert_vtime(p, FAIR_DSQ, s.slice, vtime, enq_flags);
+	kick_idle(p);
+}
+
+void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
+{
+	/* While the node is over its boost share, unboosted tasks go first; boosted ones fill the rest. */
+	if (bpf_ktime_get_ns() < throttled_until) {
+		if (!dsq_move_to_local(FAIR_DSQ))
+			dsq_move_to_local(BOOST_DSQ);
+		return;
+	}
+	if (!dsq_move_to_local(BOOST_DSQ))
+		dsq_move_to_local(FAIR_DSQ);
+}
+
+void OP(gthulhu_running, struct task_struct *p)
+{
+	struct task_ctx *tctx = ctx_of(p);
+
+	if (!tctx)
+		return;
+	tctx->started_at = bpf_ktime_get_ns();
+	if (!tctx->prio && (s64)(tctx->vtime - vtime_now) > 0)
+		vtime_now = tctx->vtime;
+	set_prio_on(scx_bpf_task_cpu(p), tctx->prio);
+}
+
+/* Charge boosted run time to the task's window and to the node's; start the guard when over budget. */
+static void charge_boost(struct task_ctx *tctx, u64 used, u64 now)
+{
+	u64 window = settings.boost_window_ns;
+
+	if (now - tctx->window_start >= window) {
+		tctx->window_start = now;
+		tctx->window_used = 0;
+	}
+	tctx->window_used += used;
+	if (tctx->window_used > boost_budget() && now >= tctx->demoted_until) {
+		tctx->demoted_until = tctx->window_start + window;
+		count(&bss.stats.demotions);
+	}
+
+	if (now - node_window_start >= window) {
+		node_window_start = now;
+		node_boost_used = 0;
+	}
+	__sync_fetch_and_add(&node_boost_used, used);
+	if (node_boost_used > boost_budget() * settings.nr_cpus && now >= throttled_until) {
+		throttled_until = node_window_start + window;
+		count(&bss.stats.throttled_windows);
+	}
+}
+
+void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
+{
+	struct task_ctx *tctx = ctx_of(p);
+	u64 now = bpf_ktime_get_ns(), used;
+
+	set_prio_on(scx_bpf_task_cpu(p), 0);
+	if (!tctx)
+		return;
+	used = now - tctx->started_at;
+	tctx->vtime += used * 100 / (p->scx.weight ? p->scx.weight : 100);
+	if (tctx->prio)
+		charge_boost(tctx, used, now);
+}
+
+/*
+ * Per tick: end a boosted run that went over its share (a long slice must not outrun the guard), and end
+ * an unboosted run when a boosted task waits.
+ */
+void OP(gthulhu_tick, struct task_struct *p)
+{
+	struct task_ctx *tctx = ctx_of(p);
+	u64 now = bpf_ktime_get_ns();
+
+	if (bpf_get_smp_processor_id() == 0) {
+		bss.stats.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
+		bss.stats.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
+	}
+	if (!tctx)
+		return;
+	if (tctx->prio) {
+		if ((now - tctx->window_start < settings.boost_window_ns &&
+		     tctx->window_used + (now - tctx->started_at) > boost_budget()) ||
+		    (now < throttled_until && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
+			p->scx.slice = 0;
+	} else if (now >= throttled_until && scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
+		p->scx.slice = 0;
+	}
+}
+
+s32 OP(gthulhu_init_task, struct task_struct *p, struct scx_init_task_args *args)
+{
+	struct task_ctx *tctx;
+
+	tctx = bpf_task_storage_get(&task_ctxs, p, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!tctx)
+		return -12; /* -ENOMEM */
+	tctx->vtime = vtime_now;
+	return 0;
+}
+
+/* Delete an entry only if it belongs to this task: the id may already name a new task. */
+static __always_inline bool delete_if_owned(void *map, u32 id, u64 start_time)
+{
+	struct gthulhu_entry *e = bpf_map_lookup_elem(map, &id);
+
+	if (!e || e->start_time != start_time)
+		return false;
+	return bpf_map_delete_elem(map, &id) == 0;
+}
+
+/*
+ * Called when a task exits and also, for every task, when the scheduler is unloaded: only an exiting
+ * task's entries go (the TGID entry once the whole process is gone).
+ */
+void OP(gthulhu_exit_task, struct task_struct *p, struct scx_exit_task_args *args)
+{
+	if (!(p->flags & PF_EXITING))
+		return;
+	if (delete_if_owned(&tid_map, p->pid, ticks(p->start_boottime)))
+		count(&bss.stats.exit_deleted_tid);
+	if (p->signal->live.counter == 0 &&
+	    delete_if_owned(&tgid_map, p->tgid, ticks(p->group_leader->start_boottime)))
+		count(&bss.stats.exit_deleted_tgid);
+}
+
+/* Sleepable (the loader sets BPF_F_SLEEPABLE): creating a DSQ may allocate. */
+s32 OP(gthulhu_init)
+{
+	s32 ret = scx_bpf_create_dsq(BOOST_DSQ, -1);
+
+	if (ret)
+		return ret;
+	return scx_bpf_create_dsq(FAIR_DSQ, -1);
+}
+
+/* Keep the kernel's reason for the agent, which reads it after noticing the scheduler is gone. */
+void OP(gthulhu_exit, struct scx_exit_info *ei)
+{
+	bpf_probe_read_kernel_str(bss.exit_info.reason, sizeof(bss.exit_info.reason), ei->reason);
+	bpf_probe_read_kernel_str(bss.exit_info.msg, sizeof(bss.exit_info.msg), ei->msg);
+	bss.exit_info.exit_code = ei->exit_code;
+	bss.exit_info.kind = ei->kind;
+}
+
+/* Run on demand by the agent (BPF_PROG_TEST_RUN): an exact live-entry count, even on an idle node. */
+SEC("syscall")
+int gthulhu_count_entries(void *ctx)
+{
+	bss.stats.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
+	bss.stats.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
+	return 0;
+}
+
+SEC(".struct_ops")
+struct sched_ext_ops gthulhu_ops = {
+	.select_cpu = (void *)gthulhu_select_cpu,
+	.enqueue = (void *)gthulhu_enqueue,
+	.dispatch = (void *)gthulhu_dispatch,
+	.running = (void *)gthulhu_running,
+	.stopping = (void *)gthulhu_stopping,
+	.tick = (void *)gthulhu_tick,
+	.init_task = (void *)gthulhu_init_task,
+	.exit_task = (void *)gthulhu_exit_task,
+	.init = (void *)gthulhu_init,
+	.exit = (void *)gthulhu_exit,
+	.timeout_ms = 0, /* the loader patches it from config.scheduler.watchdog_timeout_ms */
+	.name = "gthulhu",
+};

@@ -1,0 +1,72 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Layouts shared by the gthulhu scheduler (gthulhu.bpf.c) and the agent (gthulhu_node/scheduler/layout.py).
+ * Python never knows an offset by hand: tests/host/test_scheduler_layout.py checks its ctypes mirror
+ * against the BTF of the compiled object. Only fixed-size types; every struct is padded explicitly.
+ */
+#ifndef GTHULHU_H
+#define GTHULHU_H
+
+#ifndef __VMLINUX_H__
+typedef unsigned int u32;
+typedef int s32;
+typedef unsigned long long u64;
+typedef long long s64;
+#endif
+
+#define GTHULHU_PRIORITY_MAX 20
+#define GTHULHU_EXIT_REASON_LEN 128
+#define GTHULHU_EXIT_MSG_LEN 1024
+
+/* Value of both strategy maps (key: u32 TID in tid_map, u32 TGID in tgid_map). */
+struct gthulhu_entry {
+	u64 start_time; /* clock ticks since boot of the task the key names (/proc/<pid>/stat field 22) */
+	u64 slice_ns;   /* 0: the default slice */
+	u32 priority;   /* 0: not boosted; 1-20: boosted, higher served first */
+	u32 pad;
+};
+
+/* Fixed before load (.rodata). */
+struct gthulhu_settings {
+	u64 default_slice_ns;
+	u64 boost_window_ns;
+	u32 boost_share_percent; /* of one CPU per task, and of all CPUs for all boosted tasks together */
+	u32 agent_tgid;          /* the agent's own process: boosted above every intent (0: off) */
+	u32 nr_cpus;             /* possible CPUs, for the per-CPU array */
+	u32 pad;
+};
+
+/* Counters (.bss), monotonic except live_* (refreshed by the count_entries program and on each tick). */
+struct gthulhu_stats {
+	u64 tid_hits;           /* lookups answered by a TID entry */
+	u64 tgid_hits;          /* lookups answered by a TGID entry */
+	u64 misses;             /* lookups with no (valid) entry: fair scheduling */
+	u64 stale_entries;      /* entries whose start time did not match the task: ignored and deleted */
+	u64 boosted_dispatches; /* boosted tasks queued to run */
+	u64 fair_dispatches;    /* unboosted tasks queued to run */
+	u64 direct_dispatches;  /* waking tasks that found an idle CPU */
+	u64 preemptions;        /* a waking boosted task preempted an unboosted one */
+	u64 demotions;          /* a boosted task exceeded its share and runs unboosted until the window ends */
+	u64 throttled_windows;  /* all boosted tasks together exceeded their share of the node */
+	u64 exit_deleted_tid;   /* TID entries removed because their task exited */
+	u64 exit_deleted_tgid;  /* TGID entries removed because their whole process exited */
+	u64 agent_boosts;       /* the agent's own threads queued as boosted */
+	u64 live_tid_entries;   /* entries in tid_map */
+	u64 live_tgid_entries;  /* entries in tgid_map */
+};
+
+/* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */
+struct gthulhu_exit_info {
+	s64 kind;
+	s64 exit_code;
+	char reason[GTHULHU_EXIT_REASON_LEN];
+	char msg[GTHULHU_EXIT_MSG_LEN];
+};
+
+/* The whole .bss: one variable, so its layout is this struct's. */
+struct gthulhu_bss {
+	struct gthulhu_stats stats;
+	struct gthulhu_exit_info exit_info;
+};
+
+#endif /* GTHULHU_H */

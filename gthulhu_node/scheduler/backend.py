@@ -1,0 +1,196 @@
+"""SchedExtBackend: the agent's map writer for the gthulhu sched_ext scheduler.
+
+Entries go into two BPF hash maps (TID-keyed and TGID-keyed) whose values carry the task's start time;
+the scheduler ignores and deletes an entry whose start time is not its task's, and deletes the entries of
+exiting tasks itself. One race is left to the writer: a write landing after the task's exit. So every
+upsert is followed by a check of /proc: if the task is gone (or a zombie, or its id now names another task),
+the entry is deleted again and the key reported as TaskGoneError. Either the task was alive at the check,
+and its later exit deletes the entry, or it was not, and the check does: no entry outlives its task.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import structlog
+
+from gthulhu_node.backends.base import (
+    ApplyResult,
+    Backend,
+    BackendError,
+    BackendHealth,
+    BackendState,
+    BackendUnavailable,
+    Entry,
+    EntryKey,
+    KeyKind,
+    MapFullError,
+    TaskGoneError,
+    check_entry,
+)
+from gthulhu_node.config import SchedulerConfig
+from gthulhu_node.scheduler import libbpf
+from gthulhu_node.scheduler.layout import STAT_NAMES, GthulhuEntry
+from gthulhu_node.scheduler.loader import (
+    SCHED_EXT,
+    SCHED_NAME,
+    LoadedScheduler,
+    LoadSettings,
+    load,
+    sched_ext_state,
+)
+
+log = structlog.get_logger(__name__)
+
+
+def task_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """Field 22 of /proc/<pid>/stat, or None when the task is gone or a zombie (its exit already ran)."""
+    try:
+        data = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    rest = data[data.rindex(b")") + 2 :].split()
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+class SchedExtBackend(Backend):
+    """Strategies as entries of the gthulhu scheduler's maps, in the kernel."""
+
+    name = "sched_ext"
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        protect_agent: bool = True,
+        proc: Path = Path("/proc"),
+        sched_ext_root: Path = SCHED_EXT,
+    ) -> None:
+        cfg = config or SchedulerConfig()
+        self._settings = LoadSettings(
+            default_slice_ns=cfg.default_slice_ns,
+            boost_share_percent=cfg.boost_share_percent,
+            boost_window_ns=cfg.boost_window_ns,
+            map_capacity=cfg.map_capacity,
+            watchdog_timeout_ms=cfg.watchdog_timeout_ms,
+            agent_tgid=os.getpid() if protect_agent else 0,
+            bpf_object=cfg.bpf_object,
+        )
+        self._proc = proc
+        self._root = sched_ext_root
+        self._sched: LoadedScheduler | None = None
+        self._ejected_reason = ""
+
+    @property
+    def capacity(self) -> int:
+        return self._settings.map_capacity
+
+    def start(self) -> None:
+        if self._sched is not None:
+            return
+        self._sched = load(self._settings, self._root)
+        self._ejected_reason = ""
+
+    def stop(self) -> None:
+        if self._sched is None:
+            return
+        sched, self._sched = self._sched, None
+        sched.detach()
+        log.info("scheduler_unloaded")
+
+    def _loaded(self) -> LoadedScheduler:
+        if self._sched is None:
+            raise BackendUnavailable("the sched_ext scheduler is not loaded")
+        return self._sched
+
+    def _fd(self, key: EntryKey) -> int:
+        sched = self._loaded()
+        return sched.tid_map_fd if key.kind is KeyKind.TID else sched.tgid_map_fd
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        for key, entry in upserts.items():
+            check_entry(key, entry)
+        delete_keys = list(deletes)
+        self._loaded()
+        result = ApplyResult()
+        written: list[tuple[EntryKey, Entry]] = []
+        for key, entry in upserts.items():
+            error = self._write(key, entry)
+            if error is None:
+                written.append((key, entry))
+            else:
+                result.failed[key] = error
+        for key, entry in written:
+            if task_start_time(key.id, self._proc) == entry.start_time:
+                result.upserted += 1
+                continue
+            self._delete_if(key, entry.start_time)
+            result.failed[key] = TaskGoneError(f"{key}: the task exited (or its id was reused)")
+        for key in delete_keys:
+            try:
+                libbpf.map_delete(self._fd(key), ctypes.c_uint32(key.id))
+                result.deleted += 1
+            except OSError as exc:
+                result.failed[key] = BackendError(f"{key}: delete failed: {exc.strerror}")
+        return result
+
+    def _write(self, key: EntryKey, entry: Entry) -> BackendError | None:
+        value = GthulhuEntry(start_time=entry.start_time, slice_ns=entry.slice_ns, priority=entry.priority)
+        try:
+            libbpf.map_update(self._fd(key), ctypes.c_uint32(key.id), value)
+        except OSError as exc:
+            if exc.errno == errno.E2BIG:
+                return MapFullError(f"{key}: the {key.kind.value} map is full ({self.capacity} entries)")
+            return BackendError(f"{key}: write failed: {exc.strerror}")
+        return None
+
+    def _delete_if(self, key: EntryKey, start_time: int) -> None:
+        """Delete the entry only if it is still the one written (another write may have replaced it)."""
+        value = GthulhuEntry()
+        fd = self._fd(key)
+        if libbpf.map_lookup(fd, ctypes.c_uint32(key.id), value) and value.start_time == start_time:
+            libbpf.map_delete(fd, ctypes.c_uint32(key.id))
+
+    def read_back(self) -> dict[EntryKey, Entry]:
+        sched = self._loaded()
+        out: dict[EntryKey, Entry] = {}
+        for kind, fd in ((KeyKind.TID, sched.tid_map_fd), (KeyKind.TGID, sched.tgid_map_fd)):
+            for key in list(libbpf.map_keys(fd, ctypes.c_uint32)):
+                value = GthulhuEntry()
+                if libbpf.map_lookup(fd, ctypes.c_uint32(key), value):
+                    out[EntryKey(kind, key)] = Entry(value.priority, value.slice_ns, value.start_time)
+        return out
+
+    def health(self) -> BackendHealth:
+        if self._sched is None:
+            return BackendHealth(BackendState.STOPPED, self._ejected_reason)
+        try:
+            state, ops = sched_ext_state(self._root)
+        except OSError as exc:
+            state, ops = f"unreadable ({exc.strerror})", ""
+        if state == "enabled" and ops == SCHED_NAME:
+            return BackendHealth(BackendState.RUNNING)
+        info = self._sched.bss(refresh_counts=False).exit_info
+        reason = " ".join(
+            part
+            for part in (info.reason.decode(errors="replace"), info.msg.decode(errors="replace"))
+            if part
+        )
+        self._ejected_reason = reason or f"sched_ext state {state}, ops {ops!r}"
+        return BackendHealth(BackendState.EJECTED, self._ejected_reason)
+
+    def exit_kind(self) -> int:
+        """The kernel's enum scx_exit_kind from the scheduler's exit callback (0 while it runs)."""
+        return int(self._loaded().bss(refresh_counts=False).exit_info.kind)
+
+    def counters(self) -> dict[str, int]:
+        if self._sched is None:
+            return {}
+        stats = self._sched.bss().stats
+        return {name: int(getattr(stats, name)) for name in STAT_NAMES}

@@ -1,0 +1,87 @@
+"""ctypes mirrors of bpf/gthulhu.h, the one header the scheduler and the agent share.
+
+tests/host/test_scheduler_layout.py compares every struct here, field by field (name, offset, size), with
+the BTF of the compiled object, so an edit on one side only fails the tests instead of corrupting maps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+EXIT_REASON_LEN = 128
+EXIT_MSG_LEN = 1024
+
+
+class GthulhuEntry(ctypes.Structure):
+    _fields_ = [
+        ("start_time", ctypes.c_uint64),
+        ("slice_ns", ctypes.c_uint64),
+        ("priority", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class GthulhuSettings(ctypes.Structure):
+    _fields_ = [
+        ("default_slice_ns", ctypes.c_uint64),
+        ("boost_window_ns", ctypes.c_uint64),
+        ("boost_share_percent", ctypes.c_uint32),
+        ("agent_tgid", ctypes.c_uint32),
+        ("nr_cpus", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+STAT_NAMES = (
+    "tid_hits",
+    "tgid_hits",
+    "misses",
+    "stale_entries",
+    "boosted_dispatches",
+    "fair_dispatches",
+    "direct_dispatches",
+    "preemptions",
+    "demotions",
+    "throttled_windows",
+    "exit_deleted_tid",
+    "exit_deleted_tgid",
+    "agent_boosts",
+    "live_tid_entries",
+    "live_tgid_entries",
+)
+
+
+class GthulhuStats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in STAT_NAMES]
+
+
+class GthulhuExitInfo(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("exit_code", ctypes.c_int64),
+        ("reason", ctypes.c_char * EXIT_REASON_LEN),
+        ("msg", ctypes.c_char * EXIT_MSG_LEN),
+    ]
+
+
+class GthulhuBss(ctypes.Structure):
+    _fields_ = [("stats", GthulhuStats), ("exit_info", GthulhuExitInfo)]
+
+
+#: struct name in the BPF object -> its mirror (what the layout test walks)
+MIRRORS: dict[str, type[ctypes.Structure]] = {
+    "gthulhu_entry": GthulhuEntry,
+    "gthulhu_settings": GthulhuSettings,
+    "gthulhu_stats": GthulhuStats,
+    "gthulhu_exit_info": GthulhuExitInfo,
+    "gthulhu_bss": GthulhuBss,
+}
+
+
+def fields_of(struct: type[ctypes.Structure]) -> list[tuple[str, int, int]]:
+    """(name, byte offset, byte size) of each field, the same shape the BTF reader returns."""
+    out = []
+    for name, ctype, *_ in struct._fields_:
+        descr = getattr(struct, name)
+        out.append((name, int(descr.offset), ctypes.sizeof(ctype)))
+    return out

@@ -1,0 +1,369 @@
+"""A small ctypes binding to libbpf.so.1: just what loading a struct_ops scheduler and writing its maps needs.
+
+Why ctypes over libbpf and not BCC: BCC cannot load a sched_ext scheduler (no struct_ops maps, no kfunc
+relocation, no global data, no CO-RE). Every call here exists in Debian 12's libbpf 1.1.2 and in every newer
+release; nothing newer is required. Errors come back as `LibbpfError` carrying errno and the call's name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+BPF_F_SLEEPABLE = 1 << 4
+BPF_ANY = 0
+BPF_NOEXIST = 1
+BPF_EXIST = 2
+BPF_MAP_TYPE_STRUCT_OPS = 26
+BTF_KIND_STRUCT = 4
+
+
+class LibbpfError(OSError):
+    """A libbpf call failed; errno and strerror as the kernel reported them."""
+
+    def __init__(self, call: str, err: int) -> None:
+        err = abs(err)
+        super().__init__(err, f"{call}: {os.strerror(err)}")
+        self.call = call
+
+
+def _load() -> ctypes.CDLL:
+    name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+    try:
+        return ctypes.CDLL("libbpf.so.1", use_errno=True)
+    except OSError:
+        return ctypes.CDLL(name, use_errno=True)
+
+
+_lib: ctypes.CDLL | None = None
+
+_P = ctypes.c_void_p
+_SIGS: dict[str, tuple[Any, list[Any]]] = {
+    "bpf_object__open_mem": (_P, [_P, ctypes.c_size_t, _P]),
+    "bpf_object__load": (ctypes.c_int, [_P]),
+    "bpf_object__close": (None, [_P]),
+    "bpf_object__find_map_by_name": (_P, [_P, ctypes.c_char_p]),
+    "bpf_object__find_program_by_name": (_P, [_P, ctypes.c_char_p]),
+    "bpf_object__btf": (_P, [_P]),
+    "bpf_map__set_max_entries": (ctypes.c_int, [_P, ctypes.c_uint32]),
+    "bpf_map__max_entries": (ctypes.c_uint32, [_P]),
+    "bpf_map__initial_value": (_P, [_P, ctypes.POINTER(ctypes.c_size_t)]),
+    "bpf_map__set_initial_value": (ctypes.c_int, [_P, _P, ctypes.c_size_t]),
+    "bpf_map__fd": (ctypes.c_int, [_P]),
+    "bpf_map__attach_struct_ops": (_P, [_P]),
+    "bpf_program__flags": (ctypes.c_uint32, [_P]),
+    "bpf_program__set_flags": (ctypes.c_int, [_P, ctypes.c_uint32]),
+    "bpf_program__fd": (ctypes.c_int, [_P]),
+    "bpf_link__destroy": (ctypes.c_int, [_P]),
+    "bpf_link__disconnect": (None, [_P]),
+    "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _P, _P, ctypes.c_uint64]),
+    "bpf_map_lookup_elem": (ctypes.c_int, [ctypes.c_int, _P, _P]),
+    "bpf_map_delete_elem": (ctypes.c_int, [ctypes.c_int, _P]),
+    "bpf_map_get_next_key": (ctypes.c_int, [ctypes.c_int, _P, _P]),
+    "bpf_map_get_next_id": (ctypes.c_int, [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]),
+    "bpf_map_get_fd_by_id": (ctypes.c_int, [ctypes.c_uint32]),
+    "bpf_obj_get_info_by_fd": (ctypes.c_int, [ctypes.c_int, _P, ctypes.POINTER(ctypes.c_uint32)]),
+    "bpf_prog_test_run_opts": (ctypes.c_int, [ctypes.c_int, _P]),
+    "btf__find_by_name_kind": (ctypes.c_int32, [_P, ctypes.c_char_p, ctypes.c_uint32]),
+    "btf__type_by_id": (_P, [_P, ctypes.c_uint32]),
+    "btf__name_by_offset": (ctypes.c_char_p, [_P, ctypes.c_uint32]),
+    "btf__resolve_size": (ctypes.c_int64, [_P, ctypes.c_uint32]),
+    "libbpf_set_print": (_P, [_P]),
+}
+
+
+def lib() -> ctypes.CDLL:
+    """libbpf.so.1 with argument types declared (loaded on first use, so importing never fails)."""
+    global _lib
+    if _lib is None:
+        handle = _load()
+        for name, (restype, argtypes) in _SIGS.items():
+            fn = getattr(handle, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _lib = handle
+    return _lib
+
+
+def _check(call: str, ret: int) -> int:
+    """libbpf 1.x returns -errno (and sets errno); map ops return -1 with errno."""
+    if ret < 0:
+        err = ctypes.get_errno() or -ret
+        raise LibbpfError(call, err if err > 0 else errno.EINVAL)
+    return ret
+
+
+def _ptr(call: str, ptr: int | None) -> int:
+    if not ptr:
+        raise LibbpfError(call, ctypes.get_errno() or errno.ENOENT)
+    return ptr
+
+
+class _BtfType(ctypes.Structure):
+    _fields_ = [("name_off", ctypes.c_uint32), ("info", ctypes.c_uint32), ("size", ctypes.c_uint32)]
+
+
+class _BtfMember(ctypes.Structure):
+    _fields_ = [("name_off", ctypes.c_uint32), ("type", ctypes.c_uint32), ("offset", ctypes.c_uint32)]
+
+
+class Btf:
+    """Read access to one BTF object (owned by its bpf_object)."""
+
+    def __init__(self, handle: int) -> None:
+        self._h = handle
+
+    def struct_members(self, name: str) -> list[tuple[str, int, int]]:
+        """(member name, byte offset, byte size) of a struct, in declaration order."""
+        libbpf = lib()
+        type_id = libbpf.btf__find_by_name_kind(self._h, name.encode(), BTF_KIND_STRUCT)
+        if type_id < 0:
+            raise LibbpfError(f"btf__find_by_name_kind({name})", -type_id)
+        tptr = _ptr("btf__type_by_id", libbpf.btf__type_by_id(self._h, type_id))
+        t = _BtfType.from_address(tptr)
+        vlen = t.info & 0xFFFF
+        kind_flag = t.info >> 31
+        members = (_BtfMember * vlen).from_address(tptr + ctypes.sizeof(_BtfType))
+        out = []
+        for m in members:
+            bits = m.offset & 0xFFFFFF if kind_flag else m.offset
+            mname = libbpf.btf__name_by_offset(self._h, m.name_off) or b""
+            size = libbpf.btf__resolve_size(self._h, m.type)
+            out.append((mname.decode(), bits // 8, int(size)))
+        return out
+
+    def struct_size(self, name: str) -> int:
+        libbpf = lib()
+        type_id = libbpf.btf__find_by_name_kind(self._h, name.encode(), BTF_KIND_STRUCT)
+        if type_id < 0:
+            raise LibbpfError(f"btf__find_by_name_kind({name})", -type_id)
+        return int(libbpf.btf__resolve_size(self._h, type_id))
+
+
+class _OpenOpts(ctypes.Structure):
+    # struct bpf_object_open_opts begins with `size_t sz`, then `const char *object_name`; libbpf reads
+    # only as many bytes as sz says, so this prefix is valid for every version.
+    _fields_ = [("sz", ctypes.c_size_t), ("object_name", ctypes.c_char_p)]
+
+
+class _TestRunOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("data_in", ctypes.c_void_p),
+        ("data_out", ctypes.c_void_p),
+        ("data_size_in", ctypes.c_uint32),
+        ("data_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_void_p),
+        ("ctx_out", ctypes.c_void_p),
+        ("ctx_size_in", ctypes.c_uint32),
+        ("ctx_size_out", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32),
+        ("repeat", ctypes.c_int),
+        ("duration", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("cpu", ctypes.c_uint32),
+        ("batch_size", ctypes.c_uint32),
+    ]
+
+
+class BpfMap:
+    """A map of an object: before load (sizing, initial value) and after (fd)."""
+
+    def __init__(self, handle: int, name: str) -> None:
+        self._h = handle
+        self.name = name
+
+    def set_max_entries(self, n: int) -> None:
+        _check(f"bpf_map__set_max_entries({self.name})", lib().bpf_map__set_max_entries(self._h, n))
+
+    @property
+    def max_entries(self) -> int:
+        return int(lib().bpf_map__max_entries(self._h))
+
+    def initial_value(self) -> bytes:
+        size = ctypes.c_size_t()
+        ptr = _ptr(f"bpf_map__initial_value({self.name})", lib().bpf_map__initial_value(self._h, size))
+        return ctypes.string_at(ptr, size.value)
+
+    def set_initial_value(self, data: bytes) -> None:
+        buf = ctypes.create_string_buffer(data, len(data))
+        _check(
+            f"bpf_map__set_initial_value({self.name})",
+            lib().bpf_map__set_initial_value(self._h, buf, len(data)),
+        )
+
+    @property
+    def fd(self) -> int:
+        return _check(f"bpf_map__fd({self.name})", lib().bpf_map__fd(self._h))
+
+    def attach_struct_ops(self) -> Link:
+        ctypes.set_errno(0)
+        ptr = lib().bpf_map__attach_struct_ops(self._h)
+        return Link(_ptr(f"bpf_map__attach_struct_ops({self.name})", ptr))
+
+
+class Program:
+    def __init__(self, handle: int, name: str) -> None:
+        self._h = handle
+        self.name = name
+
+    def add_flags(self, flags: int) -> None:
+        libbpf = lib()
+        _check(
+            f"bpf_program__set_flags({self.name})",
+            libbpf.bpf_program__set_flags(self._h, libbpf.bpf_program__flags(self._h) | flags),
+        )
+
+    @property
+    def fd(self) -> int:
+        return _check(f"bpf_program__fd({self.name})", lib().bpf_program__fd(self._h))
+
+    def test_run(self) -> int:
+        """Run a `syscall` program once (BPF_PROG_TEST_RUN); returns its return value."""
+        opts = _TestRunOpts(sz=ctypes.sizeof(_TestRunOpts))
+        ret = lib().bpf_prog_test_run_opts(self.fd, ctypes.byref(opts))
+        _check(f"bpf_prog_test_run_opts({self.name})", ret)
+        return int(opts.retval)
+
+
+class Link:
+    def __init__(self, handle: int) -> None:
+        self._h: int | None = handle
+
+    def destroy(self) -> None:
+        """Detach (for a struct_ops map: unregister the scheduler)."""
+        if self._h is not None:
+            handle, self._h = self._h, None
+            _check("bpf_link__destroy", lib().bpf_link__destroy(handle))
+
+    def forget(self) -> None:
+        """Drop the handle without detaching (the process is about to exit on purpose)."""
+        self._h = None
+
+
+class BpfObject:
+    """One opened (then loaded) BPF object file. Close it to free everything it holds."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        self._buf = ctypes.create_string_buffer(data, len(data))
+        self._name = ctypes.c_char_p(name.encode())
+        opts = _OpenOpts(sz=ctypes.sizeof(_OpenOpts), object_name=self._name)
+        ctypes.set_errno(0)
+        self._h: int | None = _ptr(
+            f"bpf_object__open_mem({name})",
+            lib().bpf_object__open_mem(self._buf, len(data), ctypes.byref(opts)),
+        )
+
+    @property
+    def handle(self) -> int:
+        if self._h is None:
+            raise ValueError("BPF object is closed")
+        return self._h
+
+    def map(self, name: str) -> BpfMap:
+        ctypes.set_errno(0)
+        ptr = lib().bpf_object__find_map_by_name(self.handle, name.encode())
+        return BpfMap(_ptr(f"bpf_object__find_map_by_name({name})", ptr), name)
+
+    def program(self, name: str) -> Program:
+        ctypes.set_errno(0)
+        ptr = lib().bpf_object__find_program_by_name(self.handle, name.encode())
+        return Program(_ptr(f"bpf_object__find_program_by_name({name})", ptr), name)
+
+    def btf(self) -> Btf:
+        return Btf(_ptr("bpf_object__btf", lib().bpf_object__btf(self.handle)))
+
+    def load(self) -> None:
+        _check("bpf_object__load", lib().bpf_object__load(self.handle))
+
+    def close(self) -> None:
+        if self._h is not None:
+            handle, self._h = self._h, None
+            lib().bpf_object__close(handle)
+
+
+# Map operations on a plain fd (the agent's map writer uses these on the loaded maps).
+
+
+def map_update(fd: int, key: Any, value: Any, flags: int = BPF_ANY) -> None:
+    ret = lib().bpf_map_update_elem(fd, ctypes.byref(key), ctypes.byref(value), flags)
+    _check("bpf_map_update_elem", ret)
+
+
+def map_lookup(fd: int, key: Any, value: Any) -> bool:
+    """Fill value; False when the key is absent."""
+    ret = lib().bpf_map_lookup_elem(fd, ctypes.byref(key), ctypes.byref(value))
+    if ret < 0:
+        err = ctypes.get_errno()
+        if err == errno.ENOENT:
+            return False
+        raise LibbpfError("bpf_map_lookup_elem", err or -ret)
+    return True
+
+
+def map_delete(fd: int, key: Any) -> bool:
+    """False when the key was absent."""
+    ret = lib().bpf_map_delete_elem(fd, ctypes.byref(key))
+    if ret < 0:
+        err = ctypes.get_errno()
+        if err == errno.ENOENT:
+            return False
+        raise LibbpfError("bpf_map_delete_elem", err or -ret)
+    return True
+
+
+def map_keys(fd: int, key_type: type[ctypes.c_uint32]) -> Iterator[int]:
+    """Every key of a hash map (a snapshot-ish walk: keys added meanwhile may or may not appear)."""
+    libbpf = lib()
+    cur = key_type()
+    nxt = key_type()
+    first = True
+    while True:
+        ret = libbpf.bpf_map_get_next_key(fd, None if first else ctypes.byref(cur), ctypes.byref(nxt))
+        if ret < 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOENT:
+                return
+            raise LibbpfError("bpf_map_get_next_key", err or -ret)
+        first = False
+        yield int(nxt.value)
+        cur.value = nxt.value
+
+
+class _MapInfo(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+        ("rest", ctypes.c_uint8 * 64),
+    ]
+
+
+def struct_ops_map_fds(name: str) -> Iterator[int]:
+    """Open every loaded struct_ops map called `name` (the caller closes the fds)."""
+    libbpf = lib()
+    cur = ctypes.c_uint32(0)
+    nxt = ctypes.c_uint32()
+    while libbpf.bpf_map_get_next_id(cur.value, ctypes.byref(nxt)) == 0:
+        cur.value = nxt.value
+        fd = libbpf.bpf_map_get_fd_by_id(nxt.value)
+        if fd < 0:
+            continue
+        info = _MapInfo()
+        size = ctypes.c_uint32(ctypes.sizeof(info))
+        if (
+            libbpf.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)) == 0
+            and info.type == BPF_MAP_TYPE_STRUCT_OPS
+            and info.name.decode(errors="replace") == name[:15]
+        ):
+            yield fd
+        else:
+            os.close(fd)

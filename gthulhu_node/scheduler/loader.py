@@ -1,0 +1,303 @@
+"""Load, attach, watch and detach the gthulhu sched_ext scheduler.
+
+The scheduler is attached by registering its struct_ops map (`.struct_ops`, not `.struct_ops.link`, which
+Debian 12's libbpf 1.1.2 does not know). That attach is not link-based: when the agent dies without
+detaching (SIGKILL), the scheduler keeps running with its last entries and no owner. The next start takes
+over by detaching that stale instance (deleting its struct_ops map element by id) and loading a fresh one
+with empty maps, so no stale entry survives; the reconciler's first full scan refills the maps. A lock file
+held for the agent's lifetime tells a stale instance (lock free) from a live agent (lock held).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import struct
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import structlog
+
+from gthulhu_node.backends.base import BackendError, BackendUnavailable
+from gthulhu_node.scheduler import libbpf
+from gthulhu_node.scheduler.layout import GthulhuBss, GthulhuSettings
+
+log = structlog.get_logger(__name__)
+
+SCHED_NAME = "gthulhu"
+OPS_MAP = "gthulhu_ops"
+SCHED_EXT = Path("/sys/kernel/sched_ext")
+KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
+LOCK_PATH = Path("/run/gthulhu-node/scheduler.lock")
+MAX_CPUS = 512  # MAX_CPUS in gthulhu.bpf.c (the per-CPU array)
+SLEEPABLE_PROGRAMS = ("gthulhu_init",)
+ATTACH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSettings:
+    """What is fixed before load (see config.SchedulerConfig)."""
+
+    default_slice_ns: int = 5_000_000
+    boost_share_percent: int = 75
+    boost_window_ns: int = 100_000_000
+    map_capacity: int = 65_536
+    watchdog_timeout_ms: int = 0  # 0: the kernel's default
+    agent_tgid: int = 0  # 0: the agent's own threads are not protected
+    bpf_object: Path | None = None
+
+
+def sched_ext_state(root: Path = SCHED_EXT) -> tuple[str, str]:
+    """(state, ops name) as the kernel reports them; ops is "" when no scheduler is loaded."""
+    state = (root / "state").read_text().strip()
+    try:
+        ops = (root / "root" / "ops").read_text().strip()
+    except OSError:
+        ops = ""
+    if state == "disabled":
+        ops = ""
+    return state, ops
+
+
+def check_support(root: Path = SCHED_EXT, btf: Path = KERNEL_BTF) -> None:
+    """Raise BackendUnavailable with what is missing when this kernel cannot run the scheduler."""
+    release = os.uname().release
+    if not root.is_dir():
+        raise BackendUnavailable(
+            f"kernel {release} has no sched_ext ({root} is missing: CONFIG_SCHED_CLASS_EXT is not set); "
+            "the sched_ext backend needs Linux 6.12 or later built with it"
+        )
+    if not btf.is_file():
+        raise BackendUnavailable(f"kernel {release} exposes no BTF ({btf} is missing: CONFIG_DEBUG_INFO_BTF)")
+    if os.geteuid() != 0:
+        raise BackendUnavailable("loading a sched_ext scheduler needs root (CAP_BPF and CAP_SYS_ADMIN)")
+
+
+def kfunc_flavour(btf: Path = KERNEL_BTF) -> str:
+    """'6.13' when the kernel has the renamed kfuncs (scx_bpf_dsq_insert), else '6.12' (untested)."""
+    data = btf.read_bytes()
+    return "6.13" if b"\0scx_bpf_dsq_insert\0" in data else "6.12"
+
+
+def object_path(flavour: str, override: Path | None = None) -> Path:
+    if override is not None:
+        return override
+    name = "gthulhu.bpf.o" if flavour == "6.13" else "gthulhu-6.12.bpf.o"
+    path = Path(str(resources.files("gthulhu_node") / "data" / name))
+    if not path.is_file():
+        raise BackendUnavailable(f"{path} is missing: build it with `make -C bpf`")
+    return path
+
+
+def _possible_cpus() -> int:
+    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+    last = text.split(",")[-1].split("-")[-1]
+    return int(last) + 1
+
+
+def _section(elf: bytes, name: str) -> tuple[int, int]:
+    """(file offset, size) of an ELF64 little-endian section."""
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        base = shoff + i * shentsize
+        sh_name = struct.unpack_from("<I", elf, base)[0]
+        sh_offset, sh_size = struct.unpack_from("<QQ", elf, base + 0x18)
+        return sh_name, sh_offset, sh_size
+
+    strtab = header(shstrndx)[1]
+    for i in range(shnum):
+        sh_name, off, size = header(i)
+        end = elf.index(b"\0", strtab + sh_name)
+        if elf[strtab + sh_name : end].decode() == name:
+            return off, size
+    raise BackendError(f"BPF object has no {name} section")
+
+
+def _with_timeout(elf: bytes, timeout_ms: int) -> bytes:
+    """The object with ops.timeout_ms set: libbpf 1.1.2 has no API to edit struct_ops data before load,
+    so the value is written into the `.struct_ops` section at the offset the object's own BTF gives."""
+    probe = libbpf.BpfObject(elf, SCHED_NAME)
+    try:
+        members = {name: (off, size) for name, off, size in probe.btf().struct_members("sched_ext_ops")}
+    finally:
+        probe.close()
+    field_off, size = members["timeout_ms"]
+    sec_off, sec_size = _section(elf, ".struct_ops")
+    if size != 4 or field_off + 4 > sec_size:
+        raise BackendError("unexpected sched_ext_ops.timeout_ms layout in the BPF object")
+    patched = bytearray(elf)
+    struct.pack_into("<I", patched, sec_off + field_off, timeout_ms)
+    return bytes(patched)
+
+
+class _Lock:
+    """An flock held while this process owns the scheduler."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _wait_state(want: str, timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state, ops = sched_ext_state(root)
+        if state == want or time.monotonic() > deadline:
+            return state, ops
+        time.sleep(0.05)
+
+
+def detach_stale(root: Path = SCHED_EXT) -> int:
+    """Unregister every loaded struct_ops map of ours (left by an agent that died); returns how many."""
+    count = 0
+    for fd in libbpf.struct_ops_map_fds(OPS_MAP):
+        try:
+            key = ctypes.c_uint32(0)
+            with contextlib.suppress(OSError):
+                count += libbpf.map_delete(fd, key)
+        finally:
+            os.close(fd)
+    _wait_state("disabled", ATTACH_TIMEOUT_S, root)
+    return count
+
+
+class LoadedScheduler:
+    """The scheduler while it is loaded: its maps and the handle that detaches it."""
+
+    def __init__(self, obj: libbpf.BpfObject, link: libbpf.Link, lock: _Lock, flavour: str) -> None:
+        self.obj = obj
+        self.flavour = flavour
+        self._link = link
+        self._lock = lock
+        self.tid_map_fd = obj.map("tid_map").fd
+        self.tgid_map_fd = obj.map("tgid_map").fd
+        self.capacity = obj.map("tid_map").max_entries
+        self._bss_fd = _internal_map(obj, ".bss").fd
+        self._count_prog = obj.program("gthulhu_count_entries")
+
+    def bss(self, refresh_counts: bool = True) -> GthulhuBss:
+        """Counters and exit info as the scheduler holds them now."""
+        if refresh_counts:
+            self._count_prog.test_run()
+        value = GthulhuBss()
+        libbpf.map_lookup(self._bss_fd, ctypes.c_uint32(0), value)
+        return value
+
+    def detach(self) -> None:
+        """Unregister the scheduler and free everything (safe to call twice, or after an ejection)."""
+        try:
+            with contextlib.suppress(OSError):
+                self._link.destroy()
+            _wait_state("disabled", ATTACH_TIMEOUT_S)
+        finally:
+            self.obj.close()
+            self._lock.release()
+
+
+def _internal_map(obj: libbpf.BpfObject, section: str) -> libbpf.BpfMap:
+    try:
+        return obj.map(section)
+    except OSError:
+        return obj.map(SCHED_NAME[:8] + section)
+
+
+def load(settings: LoadSettings, root: Path = SCHED_EXT, lock_path: Path = LOCK_PATH) -> LoadedScheduler:
+    """Load and attach the scheduler; raise BackendUnavailable with a clear reason when it cannot be."""
+    check_support(root)
+    lock = _Lock(lock_path)
+    if not lock.try_acquire():
+        raise BackendUnavailable(f"another gthulhu-node agent holds {lock_path}; it owns the scheduler")
+    try:
+        state, ops = sched_ext_state(root)
+        if state != "disabled":
+            if ops.split("_")[0] != SCHED_NAME:
+                raise BackendUnavailable(
+                    f"another sched_ext scheduler ({ops or state}) is loaded; refusing to displace it"
+                )
+            stale = detach_stale(root)
+            log.warning("scheduler_stale_detached", ops=ops, maps=stale)
+            state, ops = sched_ext_state(root)
+            if state != "disabled":
+                raise BackendUnavailable(f"could not detach the stale scheduler {ops} (state {state})")
+        return _load_locked(settings, lock, root)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedScheduler:
+    flavour = kfunc_flavour()
+    path = object_path(flavour, settings.bpf_object)
+    elf = path.read_bytes()
+    if settings.watchdog_timeout_ms:
+        elf = _with_timeout(elf, settings.watchdog_timeout_ms)
+    obj = libbpf.BpfObject(elf, SCHED_NAME)
+    try:
+        for name in ("tid_map", "tgid_map"):
+            obj.map(name).set_max_entries(settings.map_capacity)
+        rodata = _internal_map(obj, ".rodata")
+        if len(rodata.initial_value()) != ctypes.sizeof(GthulhuSettings):
+            raise BackendError(".rodata of the BPF object does not match struct gthulhu_settings")
+        values = GthulhuSettings(
+            default_slice_ns=settings.default_slice_ns,
+            boost_window_ns=settings.boost_window_ns,
+            boost_share_percent=settings.boost_share_percent,
+            agent_tgid=settings.agent_tgid,
+            nr_cpus=min(_possible_cpus(), MAX_CPUS),
+        )
+        rodata.set_initial_value(bytes(values))
+        for prog in SLEEPABLE_PROGRAMS:
+            obj.program(prog).add_flags(libbpf.BPF_F_SLEEPABLE)
+        try:
+            obj.load()
+        except OSError as exc:
+            raise BackendUnavailable(f"the kernel refused the scheduler ({path.name}): {exc}") from exc
+        try:
+            link = obj.map(OPS_MAP).attach_struct_ops()
+        except OSError as exc:
+            raise BackendUnavailable(f"attaching the scheduler failed: {exc}") from exc
+        state, ops = _wait_state("enabled", ATTACH_TIMEOUT_S, root)
+        loaded = LoadedScheduler(obj, link, lock, flavour)
+        if state != "enabled" or ops != SCHED_NAME:
+            info = loaded.bss(refresh_counts=False).exit_info
+            loaded.detach()
+            raise BackendUnavailable(
+                f"scheduler did not stay enabled (state {state}, ops {ops!r}): "
+                f"{info.reason.decode(errors='replace')} {info.msg.decode(errors='replace')}".strip()
+            )
+    except BaseException:
+        obj.close()
+        raise
+    log.info(
+        "scheduler_loaded",
+        ops=ops,
+        kfuncs=flavour,
+        object=str(path),
+        capacity=settings.map_capacity,
+        timeout_ms=settings.watchdog_timeout_ms,
+    )
+    return loaded
