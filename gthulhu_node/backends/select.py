@@ -29,11 +29,9 @@ def kernel_has_sched_ext(sysfs: Path = SCHED_EXT_SYSFS) -> bool:
 def _sched_ext(config: Any) -> Backend:
     # Imported lazily: the scheduler package needs libbpf and the built BPF object, which hosts without
     # sched_ext do not need.
-    from gthulhu_node.scheduler.backend import (  # type: ignore[import-not-found,unused-ignore]
-        SchedExtBackend,
-    )
+    from gthulhu_node.scheduler.backend import SchedExtBackend
 
-    backend: Backend = SchedExtBackend(config)
+    backend: Backend = SchedExtBackend(config.scheduler, proc=config.watch.proc_root)
     return backend
 
 

@@ -1,0 +1,134 @@
+"""The engine thread: submitted work, rescans, periodic hooks, and reload of an ejected backend.
+
+These run without proc events (use_events=False) over a fake /proc; tests/host/ covers real events.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gthulhu_node.backends.base import BackendUnavailable, EntryKey, KeyKind
+from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.engine import Engine, EngineStopped
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.matching import PolicySet
+from gthulhu_node.reconciler import Reconciler
+from tests.unit.fakeproc import FakeProc
+
+DEADLINE_S = 20.0
+
+
+def wait_for(cond: Callable[[], bool]) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached before the deadline")
+        time.sleep(0.01)
+
+
+def vllm() -> PolicySet:
+    doc = {"id": "vllm", "commandRegex": "^EngineCore", "priority": 10}
+    return PolicySet.build([("local/vllm", Intent.model_validate(doc))])
+
+
+class FlakyBackend(DryRunBackend):
+    """Fails to start `failures` times after its first start (a scheduler that cannot be reloaded yet)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        if self.starts > 1 and self.failures > 0:
+            self.failures -= 1
+            raise BackendUnavailable("not yet")
+        super().start()
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProc:
+    p = FakeProc(tmp_path / "proc")
+    p.add(1, 1, "init", 1)
+    return p
+
+
+def make_engine(proc: FakeProc, backend: DryRunBackend, **kw: float) -> Engine:
+    backend.start()
+    r = Reconciler(backend, proc_root=proc.root)
+    return Engine(r, use_events=False, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def test_submit_runs_on_the_engine_thread(proc: FakeProc, engines: list[Engine]) -> None:
+    e = make_engine(proc, DryRunBackend())
+    engines.append(e)
+    e.start()
+    assert e.call(lambda r: threading.current_thread().name) == "gthulhu-engine"
+    assert e.call(lambda r: len(r.tasks())) == 1
+    with pytest.raises(ZeroDivisionError):
+        e.call(lambda r: 1 // 0)
+    e.stop()
+    with pytest.raises(EngineStopped):
+        e.call(lambda r: None)
+
+
+def test_policy_and_rescans_reach_the_backend(proc: FakeProc, engines: list[Engine]) -> None:
+    b = DryRunBackend()
+    e = make_engine(proc, b, rescan_interval_s=0.05)
+    engines.append(e)
+    e.start()
+    e.call(lambda r: r.set_policy(vllm()))
+    proc.add(50, 50, "EngineCore", 3)
+    wait_for(lambda: EntryKey(KeyKind.TID, 50) in b.table)  # periodic rescan
+    proc.remove(50)
+    e.request_rescan()
+    wait_for(lambda: b.table == {})
+
+
+def test_periodic_hooks_run_and_failures_do_not_stop_the_engine(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    e = make_engine(proc, DryRunBackend())
+    engines.append(e)
+    e.start()
+    calls: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("hook failed")
+
+    e.add_periodic("watchdog", 0.02, lambda: calls.append(threading.current_thread().name))
+    e.add_periodic("broken", 0.02, boom)
+    wait_for(lambda: len(calls) >= 3 and e.stats().hook_failures >= 3)
+    assert set(calls) == {"gthulhu-engine"}
+    assert e.call(lambda r: "alive") == "alive"
+
+
+def test_ejected_backend_is_reloaded_with_backoff_and_resynced(proc: FakeProc, engines: list[Engine]) -> None:
+    proc.add(60, 60, "EngineCore", 4)
+    b = FlakyBackend(failures=2)
+    e = make_engine(proc, b, health_interval_s=0.02, reload_backoff_initial_s=0.05, reload_backoff_max_s=0.1)
+    engines.append(e)
+    e.start()
+    e.call(lambda r: r.set_policy(vllm()))
+    assert EntryKey(KeyKind.TID, 60) in b.table
+    b.eject("watchdog timeout: gthulhu[60] failed to run for 30s")
+    wait_for(lambda: e.stats().backend_reloads == 1)
+    st = e.stats()
+    assert st.backend_ejections == 1 and st.backend_reload_failures == 2
+    assert "watchdog" in st.last_ejection_reason
+    wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
+    assert e.call(lambda r: r.stats().resyncs) == 1

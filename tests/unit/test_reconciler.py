@@ -1,0 +1,364 @@
+"""The reconciler: desired table, scope, precedence per task, diff, TID reuse, scans, events, failures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gthulhu_node.backends.base import ApplyResult, Entry, EntryKey, KeyKind, TaskGoneError
+from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.matching import PolicySet
+from gthulhu_node.reconciler import Reconciler
+from gthulhu_node.tasks.events import EventKind, ProcEvent
+from gthulhu_node.tasks.procfs import Snapshot, Task, snapshot
+from tests.unit.fakeproc import FakeProc
+
+VLLM = "^EngineCore(_DP[0-9]+)?$"
+
+
+def tid(n: int) -> EntryKey:
+    return EntryKey(KeyKind.TID, n)
+
+
+def tgid(n: int) -> EntryKey:
+    return EntryKey(KeyKind.TGID, n)
+
+
+def policy(*items: tuple[str, dict[str, Any]]) -> PolicySet:
+    out = []
+    for key, fields in items:
+        doc = {"id": key.split("/")[1], "commandRegex": VLLM, "priority": 10, **fields}
+        out.append((key, Intent.model_validate(doc)))
+    return PolicySet.build(out)
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+def make(proc: FakeProc, backend: DryRunBackend | None = None, **kw: Any) -> tuple[Reconciler, DryRunBackend]:
+    b = backend or DryRunBackend()
+    b.start()
+    return Reconciler(b, proc_root=proc.root, **kw), b
+
+
+def ev(kind: EventKind, t: int, g: int, comm: str | None = None, ts: int = 0) -> ProcEvent:
+    return ProcEvent(kind, t, g, ts, comm)
+
+
+def test_thread_scope_writes_one_tid_entry_per_matching_thread(proc: FakeProc) -> None:
+    proc.add(100, 100, "python3.12", 50)
+    proc.add(100, 101, "EngineCore_DP0", 51)
+    proc.add(100, 102, "EngineCore_DP1", 52)
+    proc.add(100, 103, "tokenizer", 53)
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {"priority": 10, "executionTime": 2_000_000})))
+    r.rescan()
+    assert b.table == {tid(101): Entry(10, 2_000_000, 51), tid(102): Entry(10, 2_000_000, 52)}
+    assert {(m.tid, m.intent_key, m.entry, m.applied) for m in r.matches()} == {
+        (101, "local/vllm", "tid:101", True),
+        (102, "local/vllm", "tid:102", True),
+    }
+    st = r.intent_stats()["local/vllm"]
+    assert (st.matched_tasks, st.applied_tasks, st.lost_tasks) == (2, 2, 0)
+
+
+def test_overlap_one_winner_per_task_and_loser_names_it(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0")
+    proc.add(100, 102, "EngineCore")
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(
+        policy(
+            ("local/all", {"commandRegex": "EngineCore", "priority": 5, "executionTime": 1_000_000}),
+            ("manager/dp", {"commandRegex": "_DP[0-9]$", "priority": 7}),
+        )
+    )
+    assert b.table == {tid(101): Entry(7, 0, 100), tid(102): Entry(5, 1_000_000, 100)}
+    stats = r.intent_stats()
+    assert stats["local/all"].overlaps == {"manager/dp": 1}
+    assert (stats["local/all"].matched_tasks, stats["local/all"].lost_tasks) == (2, 1)
+    assert stats["manager/dp"].overlaps == {}
+
+
+def test_process_scope_covers_the_process_through_its_tgid(proc: FakeProc) -> None:
+    proc.add(200, 200, "python3.12", 77)
+    proc.add(200, 201, "EngineCore_DP0", 78)
+    proc.add(200, 202, "tokenizer", 79)
+    r, b = make(proc)
+    r.set_policy(policy(("local/p", {"scope": "process", "priority": 3})))
+    r.rescan()
+    # one TGID entry with the leader's start time, no TID entries
+    assert b.table == {tgid(200): Entry(3, 0, 77)}
+    ms = {m.tid: m for m in r.matches()}
+    assert set(ms) == {200, 201, 202}
+    assert all(m.entry == "tgid:200" and m.scope == "process" and m.applied for m in ms.values())
+    # a thread created later needs no write: the kernel resolves it through the TGID entry
+    batches = b.batches
+    proc.add(200, 203, "python3.12", 90)
+    r.handle_events([ev(EventKind.FORK, 203, 200)])
+    assert b.batches == batches
+    assert 203 in {m.tid for m in r.matches()}
+
+
+def test_process_scope_vs_thread_scope_precedence(proc: FakeProc) -> None:
+    proc.add(300, 300, "python3.12", 10)
+    proc.add(300, 301, "EngineCore_DP0", 11)
+    proc.add(300, 302, "EngineCore_DP1", 12)
+    proc.add(300, 303, "worker", 13)
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(
+        policy(
+            ("local/proc", {"commandRegex": "^python", "scope": "process", "priority": 5}),
+            ("local/dp0", {"commandRegex": "_DP0$", "priority": 9}),  # beats the process intent
+            ("local/dp1", {"commandRegex": "_DP1$", "priority": 2}),  # loses to it
+        )
+    )
+    assert b.table == {tgid(300): Entry(5, 0, 10), tid(301): Entry(9, 0, 11)}
+    owner = {m.tid: m.intent_key for m in r.matches()}
+    assert owner == {300: "local/proc", 301: "local/dp0", 302: "local/proc", 303: "local/proc"}
+    stats = r.intent_stats()
+    assert stats["local/dp1"].overlaps == {"local/proc": 1}
+    assert stats["local/proc"].overlaps == {"local/dp0": 1}
+
+
+def test_process_entry_follows_the_matching_thread_rename_and_exit(proc: FakeProc) -> None:
+    proc.add(400, 400, "python3.12", 5)
+    proc.add(400, 401, "EngineCore_DP0", 6)
+    r, b = make(proc)
+    r.set_policy(policy(("local/p", {"scope": "process", "priority": 4})))
+    r.rescan()
+    assert tgid(400) in b.table
+    r.handle_events([ev(EventKind.COMM, 401, 400, "idle")])
+    assert b.table == {}
+    r.handle_events([ev(EventKind.COMM, 401, 400, "EngineCore_DP0")])
+    assert b.table == {tgid(400): Entry(4, 0, 5)}
+    r.handle_events([ev(EventKind.EXIT, 401, 400)])
+    assert b.table == {}
+    assert r.matches() == []
+
+
+def test_noop_intent_matches_but_writes_nothing(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0")
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(policy(("local/noop", {"priority": 0, "executionTime": 0})))
+    assert b.table == {}
+    [m] = r.matches()
+    assert (m.intent_key, m.entry, m.priority) == ("local/noop", "", 0)
+    st = r.intent_stats()["local/noop"]
+    assert st.noop and st.applied_tasks == 1
+
+
+def test_events_fork_comm_exit_in_order(proc: FakeProc) -> None:
+    proc.add(500, 500, "python3.12", 1)
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {"priority": 8})))
+    r.rescan()
+    proc.add(500, 501, "python3.12", 42)  # a new thread starts with its creator's name
+    r.handle_events([ev(EventKind.FORK, 501, 500)])
+    assert b.table == {}
+    proc.rename(500, 501, "EngineCore_DP0")
+    r.handle_events([ev(EventKind.COMM, 501, 500, "EngineCore_DP0")])
+    assert b.table == {tid(501): Entry(8, 0, 42)}
+    r.handle_events([ev(EventKind.COMM, 501, 500, "renamed")])
+    assert b.table == {}
+    r.handle_events([ev(EventKind.COMM, 501, 500, "EngineCore_DP1")])
+    assert b.table == {tid(501): Entry(8, 0, 42)}
+    proc.remove(500, 501)
+    r.handle_events([ev(EventKind.EXIT, 501, 500)])
+    assert b.table == {}
+    assert [h[0] for h in b.history] == ["U", "D", "U", "D"]
+
+
+def test_fork_comm_exit_in_one_batch_leaves_nothing(proc: FakeProc) -> None:
+    proc.add(500, 500, "python3.12", 1)
+    proc.add(500, 502, "EngineCore_DP0", 2)
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {})))
+    r.handle_events(
+        [
+            ev(EventKind.FORK, 502, 500),
+            ev(EventKind.COMM, 502, 500, "EngineCore_DP0"),
+            ev(EventKind.EXIT, 502, 500),
+        ]
+    )
+    assert b.table == {} and r.desired() == {}
+
+
+def test_fork_of_a_task_already_gone_is_ignored(proc: FakeProc) -> None:
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {})))
+    r.handle_events([ev(EventKind.FORK, 999, 998), ev(EventKind.EXIT, 999, 998)])
+    assert b.table == {} and r.tasks() == {}
+
+
+def test_tid_reuse_is_a_new_task(proc: FakeProc) -> None:
+    proc.add(600, 600, "python3.12", 1)
+    proc.add(600, 601, "EngineCore_DP0", 10)
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {})))
+    r.rescan()
+    assert b.table[tid(601)].start_time == 10
+    # the thread died (exit event missed) and its TID came back as another matching thread
+    proc.remove(600, 601)
+    proc.add(600, 601, "EngineCore_DP0", 20)
+    r.rescan()
+    assert b.table == {tid(601): Entry(10, 0, 20)}
+    # ... and as a non-matching one: its entry must go even though the name was never renamed by an event
+    proc.remove(600, 601)
+    proc.add(600, 601, "other", 30)
+    r.handle_events([ev(EventKind.FORK, 601, 600)])
+    assert b.table == {}
+
+
+def test_incomplete_snapshot_never_removes(proc: FakeProc) -> None:
+    proc.add(700, 700, "EngineCore", 1)
+    proc.add(701, 701, "EngineCore", 2)
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {})))
+    r.rescan()
+    assert set(b.table) == {tid(700), tid(701)}
+    partial = Snapshot(tasks={700: Task(700, 700, "EngineCore", 1)}, complete=False, errors=1)
+    r.apply_snapshot(partial)
+    assert set(b.table) == {tid(700), tid(701)}
+    assert r.stats().scans_incomplete == 1
+    complete = Snapshot(tasks={700: Task(700, 700, "EngineCore", 1)}, complete=True)
+    r.apply_snapshot(complete)
+    assert set(b.table) == {tid(700)}
+
+
+def test_scan_counts_unreadable_entries_as_incomplete(proc: FakeProc) -> None:
+    proc.add(800, 800, "EngineCore", 1)
+    bad = proc.root / "801" / "task" / "801" / "stat"
+    bad.mkdir(parents=True)  # reading a directory fails with EISDIR: an error, not a vanished task
+    snap = snapshot(proc.root)
+    assert not snap.complete and snap.errors == 1
+    assert set(snap.tasks) == {800}
+
+
+def test_exec_drops_the_other_threads(proc: FakeProc) -> None:
+    proc.add(900, 900, "EngineCore", 1)
+    proc.add(900, 901, "EngineCore_DP0", 2)
+    r, b = make(proc)
+    r.set_policy(policy(("local/vllm", {})))
+    r.rescan()
+    assert set(b.table) == {tid(900), tid(901)}
+    proc.remove(900, 901)
+    proc.rename(900, 900, "bash")
+    r.handle_events([ev(EventKind.EXEC, 900, 900)])
+    assert b.table == {}
+    assert set(r.tasks()) == {900}
+
+
+def test_policy_change_diffs_against_what_is_written(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    proc.add(100, 102, "EngineCore_DP1", 6)
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(policy(("local/a", {"priority": 10})))
+    b.history.clear()
+    r.set_policy(policy(("local/a", {"priority": 10}), ("local/b", {"commandRegex": "DP1", "priority": 12})))
+    assert list(b.history) == [("U", tid(102), Entry(12, 0, 6))]  # only what changed
+    r.set_policy(PolicySet.empty())
+    assert b.table == {}
+
+
+def test_map_full_shows_on_the_intent_and_is_retried(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    proc.add(100, 102, "EngineCore_DP1", 6)
+    r, b = make(proc, DryRunBackend(capacity=1))
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))
+    assert len(b.table) == 1
+    st = r.intent_stats()["local/vllm"]
+    assert st.write_failures == 1 and st.pending_failures == 1 and "full" in st.last_error
+    assert r.stats().map_full == 1
+    assert sum(m.applied for m in r.matches()) == 1
+    written = next(iter(b.table))
+    proc.remove(100, written.id)
+    r.handle_events([ev(EventKind.EXIT, written.id, 100)])
+    r.rescan()  # the next full diff retries the failed key
+    assert len(b.table) == 1 and written not in b.table
+    assert r.intent_stats()["local/vllm"].pending_failures == 0
+
+
+class GoneBackend(DryRunBackend):
+    """Refuses one key as gone, like a real backend whose task exited between event and write."""
+
+    def __init__(self, gone: EntryKey) -> None:
+        super().__init__()
+        self.gone = gone
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        rest = {k: v for k, v in upserts.items() if k != self.gone}
+        result = super().apply(rest, deletes)
+        if self.gone in upserts:
+            result.failed[self.gone] = TaskGoneError(f"{self.gone}: gone")
+        return result
+
+
+def test_task_gone_drops_the_entry_without_failing_the_intent(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    r, b = make(proc, GoneBackend(tid(101)))
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))
+    assert r.desired() == {} and b.table == {}
+    assert r.intent_stats()["local/vllm"].write_failures == 0
+    assert r.stats().tasks_gone == 1
+
+
+def test_resync_after_backend_restart(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))
+    b.eject("watchdog")
+    b.start()
+    assert b.table == {}
+    r.resync()
+    assert b.table == {tid(101): Entry(10, 0, 5)}
+
+
+def test_hold_writes_keeps_changes_until_released(proc: FakeProc) -> None:
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    r, b = make(proc)
+    r.rescan()
+    r.hold_writes = True
+    r.set_policy(policy(("local/vllm", {})))
+    assert b.table == {}
+    r.hold_writes = False
+    r.flush()
+    assert b.table == {tid(101): Entry(10, 0, 5)}
+
+
+def test_latency_is_measured_from_the_event_timestamp(proc: FakeProc) -> None:
+    import time
+
+    proc.add(100, 101, "python3.12", 5)
+    seen: list[float] = []
+    r, _b = make(proc, on_latency=seen.append)
+    r.set_policy(policy(("local/vllm", {})))
+    r.rescan()
+    t0 = time.monotonic_ns() - 3_000_000  # the rename happened 3 ms ago
+    r.handle_events([ev(EventKind.COMM, 101, 100, "EngineCore", ts=t0)])
+    assert len(seen) == 1 and 0.003 <= seen[0] < 10
+    assert r.stats().latency_count == 1
+
+
+def test_pod_selector_matches_only_threads_of_that_pod(proc: FakeProc) -> None:
+    uid = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+    proc.add(100, 100, "EngineCore", 1)
+    proc.set_cgroup(100, f"0::/kubepods/burstable/pod{uid}/abc\n")
+    proc.add(200, 200, "EngineCore", 2)
+    proc.set_cgroup(200, "0::/system.slice/vllm.service\n")
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(policy(("manager-pods/x", {"podUID": uid})))
+    assert set(b.table) == {tid(100)}
