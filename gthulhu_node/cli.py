@@ -13,6 +13,7 @@ from gthulhu_node import __version__
 # Each module under gthulhu_node/commands/ defines register(subparsers) and sets `func` on its parsers.
 COMMANDS: list[str] = [
     "client",
+    "run",
 ]
 
 

@@ -94,6 +94,9 @@ class LogConfig(_Section):
 
     format: Literal["auto", "journald", "json", "console"] = "auto"
     level: Literal["debug", "info", "warning", "error"] = "info"
+    # per event name (task_matched, ...): more records than this in one second are counted, not written,
+    # and one `<event>_suppressed count=N` record says so; 0 disables the limit
+    rate_limit_per_s: int = Field(default=20, ge=0)
 
 
 class RestConfig(_Section):

@@ -1,0 +1,40 @@
+"""`gthulhu-node run`: the agent itself, as systemd runs it (see gthulhu_node/service.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from gthulhu_node import config as configuration
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run", help="run the agent (what the systemd unit starts)",
+        description="Load the scheduler, apply the saved and local intents, serve the API and metrics, "
+        "and keep every matching thread scheduled until stopped (SIGTERM/SIGINT); SIGHUP re-reads the "
+        "local policy files.",
+    )
+    parser.add_argument("--config", "-c", type=Path, default=None,
+                        help=f"configuration file (default {configuration.DEFAULT_PATH}; "
+                        "all defaults when that file is absent)")
+    parser.add_argument("--log-format", choices=["auto", "journald", "json", "console"], default=None,
+                        help="override log.format from the configuration")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = configuration.load(args.config)
+    except configuration.ConfigError as exc:
+        # One clear line; systemd shows it in `systemctl status` and the journal.
+        print("gthulhu-node: configuration error: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
+    if args.log_format:
+        cfg.log.format = args.log_format
+    from gthulhu_node.service import Service
+
+    path = str(args.config or configuration.DEFAULT_PATH)
+    return Service(cfg, config_path=path).run()

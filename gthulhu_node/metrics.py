@@ -1,0 +1,349 @@
+"""Prometheus metrics: one registry of our own, an HTTP endpoint, names `gthulhu_node_*` in base units.
+
+Components do not import prometheus: they keep plain counters (`stats()`), which the collector here reads
+at scrape time, so a scrape always shows the current values and a component has no metrics code to get
+wrong. Only what must be observed per event (the reaction latency from a task event to its map write, the
+duration of each full scan) is a histogram the service feeds through the engine's hooks.
+
+`gthulhu_node_matched_runqueue_wait_seconds_total{intent}` is computed here from the second field of
+/proc/<tgid>/task/<tid>/schedstat (nanoseconds the task waited on a run queue) of each matched task. It is a
+counter: each sample adds the growth since the previous sample of the same task to its current intent, so
+tasks that exit keep what they contributed, and a new task (or a reused TID, whose value starts lower)
+starts from its first sample. Wait between a task's last sample and its exit is not counted; samples are
+taken at every scrape and every few seconds by the service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+log = structlog.get_logger(__name__)
+
+PREFIX = "gthulhu_node_"
+
+# Reaction latency: from the task event (fork/comm/exec) to the entry being in the backend. Milliseconds
+# matter (upstream takes up to 6 s); the top buckets catch the slow path.
+REACTION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 6.0)
+
+
+class MatchedTask(Protocol):
+    tid: int
+    tgid: int
+    intent: str
+
+
+class RunqueueWaitTracker:
+    """Per-intent total run-queue wait of matched tasks, monotonic while tasks come and go."""
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        self.proc_root = proc_root
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple[str, int]] = {}  # tid -> (intent, last wait ns)
+        self.totals_ns: dict[str, int] = {}
+
+    def _read_wait_ns(self, tgid: int, tid: int) -> int | None:
+        try:
+            fields = (self.proc_root / str(tgid) / "task" / str(tid) / "schedstat").read_text().split()
+            return int(fields[1])
+        except (OSError, IndexError, ValueError):
+            return None  # the task exited (or schedstat is unavailable): normal
+
+    def sample(self, matches: Iterable[MatchedTask]) -> None:
+        """Add each matched task's wait growth since its previous sample to its intent's total."""
+        seen: dict[int, tuple[str, int]] = {}
+        with self._lock:
+            for row in matches:
+                value = self._read_wait_ns(row.tgid, row.tid)
+                if value is None:
+                    continue
+                self.totals_ns.setdefault(row.intent, 0)
+                previous = self._last.get(row.tid)
+                if previous is not None and value >= previous[1]:
+                    self.totals_ns[row.intent] += value - previous[1]
+                seen[row.tid] = (row.intent, value)
+            self._last = seen
+
+    def totals_seconds(self) -> dict[str, float]:
+        with self._lock:
+            return {intent: ns / 1e9 for intent, ns in self.totals_ns.items()}
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A stats object (dataclass or mapping) as a dict; anything else as empty."""
+    if obj is None:
+        return {}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    return {}
+
+
+def _call(obj: Any, name: str) -> Any:
+    """obj.name() if it exists and works; a broken component must not break the whole scrape."""
+    method = getattr(obj, name, None)
+    if not callable(method):
+        return None
+    try:
+        return method()
+    except Exception as exc:  # reported, then the rest of the scrape goes on
+        log.warning("metrics_source_failed", source=name, error=str(exc))
+        return None
+
+
+def _counter(name: str, doc: str, value: float | None, labels: Mapping[str, str] | None = None) -> Metric:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels or {}))
+    if value is not None:
+        family.add_metric(list((labels or {}).values()), value)
+    return family
+
+
+def _labelled(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str, label: str,
+              values: Mapping[str, float]) -> Metric:
+    family = kind(PREFIX + name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([str(key)], float(value))
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+class AgentCollector(Collector):
+    """Reads the agent's components' stats at scrape time and turns them into metric families.
+
+    Each component is optional and duck-typed (`stats()`, `status()`, `matches()`, `health()`,
+    `counters()`), so the collector works with whatever the agent exposes and one failing accessor only
+    costs its own metrics.
+    """
+
+    def __init__(self, agent: Any, runqueue: RunqueueWaitTracker | None = None,
+                 log_stats: Callable[[], Any] | None = None) -> None:
+        self.agent = agent
+        self.runqueue = runqueue
+        self.log_stats = log_stats
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic: families depend on what the components report
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._agent_metrics()
+        yield from self._engine_metrics()
+        yield from self._backend_metrics()
+        yield from self._match_metrics()
+        yield from self._log_metrics()
+
+    # -- intents, store, API ---------------------------------------------------------------------------
+
+    def _agent_metrics(self) -> Iterator[Metric]:
+        stats = _fields(_call(self.agent, "stats"))
+        if not stats:
+            return
+        yield _gauge("ready", "1 when the agent has loaded its backend and applied its saved intents.",
+                     1.0 if stats.get("ready") else 0.0)
+        states = dict(stats.get("intents_by_state") or {})
+        for state in ("pending", "applied", "failed", "not_for_this_node"):
+            states.setdefault(state, 0)
+        yield _labelled(GaugeMetricFamily, "intents", "Intents known to the agent, by state.", "state",
+                        states)
+        store = _fields(stats.get("store"))
+        if store:
+            yield _labelled(GaugeMetricFamily, "source_intents", "Accepted intents per source.", "source",
+                            store.get("intents") or {})
+            yield _counter("intent_applies_total", "Intent set pushes accepted (any source).",
+                           store.get("applies", 0))
+            refused = {"stale_generation": store.get("refused_stale", 0),
+                       "invalid": store.get("refused_invalid", 0)}
+            yield _labelled(CounterMetricFamily, "intent_pushes_refused_total",
+                            "Intent set pushes refused, by reason.", "reason", refused)
+            yield _counter("intent_deletes_total", "Intent deletions.", store.get("deletes", 0))
+            yield _counter("state_persist_errors_total", "Failed writes of the intent state file.",
+                           store.get("persist_errors", 0))
+            yield _counter("state_corrupt_files_total", "Corrupt state files moved aside at start.",
+                           store.get("corrupt_state_files", 0))
+        if "local_files" in stats:
+            yield _gauge("policy_files", "Local policy files read.", float(stats.get("local_files", 0)))
+            yield _counter("policy_file_errors_total", "Local policy files refused (unreadable, invalid).",
+                           stats.get("local_file_errors", 0))
+            yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
+                           stats.get("local_reloads", 0))
+        if stats.get("api_requests") is not None:
+            yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
+                            stats.get("api_requests") or {})
+            yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
+                            stats.get("api_errors") or {})
+
+    # -- task watching and the reconciler ---------------------------------------------------------------
+
+    def _engine_metrics(self) -> Iterator[Metric]:
+        """The reconciler's counters (ReconcilerStats), found through the engine or the agent."""
+        source = getattr(self.agent, "engine", None)
+        stats = _fields(_call(source, "stats"))
+        if "scans" not in stats:
+            source = getattr(source, "reconciler", None) or getattr(self.agent, "reconciler", None)
+            stats = _fields(_call(source, "stats"))
+        if not stats:
+            return
+        events = stats.get("events") or {}
+        yield _labelled(CounterMetricFamily, "proc_events_total", "Proc connector events handled, by kind.",
+                        "kind", events)
+        yield _counter("proc_events_lost_total", "Proc connector overruns (ENOBUFS) and socket errors; each "
+                       "caused a full rescan.", stats.get("events_lost", 0))
+        yield _counter("proc_event_read_errors_total", "Errors reading the proc connector socket.",
+                       stats.get("event_read_errors", 0))
+        yield _counter("scans_total", "Full /proc scans.", stats.get("scans", 0))
+        yield _counter("scans_incomplete_total", "Scans with permission or I/O errors (they never remove "
+                       "strategies).", stats.get("scans_incomplete", 0))
+        yield _counter("scan_errors_total", "Permission or I/O errors met during scans.",
+                       stats.get("scan_errors", 0))
+        scan = SummaryMetricFamily(PREFIX + "scan_duration_seconds", "Duration of full /proc scans.",
+                                   count_value=stats.get("scans", 0),
+                                   sum_value=stats.get("scan_duration_total_s", 0.0))
+        yield scan
+        yield _gauge("tasks", "Tasks (threads) currently known.", float(stats.get("tasks", 0)))
+        yield _gauge("processes", "Processes currently known.", float(stats.get("processes", 0)))
+        yield _counter("tasks_seen_total", "Task events (fork, exec, comm) and scans that reported a task.",
+                       sum(v for k, v in events.items() if k in ("fork", "exec", "comm")))
+        yield _gauge("matched_tasks_all", "Tasks some intent governs right now (all intents).",
+                     float(stats.get("matched_tasks", 0)))
+        yield _labelled(GaugeMetricFamily, "backend_entries", "Strategy entries, desired and held by the "
+                        "backend.", "table", {"desired": stats.get("entries_desired", 0),
+                                              "applied": stats.get("entries_applied", 0)})
+        yield _counter("backend_batches_total", "Batches written to the backend.", stats.get("batches", 0))
+        yield _labelled(CounterMetricFamily, "backend_writes_total", "Entries written to the backend, by "
+                        "operation.", "op", {"upsert": stats.get("upserts", 0),
+                                             "delete": stats.get("deletes", 0)})
+        failures = int(stats.get("write_failures", 0))
+        full = int(stats.get("map_full", 0))
+        yield _labelled(CounterMetricFamily, "backend_write_failures_total", "Entries the backend refused, "
+                        "by reason.", "reason", {"map_full": full, "other": max(0, failures - full)})
+        yield _counter("backend_tasks_gone_total", "Writes skipped because the task had exited (normal).",
+                       stats.get("tasks_gone", 0))
+        yield _counter("resyncs_total", "Full resynchronisations with the backend.", stats.get("resyncs", 0))
+        yield _counter("policy_updates_total", "Policy sets handed to the reconciler.",
+                       stats.get("policy_updates", 0))
+        per_intent = _call(source, "intent_stats")
+        if isinstance(per_intent, Mapping):
+            yield _labelled(CounterMetricFamily, "intent_write_failures_total", "Entries of an intent the "
+                            "backend refused.", "intent",
+                            {k: getattr(v, "write_failures", 0) for k, v in per_intent.items()})
+            yield _labelled(GaugeMetricFamily, "intent_lost_tasks", "Tasks an intent matches but another "
+                            "intent wins (precedence).", "intent",
+                            {k: getattr(v, "lost_tasks", 0) for k, v in per_intent.items()})
+            yield _labelled(GaugeMetricFamily, "intent_applied_tasks", "Tasks whose strategy is this "
+                            "intent's.", "intent",
+                            {k: getattr(v, "applied_tasks", 0) for k, v in per_intent.items()})
+
+    # -- the backend (scheduler) ------------------------------------------------------------------------
+
+    def _backend_metrics(self) -> Iterator[Metric]:
+        backend = getattr(self.agent, "backend", None)
+        if backend is None:
+            return
+        health = _call(backend, "health")
+        state = str(getattr(getattr(health, "state", None), "value", getattr(health, "state", "unknown")))
+        info = InfoMetricFamily(PREFIX + "backend", "The backend in use and why it was chosen.",
+                                labels=["kind", "reason"])
+        info.add_metric([str(getattr(backend, "name", "")), str(getattr(self.agent, "backend_reason", ""))],
+                        {})
+        yield info
+        states = GaugeMetricFamily(PREFIX + "backend_state",
+                                   "1 for the backend's current state (running, stopped, ejected).",
+                                   labels=["state"])
+        for name in ("running", "stopped", "ejected"):
+            states.add_metric([name], 1.0 if state == name else 0.0)
+        yield states
+        counters = _call(backend, "counters") or {}
+        if counters:
+            yield _labelled(CounterMetricFamily, "scheduler_events_total",
+                            "The BPF scheduler's own counters (boosted dispatches, preemptions, ...).",
+                            "counter", counters)
+
+    # -- per-intent matches and run-queue wait ----------------------------------------------------------
+
+    def _match_metrics(self) -> Iterator[Metric]:
+        snapshot = _call(self.agent, "status")
+        per_intent: dict[str, float] = {}
+        for status in getattr(snapshot, "intents", ()) or ():
+            per_intent[str(getattr(status, "key", ""))] = float(getattr(status, "matched_tasks", 0))
+        if snapshot is not None:
+            yield _labelled(GaugeMetricFamily, "matched_tasks", "Tasks an intent governs right now.",
+                            "intent", per_intent)
+        if self.runqueue is not None:
+            matches = _call(self.agent, "matches")
+            if matches is not None:
+                self.runqueue.sample(matches)
+            yield _labelled(CounterMetricFamily, "matched_runqueue_wait_seconds",
+                            "Time matched tasks spent waiting on a run queue while matched (schedstat).",
+                            "intent", self.runqueue.totals_seconds())
+
+    def _log_metrics(self) -> Iterator[Metric]:
+        stats = _fields(self.log_stats() if self.log_stats else None)
+        if not stats:
+            return
+        yield _counter("log_records_total", "Log records written.", stats.get("records", 0))
+        yield _labelled(CounterMetricFamily, "log_records_suppressed_total",
+                        "Log records dropped by the per-event rate limit, by event.", "event",
+                        stats.get("suppressed") or {})
+        yield _counter("log_send_errors_total", "Journald records that could not be sent.",
+                       stats.get("send_errors", 0))
+
+
+class Metrics:
+    """The registry, the per-event histograms and the HTTP endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.reaction_latency = Histogram(
+            "reaction_latency_seconds", "From a task event (fork, comm, exec) to its entry being written.",
+            namespace="gthulhu_node", buckets=REACTION_BUCKETS, registry=self.registry)
+        self.runqueue = RunqueueWaitTracker()
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.address: tuple[str, int] | None = None
+
+    def observe_reaction(self, seconds: float) -> None:
+        self.reaction_latency.observe(seconds)
+
+    def attach(self, agent: Any, log_stats: Callable[[], Any] | None = None) -> None:
+        self.registry.register(AgentCollector(agent, self.runqueue, log_stats))
+
+    def serve(self, listen: str) -> tuple[str, int] | None:
+        """Start the HTTP endpoint on "host:port" ("[::1]:9812" for IPv6); empty means no endpoint."""
+        if not listen:
+            return None
+        host, port = parse_listen(listen)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.address = (host, int(self._server.server_address[1]))
+        return self.address
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """ "host:port" / "[v6]:port" -> (host, port); raises ValueError naming the setting."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"metrics.listen {listen!r}: expected host:port")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)

@@ -1,0 +1,246 @@
+"""The process lifecycle of `gthulhu-node run`: logging, metrics, the agent, systemd notifications, signals.
+
+Order, and why:
+1. logging first, so even a failed start is in the journal with fields;
+2. the metrics endpoint, so a start that hangs can be looked at;
+3. `Agent.start()` (scheduler loaded, saved intents applied), then READY=1: systemd reports the unit
+   active, and `systemctl start` returns, only when the node is really scheduled as its intents say;
+4. the main loop: signals (SIGTERM/SIGINT stop, SIGHUP reloads the local policy files), STATUS= refreshed
+   with the agent's one-line summary, log-suppression summaries flushed;
+5. stop: STOPPING=1, the agent stops (the scheduler is unloaded: sched_ext back to `disabled`).
+
+The systemd watchdog is fed from the engine's loop through its periodic hook, and only while the main loop
+is alive too: a stuck engine or a stuck main thread stops the pings and systemd restarts the service. A
+timer thread that pings regardless would hide exactly the hangs the watchdog exists for.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from gthulhu_node import __version__, logs
+from gthulhu_node.config import AgentConfig
+from gthulhu_node.metrics import Metrics
+from gthulhu_node.systemd import Notifier
+
+log = structlog.get_logger(__name__)
+
+TICK_S = 1.0
+STATUS_EVERY_S = 5.0
+RUNQUEUE_SAMPLE_EVERY_S = 5.0
+
+
+def _default_agent(config: AgentConfig) -> Any:
+    from gthulhu_node.agent import Agent
+
+    return Agent(config)
+
+
+class Service:
+    """One run of the agent as a service. `run()` returns the process exit code."""
+
+    def __init__(self, config: AgentConfig, *, config_path: str = "",
+                 agent_factory: Callable[[AgentConfig], Any] = _default_agent,
+                 notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.agent_factory = agent_factory
+        self.notifier = notifier or Notifier()
+        self.metrics = Metrics()
+        self.agent: Any = None
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._main_alive = time.monotonic()
+        self._watchdog_from_engine = False
+        self._last_ping = 0.0
+        self._stop_signal = ""
+
+    # ---- signals -------------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            self._reload.set()
+        else:
+            self._stop_signal = signal.Signals(signum).name
+            self._stop.set()
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    # ---- the watchdog --------------------------------------------------------------------------------
+
+    def _feed_watchdog(self) -> None:
+        """Called from the engine's loop. Pings only if the main loop ticked recently as well."""
+        interval = self.notifier.watchdog_interval_s
+        if interval is None:
+            return
+        now = time.monotonic()
+        if now - self._last_ping < interval / 2:
+            return
+        if now - self._main_alive > max(3 * TICK_S, interval):
+            return  # the main thread is stuck: let systemd see it
+        self._last_ping = now
+        self.notifier.watchdog()
+
+    def _wire_engine(self, agent: Any) -> None:
+        """Hook metrics and the watchdog into the engine (whatever part of it exists)."""
+        engine = getattr(agent, "engine", None)
+        reconciler = getattr(engine, "reconciler", None) or getattr(agent, "reconciler", None)
+        if reconciler is not None and hasattr(reconciler, "on_latency"):
+            previous = reconciler.on_latency
+            observe = self.metrics.observe_reaction
+
+            def on_latency(seconds: float) -> None:
+                observe(seconds)
+                if previous is not None:
+                    previous(seconds)
+
+            reconciler.on_latency = on_latency
+        add_periodic = getattr(engine, "add_periodic", None)
+        if callable(add_periodic) and self.notifier.watchdog_interval_s is not None:
+            add_periodic(min(TICK_S, self.notifier.watchdog_interval_s / 2), self._feed_watchdog)
+            self._watchdog_from_engine = True
+        elif self.notifier.watchdog_interval_s is not None:
+            log.warning("watchdog_fed_from_main_loop", reason="the engine has no periodic hook")
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        setup = logs.configure(self.config.log)
+        self._install_signals()
+        log.info("service_starting", version=__version__, config=self.config_path or "(defaults)",
+                 log_format=setup.format, log_rate_limit_per_s=self.config.log.rate_limit_per_s,
+                 watchdog_interval_s=self.notifier.watchdog_interval_s, notify=self.notifier.enabled)
+        try:
+            return self._run(setup)
+        finally:
+            setup.close()
+            self.notifier.close()
+
+    def _run(self, setup: logs.LoggingSetup) -> int:
+        self.notifier.status("starting: loading the scheduler and the saved intents")
+        try:
+            self.agent = self.agent_factory(self.config)
+        except Exception as exc:
+            log.error("agent_create_failed", error=str(exc), exc_info=True)
+            self.notifier.status(f"failed: {exc}")
+            return 1
+        self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
+        self._serve_metrics()
+        if not self._start_agent():
+            return 1
+        if self._stop.is_set():
+            return self._shutdown()
+        self._wire_engine(self.agent)
+        summary = self._summary()
+        self.notifier.ready(status=summary)
+        log.info("service_ready", summary=summary, watchdog_from_engine=self._watchdog_from_engine)
+        self._loop(setup)
+        return self._shutdown()
+
+    def _serve_metrics(self) -> None:
+        listen = self.config.metrics.listen
+        try:
+            address = self.metrics.serve(listen)
+        except (OSError, ValueError) as exc:
+            # No metrics is bad, no scheduling is worse: keep running, say so loudly.
+            log.error("metrics_listen_failed", listen=listen, error=str(exc))
+            return
+        if address is None:
+            log.info("metrics_disabled")
+        else:
+            log.info("metrics_listening", listen=f"{address[0]}:{address[1]}")
+
+    def _start_agent(self) -> bool:
+        """Agent.start() in a worker thread, so the main thread can keep systemd informed meanwhile."""
+        failure: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                self.agent.start()
+            except BaseException as exc:
+                failure.append(exc)
+
+        worker = threading.Thread(target=start, name="agent-start", daemon=True)
+        started = time.monotonic()
+        worker.start()
+        while worker.is_alive():
+            worker.join(TICK_S)
+            # While starting, systemd's start timeout (TimeoutStartSec) is what guards a hang.
+            if self.notifier.watchdog_interval_s is not None:
+                self.notifier.watchdog()
+        if failure:
+            exc = failure[0]
+            log.error("agent_start_failed", error=str(exc), seconds=round(time.monotonic() - started, 3),
+                      exc_info=exc)
+            self.notifier.status(f"failed to start: {exc}")
+            return False
+        log.info("agent_started", seconds=round(time.monotonic() - started, 3))
+        return True
+
+    def _loop(self, setup: logs.LoggingSetup) -> None:
+        last_status = last_sample = time.monotonic()
+        status = ""
+        while not self._stop.is_set():
+            self._stop.wait(TICK_S)
+            now = self._main_alive = time.monotonic()
+            if not self._watchdog_from_engine and self.notifier.watchdog_interval_s is not None:
+                self.notifier.watchdog()
+            if self._reload.is_set():
+                self._reload.clear()
+                self._do_reload()
+            if now - last_status >= STATUS_EVERY_S:
+                last_status = now
+                fresh = self._summary()
+                if fresh != status:
+                    status = fresh
+                    self.notifier.status(fresh)
+            if now - last_sample >= RUNQUEUE_SAMPLE_EVERY_S:
+                last_sample = now
+                self._sample_runqueue()
+            setup.flush()
+
+    def _do_reload(self) -> None:
+        self.notifier.reloading()
+        log.info("reload_requested", signal="SIGHUP")
+        try:
+            self.agent.reload()
+        except Exception as exc:
+            log.error("reload_failed", error=str(exc), exc_info=True)
+        summary = self._summary()
+        self.notifier.notify(ready=1, status=summary)
+        log.info("reload_done", summary=summary)
+
+    def _sample_runqueue(self) -> None:
+        try:
+            self.metrics.runqueue.sample(self.agent.matches())
+        except Exception as exc:
+            log.warning("runqueue_sample_failed", error=str(exc))
+
+    def _summary(self) -> str:
+        try:
+            return str(self.agent.summary())
+        except Exception as exc:
+            return f"summary unavailable: {exc}"
+
+    def _shutdown(self) -> int:
+        self.notifier.stopping()
+        self.notifier.status("stopping: unloading the scheduler")
+        log.info("service_stopping", signal=self._stop_signal or "none")
+        code = 0
+        try:
+            self.agent.stop()
+        except Exception as exc:
+            log.error("agent_stop_failed", error=str(exc), exc_info=True)
+            code = 1
+        self.metrics.close()
+        log.info("service_stopped", exit_code=code)
+        return code

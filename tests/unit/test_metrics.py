@@ -1,0 +1,229 @@
+"""Metrics: names, types and values as a Prometheus scrape over HTTP sees them, and the monotonic
+run-queue wait counter as tasks come, go and reuse TIDs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gthulhu_node.backends.base import BackendHealth, BackendState
+from gthulhu_node.metrics import Metrics, RunqueueWaitTracker, parse_listen
+
+
+@dataclass
+class Row:
+    tid: int
+    tgid: int
+    intent: str
+
+
+def write_schedstat(root: Path, tgid: int, tid: int, wait_ns: int) -> None:
+    d = root / str(tgid) / "task" / str(tid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "schedstat").write_text(f"123 {wait_ns} 7\n")
+
+
+def test_runqueue_wait_is_monotonic_across_exit_and_tid_reuse(tmp_path: Path) -> None:
+    tracker = RunqueueWaitTracker(tmp_path)
+    write_schedstat(tmp_path, 10, 11, 1_000)
+    write_schedstat(tmp_path, 10, 12, 5_000)
+    rows = [Row(11, 10, "local/vllm"), Row(12, 10, "local/vllm")]
+    tracker.sample(rows)  # first sight: baseline only
+    assert tracker.totals_ns == {"local/vllm": 0}
+    write_schedstat(tmp_path, 10, 11, 3_000)
+    write_schedstat(tmp_path, 10, 12, 9_000)
+    tracker.sample(rows)
+    assert tracker.totals_ns["local/vllm"] == 6_000
+    (tmp_path / "10" / "task" / "12" / "schedstat").unlink()  # 12 exits: what it contributed stays
+    write_schedstat(tmp_path, 10, 11, 4_000)
+    tracker.sample(rows)
+    assert tracker.totals_ns["local/vllm"] == 7_000
+    write_schedstat(tmp_path, 20, 11, 500)  # TID 11 reused by another process: lower value, new baseline
+    tracker.sample([Row(11, 20, "local/vllm")])
+    assert tracker.totals_ns["local/vllm"] == 7_000
+    write_schedstat(tmp_path, 20, 11, 2_500)
+    tracker.sample([Row(11, 20, "local/other")])  # moved to another intent: the growth goes there
+    assert tracker.totals_ns == {"local/vllm": 7_000, "local/other": 2_000}
+    assert tracker.totals_seconds()["local/other"] == pytest.approx(2e-6)
+
+
+def test_runqueue_wait_from_real_schedstat() -> None:
+    """A thread of ours that waits behind busy siblings accumulates run-queue wait from the real /proc."""
+    stop = threading.Event()
+    ready = threading.Event()
+    tid: list[int] = []
+
+    def worker() -> None:
+        tid.append(threading.get_native_id())
+        ready.set()
+        while not stop.is_set():
+            sum(range(1000))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    tracker = RunqueueWaitTracker()
+    rows = [Row(t, os.getpid(), "test/busy") for t in tid]
+    tracker.sample(rows)
+    before = dict(tracker._last)
+    stop.wait(0.5)
+    tracker.sample(rows)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert set(before) == set(tid)
+    assert tracker.totals_ns["test/busy"] == sum(tracker._last[t][1] - before[t][1] for t in tid)
+    assert tracker.totals_ns["test/busy"] > 0  # 4 busy threads (plus the GIL) on at most 2 CPUs must wait
+
+
+@dataclass
+class FakeIntentStatus:
+    key: str
+    matched_tasks: int
+
+
+@dataclass
+class FakeSnapshot:
+    intents: tuple[FakeIntentStatus, ...]
+
+
+@dataclass
+class FakeStoreStats:
+    applies: int = 3
+    refused_stale: int = 1
+    refused_invalid: int = 2
+    deletes: int = 0
+    persist_errors: int = 0
+    corrupt_state_files: int = 0
+    intents: dict[str, int] = field(default_factory=lambda: {"local": 1})
+
+
+@dataclass
+class FakeAgentStats:
+    ready: bool = True
+    store: FakeStoreStats = field(default_factory=FakeStoreStats)
+    intents_by_state: dict[str, int] = field(default_factory=lambda: {"applied": 1})
+    local_files: int = 1
+    local_file_errors: int = 4
+    local_reloads: int = 2
+
+
+class FakeBackend:
+    name = "sched_ext"
+
+    def health(self) -> BackendHealth:
+        return BackendHealth(BackendState.RUNNING)
+
+    def counters(self) -> dict[str, int]:
+        return {"boosted_dispatches": 17}
+
+
+class FakeReconciler:
+    on_latency: Any = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"events": {"fork": 5, "comm": 2, "exec": 1, "exit": 4}, "events_lost": 1, "scans": 3,
+                "scan_duration_total_s": 0.3, "tasks": 40, "upserts": 7, "deletes": 2, "write_failures": 3,
+                "map_full": 1, "matched_tasks": 2}
+
+    def intent_stats(self) -> dict[str, Any]:
+        return {}
+
+
+class FakeEngine:
+    reconciler = FakeReconciler()
+
+
+class FakeAgent:
+    backend = FakeBackend()
+    backend_reason = "the kernel has sched_ext"
+    engine = FakeEngine()
+
+    def stats(self) -> FakeAgentStats:
+        return FakeAgentStats()
+
+    def status(self) -> FakeSnapshot:
+        return FakeSnapshot((FakeIntentStatus("local/vllm", 2),))
+
+    def matches(self) -> list[Row]:
+        return [Row(os.getpid(), os.getpid(), "local/vllm")]
+
+
+def scrape(metrics: Metrics) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    assert metrics.address is not None
+    host, port = metrics.address
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_scrape_over_http_shows_component_stats() -> None:
+    metrics = Metrics()
+    metrics.attach(FakeAgent())
+    assert metrics.serve("127.0.0.1:0") is not None
+    try:
+        metrics.observe_reaction(0.0015)
+        got = scrape(metrics)
+    finally:
+        metrics.close()
+    assert all(name.startswith("gthulhu_node_") for name in got)
+    assert got["gthulhu_node_matched_tasks"][(("intent", "local/vllm"),)] == 2
+    assert got["gthulhu_node_intents"][(("state", "applied"),)] == 1
+    assert got["gthulhu_node_intents"][(("state", "failed"),)] == 0
+    assert got["gthulhu_node_intent_pushes_refused_total"][(("reason", "invalid"),)] == 2
+    assert got["gthulhu_node_policy_file_errors_total"][()] == 4
+    assert got["gthulhu_node_proc_events_lost_total"][()] == 1
+    assert got["gthulhu_node_proc_events_total"][(("kind", "fork"),)] == 5
+    assert got["gthulhu_node_backend_writes_total"][(("op", "upsert"),)] == 7
+    assert got["gthulhu_node_backend_write_failures_total"][(("reason", "map_full"),)] == 1
+    assert got["gthulhu_node_backend_write_failures_total"][(("reason", "other"),)] == 2
+    assert got["gthulhu_node_scan_duration_seconds_count"][()] == 3
+    assert got["gthulhu_node_scan_duration_seconds_sum"][()] == pytest.approx(0.3)
+    info = (("kind", "sched_ext"), ("reason", "the kernel has sched_ext"))
+    assert got["gthulhu_node_backend_info"][info] == 1
+    assert got["gthulhu_node_backend_state"][(("state", "running"),)] == 1
+    assert got["gthulhu_node_scheduler_events_total"][(("counter", "boosted_dispatches"),)] == 17
+    assert got["gthulhu_node_reaction_latency_seconds_bucket"][(("le", "0.002"),)] == 1
+    assert got["gthulhu_node_reaction_latency_seconds_bucket"][(("le", "0.001"),)] == 0
+    assert (("intent", "local/vllm"),) in got["gthulhu_node_matched_runqueue_wait_seconds_total"]
+    assert got["gthulhu_node_ready"][()] == 1
+
+
+class BrokenAgent(FakeAgent):
+    def status(self) -> FakeSnapshot:
+        raise RuntimeError("boom")
+
+
+def test_a_failing_component_costs_only_its_own_metrics() -> None:
+    metrics = Metrics()
+    metrics.attach(BrokenAgent())
+    metrics.serve("127.0.0.1:0")
+    try:
+        got = scrape(metrics)
+    finally:
+        metrics.close()
+    assert "gthulhu_node_matched_tasks" not in got
+    assert got["gthulhu_node_ready"][()] == 1
+
+
+def test_empty_listen_means_no_endpoint() -> None:
+    assert Metrics().serve("") is None
+
+
+def test_parse_listen() -> None:
+    assert parse_listen("127.0.0.1:9812") == ("127.0.0.1", 9812)
+    assert parse_listen("[::1]:9812") == ("::1", 9812)
+    with pytest.raises(ValueError, match=r"metrics\.listen"):
+        parse_listen("localhost")
