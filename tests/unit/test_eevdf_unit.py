@@ -1,0 +1,188 @@
+"""EEVDF backend logic against a fake kernel: what the host tests cannot observe or provoke.
+
+sched_getattr cannot tell "no slice request" from "a request equal to the base slice", old kernels and
+missing privileges cannot be had on this host, so those paths are checked here; everything observable is
+checked on the real kernel in tests/host/test_eevdf_backend.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gthulhu_node.backends.base import (
+    BackendError,
+    BackendUnavailable,
+    Entry,
+    EntryKey,
+    InvalidEntryError,
+    KeyKind,
+)
+from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.sched_attr import (
+    KERNEL_SLICE_MAX_NS,
+    KERNEL_SLICE_MIN_NS,
+    SCHED_OTHER,
+    SchedAttr,
+    SchedAttrSyscalls,
+    probe,
+)
+from tests.unit.fakeproc import FakeProc
+
+BASE = 1_400_000
+
+
+@dataclass
+class _Task:
+    policy: int = SCHED_OTHER
+    nice: int = 0
+    request: int = 0  # 0: no slice request of its own (the kernel's custom_slice flag clear)
+    reset_on_fork: bool = False
+
+
+@dataclass
+class FakeKernel(SchedAttrSyscalls):
+    """Behaves like 6.12+ EEVDF: clamps requests, reports the base slice when there is no request."""
+
+    tasks: dict[int, _Task] = field(default_factory=dict)
+    calls: list[tuple[str, int]] = field(default_factory=list)
+    honours_slices: bool = True
+    refuse: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:  # no ctypes: nothing here reaches the real kernel
+        pass
+
+    def get(self, tid: int) -> SchedAttr:
+        self.calls.append(("get", tid))
+        t = self.tasks.setdefault(tid, _Task())  # the probe's own thread shows up unannounced
+        runtime = (t.request or BASE) if self.honours_slices else 0
+        return SchedAttr(t.policy, t.nice, runtime, t.reset_on_fork)
+
+    def set(self, tid: int, attr: SchedAttr) -> None:
+        self.calls.append(("set", tid))
+        if tid in self.refuse:
+            raise OSError(errno.EPERM, "operation not permitted")
+        t = self.tasks.setdefault(tid, _Task())
+        t.policy, t.nice, t.reset_on_fork = attr.policy, max(-20, min(19, attr.nice)), attr.reset_on_fork
+        if self.honours_slices:
+            t.request = (
+                min(max(attr.runtime_ns, KERNEL_SLICE_MIN_NS), KERNEL_SLICE_MAX_NS) if attr.runtime_ns else 0
+            )
+
+
+def make(tmp_path: Path, kernel: FakeKernel, *tids: int) -> EevdfBackend:
+    proc = FakeProc(tmp_path)
+    for tid in tids:
+        proc.add(100, tid, "worker", start_time=500 + tid)
+        (tmp_path / str(tid)).mkdir(exist_ok=True)
+        (tmp_path / str(tid) / "status").write_text(f"Name:\tworker\nTgid:\t100\nPid:\t{tid}\n")
+        kernel.tasks.setdefault(tid, _Task())
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0)
+    backend.start()
+    kernel.calls.clear()
+    return backend
+
+
+def key(tid: int) -> EntryKey:
+    return EntryKey(KeyKind.TID, tid)
+
+
+def entry(tid: int, priority: int, slice_ns: int = 0) -> Entry:
+    return Entry(priority, slice_ns, start_time=500 + tid)
+
+
+def test_nice_map_is_monotonic_from_minus_5_to_minus_20() -> None:
+    table = [nice_for_priority(p) for p in range(1, 21)]
+    assert table[0] == -5 and table[-1] == -20
+    assert all(a >= b for a, b in itertools.pairwise(table))
+    assert len(set(table)) == 16
+    # the table in docs/eevdf.md
+    assert table == [
+        -5,
+        -6,
+        -7,
+        -7,
+        -8,
+        -9,
+        -10,
+        -11,
+        -11,
+        -12,
+        -13,
+        -14,
+        -14,
+        -15,
+        -16,
+        -17,
+        -18,
+        -18,
+        -19,
+        -20,
+    ]
+    for bad in (0, 21, -1):
+        with pytest.raises(ValueError):
+            nice_for_priority(bad)
+
+
+def test_invalid_batch_makes_no_system_call(tmp_path: Path) -> None:
+    kernel = FakeKernel()
+    backend = make(tmp_path, kernel, 201, 202)
+    with pytest.raises(InvalidEntryError):
+        backend.apply({key(201): entry(201, 5), key(202): entry(202, 5, 40_000)}, [key(201)])
+    with pytest.raises(InvalidEntryError):
+        backend.apply({EntryKey(KeyKind.TID, 0): Entry(1, 0, 0)}, [])
+    assert kernel.calls == []
+
+
+def test_restore_gives_back_no_request_or_the_threads_own_request(tmp_path: Path) -> None:
+    kernel = FakeKernel()
+    backend = make(tmp_path, kernel, 301, 302)
+    kernel.tasks[302] = _Task(nice=2, request=BASE)  # its own request happens to equal the base slice
+    kernel.tasks[301] = _Task(nice=-3, request=0)
+    backend.apply({key(301): entry(301, 20, 2_000_000), key(302): entry(302, 20, 2_000_000)}, [])
+    assert (kernel.tasks[301].nice, kernel.tasks[301].request, kernel.tasks[301].reset_on_fork) == (
+        -20,
+        2_000_000,
+        True,
+    )
+    backend.apply({}, [key(301), key(302)])
+    assert kernel.tasks[301] == _Task(nice=-3, request=0)
+    # indistinguishable from no request through sched_getattr: restored as none (documented)
+    assert kernel.tasks[302] == _Task(nice=2, request=0)
+
+
+def test_one_refused_thread_does_not_stop_the_batch(tmp_path: Path) -> None:
+    kernel = FakeKernel()
+    backend = make(tmp_path, kernel, 401, 402)
+    kernel.refuse.add(402)
+    result = backend.apply({key(401): entry(401, 10), key(402): entry(402, 10)}, [])
+    assert result.upserted == 1 and type(result.failed[key(402)]) is BackendError
+    assert "not permitted" in str(result.failed[key(402)])
+    assert kernel.tasks[401].nice == -12 and kernel.tasks[402].nice == 0
+    assert backend.counters()["errors"] == 1
+
+
+def test_kernel_that_ignores_slice_requests_is_unavailable() -> None:
+    found = probe(FakeKernel(honours_slices=False))
+    assert not found.ok and "6.12" in found.reason
+    with pytest.raises(BackendUnavailable, match=r"6\.12"):
+        EevdfBackend(syscalls=FakeKernel(honours_slices=False)).start()
+
+
+def test_without_privilege_the_backend_is_unavailable() -> None:
+    class Unprivileged(FakeKernel):
+        def set(self, tid: int, attr: SchedAttr) -> None:
+            raise OSError(errno.EPERM, "operation not permitted")
+
+    with pytest.raises(BackendUnavailable, match="CAP_SYS_NICE"):
+        EevdfBackend(syscalls=Unprivileged()).start()
+
+
+def test_apply_before_start_is_an_error(tmp_path: Path) -> None:
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=FakeKernel(), cover_interval_s=0)
+    with pytest.raises(BackendError, match="not started"):
+        backend.apply({}, [])
