@@ -1,0 +1,195 @@
+"""The intent store: generation semantics, per-source replacement, validation words, persistence."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.parse import IntentValidationError, parse_intent
+from gthulhu_node.intents.store import (
+    STATE_FILE,
+    IntentNotFoundError,
+    IntentStore,
+    LimitError,
+    StaleGenerationError,
+)
+
+
+def intent(id: str, regex: str = "^worker", priority: int = 5, **kw: object) -> Intent:
+    return parse_intent({"id": id, "commandRegex": regex, "priority": priority, **kw})
+
+
+def ids(store: IntentStore, source: str) -> list[str]:
+    ss = store.get(source)
+    return [i.id for i in ss.intents] if ss else []
+
+
+def test_apply_replaces_only_that_source(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    store.apply("a", 1, [intent("x"), intent("y")])
+    store.apply("b", 1, [intent("z")])
+    store.apply("a", 2, [intent("w")])
+    assert ids(store, "a") == ["w"]
+    assert ids(store, "b") == ["z"]
+
+
+def test_stale_generation_refused_and_changes_nothing(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    store.apply("a", 5, [intent("x")])
+    with pytest.raises(StaleGenerationError, match="stale"):
+        store.apply("a", 4, [intent("other")])
+    assert ids(store, "a") == ["x"]
+    assert store.get("a").generation == 5  # type: ignore[union-attr]
+
+
+def test_same_generation_same_content_is_noop_other_content_refused(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    first = store.apply("a", 3, [intent("x"), intent("y")])
+    assert first.changed
+    again = store.apply("a", 3, [intent("y"), intent("x")])  # order does not matter
+    assert not again.changed and again.generation == 3
+    with pytest.raises(StaleGenerationError, match="other content"):
+        store.apply("a", 3, [intent("x")])
+    assert ids(store, "a") == ["x", "y"]
+
+
+def test_generation_zero_means_next(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    assert store.apply("a", 0, [intent("x")]).generation == 1
+    assert not store.apply("a", 0, [intent("x")]).changed
+    assert store.apply("a", 0, [intent("y")]).generation == 2
+    assert store.apply("a", 10, [intent("y")]).generation == 10
+
+
+def test_delete_keeps_generation_and_retry_does_not_resurrect(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    store.apply("a", 7, [intent("x"), intent("y")])
+    store.delete("a", "x")
+    assert ids(store, "a") == ["y"]
+    assert not store.apply("a", 7, [intent("x"), intent("y")]).changed  # a retry of the accepted push
+    assert ids(store, "a") == ["y"]
+    with pytest.raises(IntentNotFoundError):
+        store.delete("a", "x")
+
+
+def test_reserved_sources_need_permission(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    for reserved in ("local", "manager"):
+        with pytest.raises(IntentValidationError, match="reserved") as exc:
+            store.apply(reserved, 0, [intent("x")])
+        assert exc.value.field == "source"
+    store.apply("manager", 0, [intent("x")], allow_reserved=True)
+    assert ids(store, "manager") == ["x"]
+
+
+def test_duplicate_ids_named(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    with pytest.raises(IntentValidationError) as exc:
+        store.apply("a", 0, [intent("x"), intent("y"), intent("x")])
+    assert exc.value.field == "intents[2].id"
+    assert "'x'" in str(exc.value)
+    assert store.get("a") is None
+
+
+def test_limits(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path, max_intents_per_source=2, max_sources=2)
+    with pytest.raises(IntentValidationError, match="at most 2"):
+        store.apply("a", 0, [intent("x"), intent("y"), intent("z")])
+    store.apply("a", 0, [intent("x")])
+    store.apply("b", 0, [intent("x")])
+    with pytest.raises(LimitError):
+        store.apply("c", 0, [intent("x")])
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "words"),
+    [
+        ({"id": "a", "commandRegex": "x", "priority": 21}, "priority", "outside 0-20"),
+        ({"id": "a", "commandRegex": "x", "priority": -1}, "priority", "outside 0-20"),
+        ({"id": "a", "commandRegex": "x", "executionTime": 10}, "executionTime", "outside"),
+        ({"id": "a", "commandRegex": "(", "priority": 1}, "commandRegex", "RE2"),
+        ({"id": "a", "commandRegex": "x" * 257}, "commandRegex", "257 bytes"),
+        ({"id": "a", "commandRegex": "a{1000}{1000}"}, "commandRegex", "RE2"),
+        ({"id": "a b", "commandRegex": "x"}, "id", "[A-Za-z0-9._-]"),
+        ({"commandRegex": "x"}, "id", "required"),
+        ({"id": "a", "commandRegex": "x", "bogus": 1}, "bogus", "unknown field"),
+        ({"id": "a", "commandRegex": "x", "scope": "galaxy"}, "scope", ""),
+    ],
+)
+def test_validation_names_the_field(doc: dict[str, object], field: str, words: str) -> None:
+    with pytest.raises(IntentValidationError) as exc:
+        parse_intent(doc, "intents[3]")
+    assert exc.value.field == f"intents[3].{field}"
+    assert words in str(exc.value)
+
+
+def test_persisted_and_loaded(tmp_path: Path) -> None:
+    store = IntentStore(tmp_path)
+    store.apply("a", 4, [intent("x", scope="process", nodeNames=["n1"])])
+    store.apply("local", 0, [intent("f")], allow_reserved=True)
+    store.delete("a", "x")
+    store.apply("b", 9, [intent("y", executionTime=2_000_000)])
+    mode = os.stat(tmp_path / STATE_FILE).st_mode & 0o777
+    assert mode == 0o600
+    again = IntentStore(tmp_path)
+    assert again.load() == 1
+    assert ids(again, "a") == [] and again.get("a").generation == 4  # type: ignore[union-attr]
+    assert again.get("b").intents == store.get("b").intents  # type: ignore[union-attr]
+    assert again.get("local") is None  # the files are the local source's persistence
+    with pytest.raises(StaleGenerationError):
+        again.apply("b", 8, [])
+    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left behind
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[]",
+        json.dumps({"format": "gthulhu-node-intents", "version": 1, "sources": {"a": {"generation": 1,
+                    "intents": [{"id": "x", "commandRegex": "x", "priority": 99}]}}}).encode(),
+        b"[" * 100_000,
+    ],
+)
+def test_corrupt_state_moved_aside_and_start_empty(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / STATE_FILE).write_bytes(content)
+    store = IntentStore(tmp_path)
+    assert store.load() == 0
+    assert store.snapshot() == {}
+    assert store.stats().corrupt_state_files == 1
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(STATE_FILE + ".corrupt-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == content
+    store.apply("a", 0, [intent("x")])  # and it works afterwards
+    assert IntentStore(tmp_path).load() == 1
+
+
+def test_persist_failure_changes_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "state"
+    store = IntentStore(target)
+    store.apply("a", 1, [intent("x")])
+    target.chmod(0o500)
+    try:
+        if os.geteuid() == 0:  # root ignores the mode: make the directory a file's name instead
+            target.chmod(0o700)
+            (target / STATE_FILE).unlink()
+            (target / STATE_FILE).mkdir()
+        with pytest.raises(OSError):
+            store.apply("a", 2, [intent("y")])
+        assert ids(store, "a") == ["x"] and store.get("a").generation == 1  # type: ignore[union-attr]
+    finally:
+        target.chmod(0o700)
+
+
+def test_listeners_hear_changes_not_noops(tmp_path: Path) -> None:
+    store = IntentStore(None)
+    heard: list[str] = []
+    store.subscribe(heard.append)
+    store.apply("a", 0, [intent("x")])
+    store.apply("a", 0, [intent("x")])
+    store.delete("a", "x")
+    assert heard == ["a", "a"]
