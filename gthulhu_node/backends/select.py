@@ -2,7 +2,8 @@
 
 auto, in order:
   1. sched_ext, when the kernel has it (/sys/kernel/sched_ext exists);
-  2. (kernels without sched_ext, 6.12+: the EEVDF backend slots in here, see `_auto_without_sched_ext`);
+  2. kernels without sched_ext: the EEVDF backend (sched_setattr), when a probe shows slice requests work
+     (6.12+) and we may lower nice values;
   3. the dry run, which changes nothing and says so.
 The reason string says which one was chosen and why; status, logs and metrics show it.
 """
@@ -39,9 +40,21 @@ def _dry_run(config: Any) -> Backend:
     return DryRunBackend(record=config.backend.dry_run_record)
 
 
-def _auto_without_sched_ext(config: Any) -> tuple[Backend, str] | None:
-    """The place for backends that work without sched_ext (the EEVDF backend, 6.12+). None: none fits."""
-    return None
+def _auto_without_sched_ext(config: Any, sysfs: Path) -> tuple[Backend, str] | None:
+    """The EEVDF backend when a probe on a throwaway thread of our own shows the kernel honours slice
+    requests and nice changes (6.12+, root); else the dry run, with the probe's answer in the reason."""
+    from gthulhu_node.backends import eevdf, sched_attr
+
+    found = sched_attr.probe()
+    if found.ok:
+        backend: Backend = eevdf.EevdfBackend(proc_root=config.watch.proc_root, probed=found)
+        return backend, f"auto: the kernel has no sched_ext ({sysfs} is missing); eevdf: {found.reason}"
+    log.info("eevdf_unavailable", reason=found.reason)
+    return (
+        _dry_run(config),
+        f"auto: the kernel has no sched_ext ({sysfs} is missing) and eevdf is unavailable "
+        f"({found.reason}); dry run, scheduling is not changed",
+    )
 
 
 def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend, str]:
@@ -67,7 +80,7 @@ def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend,
         raise BackendUnavailable(f"unknown backend kind {kind!r}")
     if kernel_has_sched_ext(sysfs):
         return _sched_ext(config), f"auto: the kernel has sched_ext ({sysfs} exists)"
-    other = _auto_without_sched_ext(config)
+    other = _auto_without_sched_ext(config, sysfs)
     if other is not None:
         return other
     return (

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from gthulhu_node.backends import sched_attr
 from gthulhu_node.backends.base import BackendUnavailable, Entry, EntryKey, InvalidEntryError, KeyKind
 from gthulhu_node.backends.dryrun import DryRunBackend, RecordReader
 from gthulhu_node.backends.select import select_backend
@@ -96,11 +97,13 @@ def test_dry_run_refuses_out_of_range_entries_before_writing() -> None:
     assert b.table == {}
 
 
-def test_select_backend(tmp_path: Path) -> None:
+def test_select_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     forced = AgentConfig.model_validate({"backend": {"kind": "dry-run"}})
     backend, reason = select_backend(forced)
     assert isinstance(backend, DryRunBackend) and "forced" in reason
     auto = AgentConfig()
+    # a kernel where the EEVDF backend cannot work either (its own selection: tests/host/test_eevdf_select.py)
+    monkeypatch.setattr(sched_attr, "probe", lambda: sched_attr.Probe(False, "probe says no"))
     backend, reason = select_backend(auto, sysfs=tmp_path / "missing")
     assert isinstance(backend, DryRunBackend) and "no sched_ext" in reason
     with pytest.raises(BackendUnavailable, match="sched_ext"):
