@@ -100,7 +100,8 @@ class LogConfig(_Section):
 
 
 class RestConfig(_Section):
-    """The upstream Decision Maker REST API (for an existing Gthulhu Manager). Off by default."""
+    """The upstream Decision Maker REST API (for an existing Gthulhu Manager). Off by default.
+    Needs mutual TLS (the three tls_* files) and the RSA key pair tokens are signed with (docs/rest.md)."""
 
     enabled: bool = False
     listen: str = "0.0.0.0:8080"
@@ -108,9 +109,11 @@ class RestConfig(_Section):
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     jwt_private_key: Path | None = None
-    jwt_public_key: Path | None = None
+    jwt_public_key: Path | None = None  # optional: checked to be the private key's public half
     token_ttl_s: int = Field(default=3600, ge=60)
     insecure_allow_plain_http: bool = False
+    insecure_warning_interval_s: float = Field(default=600.0, gt=0)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
 
 
 class ProbeConfig(_Section):

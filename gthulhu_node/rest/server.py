@@ -1,0 +1,217 @@
+"""The REST listener: its own thread and asyncio loop, started and stopped by the Agent.
+
+Why a thread of its own: the agent's other parts (gRPC handlers, reconciler) are threads, not asyncio;
+the listener must neither block them nor be blocked by them. All it shares is the thread-safe intent
+store (and a status function).
+
+Refuses to start without mutual TLS unless `insecure_allow_plain_http` is set; then it says so at start,
+again every `insecure_warning_interval_s`, and in its stats (`insecure`), because a plain-HTTP listener
+hands a token to anyone who has the (public) key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import threading
+from collections.abc import Callable
+
+import structlog
+from aiohttp import web
+
+from gthulhu_node.config import RestConfig
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.rest.app import DecisionMakerApi, RestStats, StatusFn
+from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
+from gthulhu_node.rest.tls import server_context
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["RestConfigError", "RestServer", "RestStats"]
+
+
+class RestConfigError(ValueError):
+    """The `rest` section cannot be served as configured; the message names the setting."""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port)."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host:
+        raise RestConfigError(f"rest.listen {listen!r}: expected host:port")
+    host = host.removeprefix("[").removesuffix("]")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise RestConfigError(f"rest.listen {listen!r}: bad port")
+    return host, int(port_text)
+
+
+def default_metrics_text() -> bytes:
+    """The process's Prometheus registry in text format (what `/metrics` serves)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return generate_latest(REGISTRY)
+
+
+class RestServer:
+    """`RestServer(config.rest, agent.store, node_name=...).start()` ... `.stop()`."""
+
+    def __init__(
+        self,
+        config: RestConfig,
+        store: IntentStore,
+        *,
+        node_name: str,
+        status: StatusFn | None = None,
+        metrics_text: Callable[[], bytes] | None = default_metrics_text,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._node_name = node_name
+        self._status = status
+        self._metrics_text = metrics_text
+        self._stats = RestStats(insecure=config.insecure_allow_plain_http)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._port = 0
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with `listen: host:0`)."""
+        return self._port
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self._config.insecure_allow_plain_http else "https"
+
+    def stats(self) -> RestStats:
+        return self._stats
+
+    def _prepare(self) -> tuple[TokenAuthority, ssl.SSLContext | None]:
+        cfg = self._config
+        if cfg.jwt_private_key is None:
+            raise RestConfigError("rest.jwt_private_key is required: the RSA key tokens are signed with")
+        try:
+            authority = TokenAuthority.from_files(cfg.jwt_private_key, cfg.jwt_public_key,
+                                                  ttl_s=cfg.token_ttl_s)
+        except KeyFileError as exc:
+            raise RestConfigError(str(exc)) from None
+        if cfg.insecure_allow_plain_http:
+            return authority, None
+        missing = [
+            name
+            for name, value in (
+                ("rest.tls_cert", cfg.tls_cert),
+                ("rest.tls_key", cfg.tls_key),
+                ("rest.tls_client_ca", cfg.tls_client_ca),
+            )
+            if value is None
+        ]
+        if missing:
+            raise RestConfigError(
+                f"{', '.join(missing)} required: the REST listener needs mutual TLS "
+                "(or rest.insecure_allow_plain_http: true, not recommended)"
+            )
+        assert cfg.tls_cert and cfg.tls_key and cfg.tls_client_ca
+        try:
+            return authority, server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        except ValueError as exc:
+            raise RestConfigError(str(exc)) from None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Bind and serve; returns once the listener accepts connections. Raises RestConfigError or
+        OSError (address in use, ...) without leaving a thread behind."""
+        if self._thread is not None:
+            raise RuntimeError("RestServer already started")
+        host, port = parse_listen(self._config.listen)
+        authority, ssl_ctx = self._prepare()
+        api = DecisionMakerApi(
+            self._store,
+            authority,
+            node_name=self._node_name,
+            max_body_bytes=self._config.max_body_bytes,
+            stats=self._stats,
+            status=self._status,
+            metrics_text=self._metrics_text,
+        )
+        self._thread = threading.Thread(
+            target=self._run, args=(api.app(), host, port, ssl_ctx), name="gthulhu-rest", daemon=True
+        )
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError("REST listener did not start")
+        if self._start_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._start_error
+        log.info(
+            "rest_listening",
+            listen=f"{host}:{self._port}",
+            scheme=self.scheme,
+            mutual_tls=ssl_ctx is not None,
+            node_name=self._node_name,
+        )
+        if ssl_ctx is None:
+            self._warn_insecure()
+
+    def _warn_insecure(self) -> None:
+        log.warning(
+            "rest_insecure_plain_http",
+            listen=self._config.listen,
+            risk="plain HTTP without client certificates: anyone holding the public key gets a token "
+            "and can change this node's scheduling",
+        )
+
+    def _run(
+        self, app: web.Application, host: str, port: int, ssl_ctx: ssl.SSLContext | None
+    ) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve(app, host, port, ssl_ctx))
+        except BaseException as exc:  # reported to start() if it happened before the listener was up
+            if not self._started.is_set():
+                self._start_error = exc
+                self._started.set()
+            else:
+                log.exception("rest_server_failed")
+        finally:
+            loop.close()
+
+    async def _serve(
+        self, app: web.Application, host: str, port: int, ssl_ctx: ssl.SSLContext | None
+    ) -> None:
+        self._stop = asyncio.Event()
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+            await site.start()
+            addresses = runner.addresses  # the bound socket's address: how port 0 learns its number
+            if addresses:
+                self._port = int(addresses[0][1])
+            self._started.set()
+            interval = self._config.insecure_warning_interval_s
+            while True:
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=interval if ssl_ctx is None else None)
+                    break
+                except TimeoutError:
+                    self._warn_insecure()
+        finally:
+            await runner.cleanup()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, finish in-flight requests (up to 2 s), end the thread. Idempotent."""
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout)
+        self._thread = None
+        log.info("rest_stopped")

@@ -1,0 +1,423 @@
+"""The Decision Maker REST API over a real socket: a real aiohttp server on loopback in its own thread,
+a real HTTP client (urllib), real keys and certificates, the real intent store."""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import time
+import urllib.error
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+import structlog
+
+from gthulhu_node.config import RestConfig
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.rest import RestConfigError, RestServer
+from tests.unit.rest_support import (
+    Pki,
+    call,
+    client_context,
+    make_pki,
+    node_policy_rows,
+    public_pem,
+    reference_merkle,
+    shell_merkle,
+    write_rsa_key,
+)
+
+RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+NODE = "node-a"
+
+
+class Env:
+    """A running server plus what a client needs to talk to it."""
+
+    def __init__(self, server: RestServer, store: IntentStore, key: Any, ctx: ssl.SSLContext | None,
+                 pki: Pki | None) -> None:
+        self.server, self.store, self.key, self.ctx, self.pki = server, store, key, ctx, pki
+        host = "localhost" if ctx is not None else "127.0.0.1"
+        self.base = f"{server.scheme}://{host}:{server.port}"
+
+    def call(self, method: str, path: str, body: Any = None, token: str | None = None,
+             ctx: ssl.SSLContext | str | None = "default") -> Any:
+        headers = {}
+        data = None
+        if body is not None:
+            data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+            headers["Content-Type"] = "application/json"
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        return call(self.base, method, path, data, headers, self.ctx if ctx == "default" else ctx)
+
+    def token(self) -> str:
+        reply = self.call("POST", "/api/v1/auth/token",
+                          {"public_key": public_pem(self.key), "client_id": "manager-client"})
+        assert reply.status == 200, reply.body
+        return str(reply.body["data"]["token"])
+
+
+def start(tmp_path: Path, *, insecure: bool, store: IntentStore | None = None, **extra: Any) -> Env:
+    key = write_rsa_key(tmp_path / "jwt.key")
+    pki = None if insecure else make_pki(tmp_path)
+    cfg = RestConfig(
+        enabled=True,
+        listen="127.0.0.1:0",
+        jwt_private_key=tmp_path / "jwt.key",
+        insecure_allow_plain_http=insecure,
+        tls_cert=pki.server_cert if pki else None,
+        tls_key=pki.server_key if pki else None,
+        tls_client_ca=pki.ca if pki else None,
+        **extra,
+    )
+    store = store or IntentStore(tmp_path / "state")
+    server = RestServer(cfg, store, node_name=NODE)
+    server.start()
+    return Env(server, store, key, client_context(pki) if pki else None, pki)
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Iterator[Env]:
+    env = start(tmp_path, insecure=True)
+    yield env
+    env.server.stop()
+
+
+@pytest.fixture
+def mtls(tmp_path: Path) -> Iterator[Env]:
+    env = start(tmp_path, insecure=False)
+    yield env
+    env.server.stop()
+
+
+def policy(pid: str, regex: str = "^worker$", prio: int = 5, slice_ns: int = 2_000_000,
+           node: str = NODE) -> dict[str, Any]:
+    """A node policy as the Manager's Go encoder writes it (zero values omitted: `omitempty`)."""
+    out: dict[str, Any] = {"policyID": pid, "nodeID": node, "commandRegex": regex}
+    if prio:
+        out["priority"] = prio
+    if slice_ns:
+        out["executionTime"] = slice_ns
+    return out
+
+
+def held(store: IntentStore, source: str) -> dict[str, Intent]:
+    current = store.get(source)
+    return {i.id: i for i in current.intents} if current else {}
+
+
+# -- the Manager's exchange, replayed ------------------------------------------------------------------
+
+def test_manager_exchange_contract(mtls: Env) -> None:
+    """Token, push, merkle check, delete one, delete all: the exact bodies and headers the Manager sends
+    (Go's encoder: omitempty, no expired_at), and the fields it parses."""
+    env = mtls
+    # 1. token: Content-Type only, body {public_key, client_id}
+    tok = env.call("POST", "/api/v1/auth/token",
+                   f'{{"public_key":{json.dumps(public_pem(env.key))},"client_id":"manager-client"}}')
+    assert tok.status == 200
+    assert tok.body["success"] is True
+    assert RFC3339.match(tok.body["timestamp"])
+    token, expired_at = tok.body["data"]["token"], tok.body["data"]["expired_at"]
+    assert isinstance(token, str) and isinstance(expired_at, int)
+    assert time.time() < expired_at <= time.time() + 3600 + 5
+    claims = jwt.decode(token, env.key.public_key(), algorithms=["RS256"], issuer="decision-maker-service")
+    assert claims["client_id"] == "manager-client" and claims["sub"] == "manager-client"
+    assert claims["exp"] == expired_at and claims["nbf"] <= claims["iat"] + 1
+
+    # 2. push: Content-Type + Authorization
+    policies = [
+        policy("665f1c2ab1d4e9a0c3b7f812", "^EngineCore(_DP[0-9]+)?$", 10, 2_000_000),
+        policy("665f1c2ab1d4e9a0c3b7f813", "nginx", 0, 5_000_000),
+        policy("665f1c2ab1d4e9a0c3b7f811", "^a\u0026b$", 3, 0),
+    ]
+    push = env.call("POST", "/api/v1/node-intents", {"policies": policies}, token)
+    assert push.status == 200 and push.body["success"] is True
+    assert held(env.store, "manager").keys() == {p["policyID"] for p in policies}
+    assert held(env.store, "manager")["665f1c2ab1d4e9a0c3b7f813"].priority == 0
+
+    # 3. merkle check: Authorization only, no body; equals the root the Manager expects
+    merkle = env.call("GET", "/api/v1/node-intents/merkle", token=token)
+    assert merkle.status == 200 and merkle.body["success"] is True
+    assert merkle.body["data"]["rootHash"] == shell_merkle(node_policy_rows(policies))
+
+    # 4. delete one policy, then all
+    one = env.call("DELETE", "/api/v1/node-intents", {"policyId": "665f1c2ab1d4e9a0c3b7f812"}, token)
+    assert one.status == 200 and one.body["success"] is True
+    assert "665f1c2ab1d4e9a0c3b7f812" not in held(env.store, "manager")
+    merkle = env.call("GET", "/api/v1/node-intents/merkle", token=token)
+    assert merkle.body["data"]["rootHash"] == shell_merkle(node_policy_rows(policies[1:]))
+    everything = env.call("DELETE", "/api/v1/node-intents", {"all": True}, token)
+    assert everything.status == 200 and everything.body["success"] is True
+    assert held(env.store, "manager") == {}
+    merkle = env.call("GET", "/api/v1/node-intents/merkle", token=token)
+    assert merkle.body["data"]["rootHash"] == shell_merkle([])
+
+    # neither policyId nor all: 400 in the error envelope
+    neither = env.call("DELETE", "/api/v1/node-intents", {}, token)
+    assert neither.status == 400 and neither.body["success"] is False and neither.body["error"]
+
+
+def test_health_needs_no_token(plain: Env) -> None:
+    reply = plain.call("GET", "/health")
+    assert reply.status == 200
+    assert reply.body["status"] == "healthy" and RFC3339.match(reply.body["timestamp"])
+    assert reply.body["service"]
+
+
+# -- merkle against roots computed without the implementation ------------------------------------------
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3])
+def test_merkle_root_matches_independent_computation(plain: Env, count: int) -> None:
+    token = plain.token()
+    # ids and node names chosen so that sorting by policyID first (upstream's own Decision Maker) would
+    # give another order than the Manager's nodeID-first order
+    policies = [
+        policy("ccc000000000000000000001", "^w1$", 1, 1_000_000, node="node-a"),
+        policy("aaa000000000000000000002", "^w2$", 20, 0, node="node-b"),
+        policy("bbb000000000000000000003", "^w3$", 0, 50_000, node="node-a"),
+    ][:count]
+    reply = plain.call("POST", "/api/v1/node-intents", {"policies": policies}, token)
+    assert reply.status == 200, reply.body
+    root = plain.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+    assert root == shell_merkle(node_policy_rows(policies))
+    assert root == reference_merkle(node_policy_rows(policies))  # the reference used for large sets
+    if count == 0:
+        assert root == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+# -- refused tokens change nothing ---------------------------------------------------------------------
+
+def _bad_tokens(env: Env, tmp_path: Path) -> dict[str, str | None]:
+    now = int(time.time())
+    claims = {"client_id": "manager-client", "sub": "manager-client", "iss": "decision-maker-service",
+              "iat": now, "nbf": now, "exp": now + 600}
+    other = write_rsa_key(tmp_path / "other.key")
+    return {
+        "missing": None,
+        "expired": jwt.encode({**claims, "iat": now - 7200, "nbf": now - 7200, "exp": now - 3600},
+                              env.key, algorithm="RS256"),
+        "forged": jwt.encode(claims, other, algorithm="RS256"),
+        "wrong issuer": jwt.encode({**claims, "iss": "someone-else"}, env.key, algorithm="RS256"),
+        "not yet valid": jwt.encode({**claims, "nbf": now + 3600}, env.key, algorithm="RS256"),
+        "no exp": jwt.encode({k: v for k, v in claims.items() if k != "exp"}, env.key, algorithm="RS256"),
+        "HS256 with the public key": jwt.encode(claims, "secret-key-" * 4, algorithm="HS256"),
+        "garbage": "not-a-jwt",
+    }
+
+
+def test_refused_tokens_get_401_and_change_nothing(plain: Env, tmp_path: Path) -> None:
+    good = plain.token()
+    kept = [policy("aaaaaaaaaaaaaaaaaaaaaaaa")]
+    assert plain.call("POST", "/api/v1/node-intents", {"policies": kept}, good).status == 200
+    before = plain.store.snapshot()
+    for name, token in _bad_tokens(plain, tmp_path).items():
+        for method, path, body in [
+            ("POST", "/api/v1/node-intents", {"policies": [policy("bbbbbbbbbbbbbbbbbbbbbbbb")]}),
+            ("POST", "/api/v1/node-intents", {"policies": []}),
+            ("DELETE", "/api/v1/node-intents", {"all": True}),
+            ("GET", "/api/v1/node-intents/merkle", None),
+            ("POST", "/api/v1/intents", {"intents": []}),
+        ]:
+            reply = plain.call(method, path, body, token)
+            assert reply.status == 401, (name, method, path, reply.body)
+            assert reply.body["success"] is False and reply.body["error"], name
+    assert plain.store.snapshot() == before
+    # a bearer header that is not "Bearer ..."
+    raw = call(plain.base, "DELETE", "/api/v1/node-intents", '{"all":true}',
+               {"Authorization": f"Token {good}"})
+    assert raw.status == 401 and plain.store.snapshot() == before
+    assert plain.server.stats().auth_refused >= 41
+
+
+def test_token_needs_our_public_key(plain: Env, tmp_path: Path) -> None:
+    other = write_rsa_key(tmp_path / "x.key")
+    for pem in [public_pem(other), "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n", "x"]:
+        reply = plain.call("POST", "/api/v1/auth/token", {"public_key": pem, "client_id": "m"})
+        assert reply.status == 401 and reply.body == {"success": False, "error": reply.body["error"]}
+    # the same key in another encoding (PKCS#1, CRLF line ends, surrounding blanks) is the same key
+    pkcs1 = "\n  " + public_pem(plain.key, "pkcs1").replace("\n", "\r\n") + "  \n"
+    reply = plain.call("POST", "/api/v1/auth/token", {"public_key": pkcs1, "client_id": "m"})
+    assert reply.status == 200 and reply.body["data"]["token"]
+    # a client may ask for a shorter lifetime, not a longer one
+    soon = int(time.time()) + 120
+    short = plain.call("POST", "/api/v1/auth/token",
+                       {"public_key": public_pem(plain.key), "client_id": "m", "expired_at": soon})
+    assert short.body["data"]["expired_at"] == soon
+    late = plain.call("POST", "/api/v1/auth/token",
+                      {"public_key": public_pem(plain.key), "client_id": "m", "expired_at": soon + 10**6})
+    assert late.body["data"]["expired_at"] <= int(time.time()) + 3600 + 1
+    assert plain.call("POST", "/api/v1/auth/token", {"client_id": "m"}).status == 400
+
+
+# -- validation: the store's, naming the field -------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"policyID": "not/valid", "commandRegex": "x", "priority": 1}, "policies[1].policyID"),
+        ({"policyID": "b" * 24, "commandRegex": "x", "priority": 25}, "policies[1].priority"),
+        ({"policyID": "b" * 24, "commandRegex": "x", "executionTime": 10}, "policies[1].executionTime"),
+        ({"policyID": "b" * 24, "commandRegex": "(unclosed", "priority": 1}, "policies[1].commandRegex"),
+        ({"policyID": "b" * 24, "priority": 1}, "policies[1].commandRegex"),
+        ({"policyID": "b" * 24, "commandRegex": "x", "priority": "high"}, "policies[1].priority"),
+        ({"policyID": "a" * 24, "commandRegex": "x", "priority": 1}, "policies[1].policyID"),
+    ],
+)
+def test_invalid_policy_is_refused_naming_the_field(plain: Env, bad: dict[str, Any], field: str) -> None:
+    token = plain.token()
+    good = policy("a" * 24)
+    assert plain.call("POST", "/api/v1/node-intents", {"policies": [good]}, token).status == 200
+    before = plain.store.snapshot()
+    reply = plain.call("POST", "/api/v1/node-intents", {"policies": [good, bad]}, token)
+    assert reply.status == 400 and reply.body["success"] is False
+    assert reply.body["error"].startswith(field), reply.body["error"]
+    assert plain.store.snapshot() == before
+
+
+def test_malformed_bodies(plain: Env) -> None:
+    token = plain.token()
+    for body in ["", "{", "[]", '{"policies": 3}', '{"policies": [1]}']:
+        reply = plain.call("POST", "/api/v1/node-intents", body, token)
+        assert reply.status == 400 and reply.body["success"] is False, body
+    assert plain.call("GET", "/api/v1/nowhere", token=token).status == 404
+    assert plain.call("PUT", "/api/v1/node-intents", "{}", token).status == 405
+
+
+def test_body_size_limit(tmp_path: Path) -> None:
+    env = start(tmp_path, insecure=True, max_body_bytes=4096)
+    try:
+        token = env.token()
+        big = {"policies": [policy(f"{i:024x}") for i in range(100)]}
+        reply = env.call("POST", "/api/v1/node-intents", big, token)
+        assert reply.status == 413 and reply.body["success"] is False
+        assert env.store.get("manager") is None
+    finally:
+        env.server.stop()
+
+
+# -- only the manager source ---------------------------------------------------------------------------
+
+def test_manager_push_never_drops_other_sources(plain: Env) -> None:
+    store = plain.store
+    store.apply("local", 0, [Intent(id="vllm", commandRegex="^EngineCore")], allow_reserved=True)
+    store.apply("ops-team", 7, [Intent(id="db", commandRegex="^postgres$", priority=3)])
+    others = {k: v for k, v in store.snapshot().items() if k != "manager"}
+    token = plain.token()
+    steps = [
+        ("POST", "/api/v1/node-intents", {"policies": [policy("a" * 24), policy("b" * 24)]}),
+        ("POST", "/api/v1/node-intents", {"policies": [policy("c" * 24)]}),
+        ("DELETE", "/api/v1/node-intents", {"policyId": "c" * 24}),
+        ("POST", "/api/v1/node-intents", {"policies": []}),
+        ("DELETE", "/api/v1/node-intents", {"all": True}),
+    ]
+    for method, path, body in steps:
+        assert plain.call(method, path, body, token).status == 200
+        assert {k: v for k, v in store.snapshot().items() if k != "manager"} == others
+
+
+def test_push_is_persisted(tmp_path: Path) -> None:
+    env = start(tmp_path, insecure=True)
+    try:
+        token = env.token()
+        policies = [policy("a" * 24, node="node-x"), policy("b" * 24)]
+        assert env.call("POST", "/api/v1/node-intents", {"policies": policies}, token).status == 200
+        root = env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+    finally:
+        env.server.stop()
+    # a restarted agent loads the state and answers the same root (the Manager does not re-push)
+    reloaded = IntentStore(tmp_path / "state")
+    assert reloaded.load() == 2
+    (tmp_path / "again").mkdir()
+    env2 = start(tmp_path / "again", insecure=True, store=reloaded)
+    try:
+        token = env2.token()
+        assert env2.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"] == root
+        assert root == shell_merkle(node_policy_rows(policies))
+    finally:
+        env2.server.stop()
+
+
+def test_other_node_intents_are_recorded_and_reported(plain: Env) -> None:
+    token = plain.token()
+    reply = plain.call("POST", "/api/v1/node-intents",
+                       {"policies": [policy("a" * 24), policy("b" * 24, node="node-z")]}, token)
+    assert reply.status == 200
+    assert reply.body["data"]["notForThisNode"] == ["b" * 24]
+    assert held(plain.store, "manager")["b" * 24].node_names == ("node-z",)
+
+
+def test_thousand_intents_are_applied_and_acknowledged(plain: Env) -> None:
+    token = plain.token()
+    policies = [policy(f"{i:024x}", f"^worker-{i}$", 1 + i % 20, 1_000_000 + i) for i in range(1000)]
+    reply = plain.call("POST", "/api/v1/node-intents", {"policies": policies}, token)
+    assert reply.status == 200 and reply.body["success"] is True
+    assert reply.body["data"]["accepted"] == 1000 and reply.body["data"]["changed"] is True
+    stored = held(plain.store, "manager")
+    assert len(stored) == 1000 and stored[f"{999:024x}"].execution_time == 1_000_999
+    listing = plain.call("GET", "/api/v1/node-intents", token=token)
+    assert len(listing.body["data"]["policies"]) == 1000
+    root = plain.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+    assert root == reference_merkle(node_policy_rows(policies))
+    # the Manager's 30 s re-push of the same set is a no-op
+    again = plain.call("POST", "/api/v1/node-intents", {"policies": list(reversed(policies))}, token)
+    assert again.status == 200 and again.body["data"]["changed"] is False
+
+
+# -- transport security ----------------------------------------------------------------------------
+
+def test_client_without_certificate_is_refused(mtls: Env, tmp_path: Path) -> None:
+    assert mtls.pki is not None
+    no_cert = client_context(mtls.pki, with_cert=False)
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        mtls.call("GET", "/health", ctx=no_cert)
+    stranger = make_pki(tmp_path, prefix="other-")
+    foreign = client_context(mtls.pki, cert_from=stranger)
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        mtls.call("POST", "/api/v1/auth/token", {"public_key": public_pem(mtls.key), "client_id": "m"},
+                  ctx=foreign)
+    # plain HTTP to the TLS port gets nothing useful either
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        call(f"http://127.0.0.1:{mtls.server.port}", "GET", "/health")
+    assert mtls.call("GET", "/health").status == 200
+
+
+def test_mutual_tls_is_required_unless_insecure_is_explicit(tmp_path: Path) -> None:
+    write_rsa_key(tmp_path / "jwt.key")
+    store = IntentStore(None)
+    cfg = RestConfig(enabled=True, listen="127.0.0.1:0", jwt_private_key=tmp_path / "jwt.key")
+    with pytest.raises(RestConfigError, match=r"rest\.tls_cert, rest\.tls_key, rest\.tls_client_ca"):
+        RestServer(cfg, store, node_name=NODE).start()
+    no_key = RestConfig(enabled=True, listen="127.0.0.1:0", insecure_allow_plain_http=True)
+    with pytest.raises(RestConfigError, match="jwt_private_key"):
+        RestServer(no_key, store, node_name=NODE).start()
+    other = write_rsa_key(tmp_path / "other.key")
+    (tmp_path / "other.pub").write_text(public_pem(other))
+    mismatched = RestConfig(enabled=True, listen="127.0.0.1:0", insecure_allow_plain_http=True,
+                            jwt_private_key=tmp_path / "jwt.key", jwt_public_key=tmp_path / "other.pub")
+    with pytest.raises(RestConfigError, match="not the public half"):
+        RestServer(mismatched, store, node_name=NODE).start()
+
+
+def test_insecure_mode_works_and_says_so(tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        env = start(tmp_path, insecure=True, insecure_warning_interval_s=0.2)
+        try:
+            token = env.token()
+            assert env.call("POST", "/api/v1/node-intents", {"policies": [policy("a" * 24)]},
+                            token).status == 200
+            deadline = time.monotonic() + 30
+            while sum(e["event"] == "rest_insecure_plain_http" for e in logs) < 2:
+                assert time.monotonic() < deadline, "no periodic warning"
+                time.sleep(0.1)
+        finally:
+            env.server.stop()
+    warnings = [e for e in logs if e["event"] == "rest_insecure_plain_http"]
+    assert warnings[0]["log_level"] == "warning" and "token" in warnings[0]["risk"]
+    assert env.server.stats().insecure is True
