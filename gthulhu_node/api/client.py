@@ -36,8 +36,14 @@ class Target:
 
 def check_socket(path: Path) -> None:
     """Fail early, with words, when the socket is missing or not ours to open."""
-    if not path.exists():
-        raise ConnectError(f"the agent is not running: no socket at {path}; {START_HINT}")
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise ConnectError(f"the agent is not running: no socket at {path}; {START_HINT}") from None
+    except PermissionError:
+        raise ConnectError(
+            f"permission denied on {path}: the agent's API is root-only (run as root)"
+        ) from None
     if not os.access(path, os.R_OK | os.W_OK):
         raise ConnectError(f"permission denied on {path}: the agent's API is root-only (run as root)")
 

@@ -1,0 +1,272 @@
+"""A real agent (dry-run backend forced) and real gRPC over its real unix socket: apply/replace/generation
+semantics, delete, per-intent status, WatchStatus, ListMatches on a thread this test renamed, local
+policy files, health, socket permissions."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.intents.status import NO_MATCH_WARNING, NOOP_WARNING
+from tests.host.agent_support import (
+    NamedThread,
+    intent,
+    running_agent,
+    short_dir,
+    statuses,
+    stub_of,
+    wait_for,
+)
+
+pytestmark = pytest.mark.host
+
+APPLIED = pb.INTENT_STATE_APPLIED
+
+
+@pytest.fixture(scope="module")
+def agent():  # type: ignore[no-untyped-def]
+    with running_agent() as a:
+        yield a
+
+
+def apply(stub, source: str, generation: int, *intents: pb.Intent) -> pb.ApplyIntentsResponse:  # type: ignore[no-untyped-def]
+    return stub.ApplyIntents(pb.ApplyIntentsRequest(source=source, generation=generation, intents=intents))
+
+
+def test_apply_replace_and_generations(agent) -> None:  # type: ignore[no-untyped-def]
+    with stub_of(agent) as stub:
+        assert apply(stub, "gen-a", 1, intent("x"), intent("y")).changed
+        apply(stub, "gen-b", 1, intent("z"))
+        r = apply(stub, "gen-a", 2, intent("w"))
+        assert r.changed and r.generation == 2
+        assert set(statuses(stub, "gen-a")) == {"gen-a/w"}
+        with pytest.raises(grpc.RpcError) as exc:
+            apply(stub, "gen-a", 1, intent("stale"))
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as exc:
+            apply(stub, "gen-a", 2, intent("other-content"))
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        again = apply(stub, "gen-a", 2, intent("w"))
+        assert not again.changed and again.generation == 2
+        assert set(statuses(stub, "gen-a")) == {"gen-a/w"}
+        assert set(statuses(stub, "gen-b")) == {"gen-b/z"}  # other sources untouched throughout
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (
+            pb.ApplyIntentsRequest(source="v", intents=[intent("a"), intent("b", priority=21)]),
+            "intents[1].priority",
+        ),
+        (
+            pb.ApplyIntentsRequest(source="v", intents=[intent("a", execution_time=-5)]),
+            "intents[0].executionTime",
+        ),
+        (pb.ApplyIntentsRequest(source="v", intents=[intent("a", regex="(a*")]), "intents[0].commandRegex"),
+        (pb.ApplyIntentsRequest(source="v", intents=[intent("a"), intent("a")]), "intents[1].id"),
+        (pb.ApplyIntentsRequest(source="v", intents=[intent("a", scope="everything")]), "intents[0].scope"),
+        (pb.ApplyIntentsRequest(source="local", intents=[intent("a")]), "source"),
+        (pb.ApplyIntentsRequest(source="manager", intents=[]), "source"),
+        (pb.ApplyIntentsRequest(source="Bad Name", intents=[]), "source"),
+    ],
+)
+def test_invalid_argument_names_the_field(agent, request_: pb.ApplyIntentsRequest, field: str) -> None:  # type: ignore[no-untyped-def]
+    with stub_of(agent) as stub:
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ApplyIntents(request_)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert exc.value.details().startswith(field + ":")
+        assert "v/a" not in statuses(stub)
+
+
+def test_delete(agent) -> None:  # type: ignore[no-untyped-def]
+    with stub_of(agent) as stub:
+        apply(stub, "del", 0, intent("a"), intent("b"))
+        stub.DeleteIntent(pb.DeleteIntentRequest(source="del", id="a"))
+        assert set(statuses(stub, "del")) == {"del/b"}
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.DeleteIntent(pb.DeleteIntentRequest(source="del", id="a"))
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.DeleteIntent(pb.DeleteIntentRequest(source="local", id="a"))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_status_states_and_warnings(agent) -> None:  # type: ignore[no-untyped-def]
+    with NamedThread("gn-status-t"), stub_of(agent) as stub:
+        apply(
+            stub,
+            "st",
+            0,
+            intent("hit", regex="^gn-status-t$", priority=7),
+            intent("miss", regex="^no-such-thread$"),
+            intent("noop", regex="^no-such-thread$", priority=0),
+            intent("elsewhere", node_names=["other-node"]),
+            intent(
+                "by-label",
+                regex="^gn-status-t$",
+                priority=3,
+                node_selectors=[pb.NodeSelector(key="gpu", value="gb10")],
+            ),
+            intent("wrong-label", node_selectors=[pb.NodeSelector(key="gpu", value="h100")]),
+        )
+        st = wait_for(
+            lambda: (s := statuses(stub, "st")) and s["st/hit"].matched_tasks == 1 and s, what="match"
+        )
+        assert st["st/hit"].state == APPLIED and not st["st/hit"].warnings
+        assert st["st/miss"].state == APPLIED and NO_MATCH_WARNING in st["st/miss"].warnings
+        assert "comm" in NO_MATCH_WARNING and "command line" in NO_MATCH_WARNING
+        assert NOOP_WARNING in st["st/noop"].warnings
+        for key in ("st/elsewhere", "st/wrong-label"):
+            assert st[key].state == pb.INTENT_STATE_NOT_FOR_THIS_NODE
+            assert "not for this node" in st[key].reason and "test-node" in st[key].reason
+        assert st["st/by-label"].state == APPLIED
+        assert st["st/by-label"].matched_tasks == 0
+        assert any("overlaps with st/hit" in w for w in st["st/by-label"].warnings)
+        assert st["st/hit"].last_changed.seconds > 0
+        summary = stub.GetStatus(pb.GetStatusRequest()).agent
+        assert summary.node_name == "test-node" and summary.backend == "dry-run" and summary.ready
+        assert "dry run forced" in summary.backend_reason and summary.scheduler_state == "running"
+
+
+def test_failed_with_reason_when_the_map_is_full() -> None:
+    with (
+        NamedThread("gn-full-a"),
+        NamedThread("gn-full-b"),
+        running_agent(backend=DryRunBackend(capacity=1)) as a,
+        stub_of(a) as stub,
+    ):
+        apply(stub, "full", 0, intent("both", regex="^gn-full-[ab]$", priority=4))
+        st = wait_for(
+            lambda: (s := statuses(stub)["full/both"]).state == pb.INTENT_STATE_FAILED and s,
+            what="Failed status",
+        )
+        assert "not written" in st.reason and "full" in st.reason.lower()
+
+
+def test_watch_status_streams_a_change(agent) -> None:  # type: ignore[no-untyped-def]
+    with stub_of(agent) as stub:
+        stream = stub.WatchStatus(pb.WatchStatusRequest(source="watch"))
+        first = next(stream)
+        assert first.HasField("snapshot")
+        got: list[pb.StatusEvent] = []
+
+        def read() -> None:
+            for ev in stream:
+                got.append(ev)
+                if ev.HasField("removed"):
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        apply(stub, "watch", 0, intent("w1"))
+        stub.DeleteIntent(pb.DeleteIntentRequest(source="watch", id="w1"))
+        reader.join(20)
+        stream.cancel()
+        changed = [e.changed for e in got if e.HasField("changed")]
+        assert changed and changed[0].key == "watch/w1" and changed[0].source == "watch"
+        assert got[-1].removed == "watch/w1"
+        assert all(e.changed.source == "watch" for e in got if e.HasField("changed"))
+
+
+@pytest.mark.parametrize("scope", ["thread", "process"])
+def test_list_matches_shows_a_renamed_thread(agent, scope: str) -> None:  # type: ignore[no-untyped-def]
+    with NamedThread("gn-plain") as t, stub_of(agent) as stub:
+        apply(
+            stub,
+            f"m-{scope}",
+            0,
+            intent("eng", regex="^gn-engine-[0-9]+$", priority=9, execution_time=2_000_000, scope=scope),
+        )
+
+        def mine() -> list[pb.Match]:
+            return [m for m in stub.ListMatches(pb.ListMatchesRequest()).matches if m.tid == t.tid]
+
+        assert not mine()
+        t.rename("gn-engine-7")
+        (m,) = wait_for(mine, what="the renamed thread in ListMatches")
+        assert (m.tgid, m.comm, m.intent, m.priority, m.slice_ns, m.scope) == (
+            os.getpid(),
+            "gn-engine-7",
+            f"m-{scope}/eng",
+            9,
+            2_000_000,
+            scope,
+        )
+        only = stub.ListMatches(pb.ListMatchesRequest(intent=f"m-{scope}/eng")).matches
+        assert {x.intent for x in only} == {f"m-{scope}/eng"}
+        stub.ApplyIntents(pb.ApplyIntentsRequest(source=f"m-{scope}", intents=[]))
+
+
+def test_local_files_loaded_reloaded_and_bad_file_reported() -> None:
+    base = short_dir()
+    policies = base / "policies.d"
+    policies.mkdir()
+    (policies / "vllm.yaml").write_text("id: vllm\ncommandRegex: '^EngineCore'\npriority: 10\n")
+    (policies / "upstream.json").write_text(
+        '{"nodeNames": ["test-node"], "nodeSelectors": [], "draSelectors": [], '
+        '"commandRegex": "^gn-up$", "priority": 1, "executionTime": 2000000}'
+    )
+    with running_agent(base) as a, stub_of(a) as stub:
+        st = statuses(stub, "local")
+        assert set(st) == {"local/vllm", "local/upstream-0"}  # loaded before the agent was ready
+        assert st["local/upstream-0"].state == APPLIED
+        (policies / "vllm.yaml").write_text("id: vllm\ncommandRegex: '^EngineCore'\npriority: 12\n")
+        wait_for(lambda: statuses(stub, "local")["local/vllm"].intent.priority == 12, what="poll reload")
+        (policies / "broken.yaml").write_text("id: [\n")
+        (policies / "vllm.yaml").write_text("id: vllm\ncommandRegex: '^EngineCore'\npriority: 99\n")
+        a.reload()  # what SIGHUP does
+        resp = stub.GetStatus(pb.GetStatusRequest(source="local"))
+        (src,) = resp.sources
+        assert any("broken.yaml" in e and "not valid YAML" in e for e in src.errors)
+        assert any("vllm.yaml" in e and "priority 99" in e for e in src.errors)
+        assert {s.key: s.intent.priority for s in resp.intents} == {"local/vllm": 12, "local/upstream-0": 1}
+        assert any("draSelectors" in n for n in src.notes)
+        assert a.stats().local_files.bad_files == 2
+
+
+def test_health_service(agent) -> None:  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(f"unix://{agent.config.api.socket}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "gthulhu.node.v1.NodeAgent"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_socket_is_root_only(agent) -> None:  # type: ignore[no-untyped-def]
+    sock: Path = agent.config.api.socket
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    assert sock.stat().st_uid == 0
+    # Even with the directory opened up, the socket's own mode keeps a non-root user out.
+    sock.parent.chmod(0o755)
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: become nobody, try to connect
+            code = 3
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                s = socket.socket(socket.AF_UNIX)
+                try:
+                    s.connect(str(sock))
+                    code = 0
+                except PermissionError:
+                    code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 1
+    finally:
+        sock.parent.chmod(0o700)
