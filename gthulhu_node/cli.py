@@ -14,6 +14,7 @@ from gthulhu_node import __version__
 COMMANDS: list[str] = [
     "client",
     "run",
+    "probe",
 ]
 
 
