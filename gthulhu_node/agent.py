@@ -89,7 +89,9 @@ class Agent:
             max_sources=config.api.max_sources,
         )
         self.board = StatusBoard()
-        self.local = LocalPolicies(config.policies.directory, self.store)
+        self.local = LocalPolicies(
+            config.policies.directory, self.store, poll_interval_s=config.policies.poll_interval_s
+        )
         self.backend: Backend | None = backend
         self.backend_reason = "given by the caller" if backend is not None else ""
         self.engine: Engine | None = None

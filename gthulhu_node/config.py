@@ -75,6 +75,8 @@ class PoliciesConfig(_Section):
     """Local policy files, the source `local`."""
 
     directory: Path = Path("/etc/gthulhu-node/policies.d")
+    # how often the directory is checked for changes; 0: only at start and on SIGHUP
+    poll_interval_s: float = Field(default=1.0, ge=0)
 
 
 class StateConfig(_Section):

@@ -270,7 +270,7 @@ class LocalPolicies:
 
     def start_polling(self) -> None:
         """Poll the directory for changes in a background thread (load once with `reload` first)."""
-        if self._thread is not None:
+        if self._thread is not None or self._poll <= 0:
             return
         self._thread = threading.Thread(target=self._run, name="policy-files", daemon=True)
         self._thread.start()

@@ -1,0 +1,209 @@
+"""A real agent process (`gthulhu-node run --config ...`, dry-run backend forced): intents survive a clean
+restart and SIGKILL, are in effect before the API answers, SIGHUP re-reads the policy files, and a
+corrupt state file is moved aside while the agent starts empty."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.intents.store import STATE_FILE
+from tests.host.agent_support import (
+    PYTHON,
+    REPO,
+    NamedThread,
+    client,
+    intent,
+    short_dir,
+    statuses,
+    wait_for,
+    write_config,
+)
+
+pytestmark = pytest.mark.host
+
+
+class AgentProcess:
+    def __init__(self, config: Path, socket: Path) -> None:
+        self.config = config
+        self.socket = socket
+        self.log = config.with_name("agent.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(PYTHON),
+                    "-m",
+                    "gthulhu_node",
+                    "run",
+                    "--config",
+                    str(self.config),
+                    "--log-format",
+                    "json",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                env=dict(os.environ, PYTHONPATH=str(REPO)),
+            )
+        wait_for(self._serving, timeout=60, what="the agent process to serve")
+
+    def _serving(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        if not self.socket.exists():
+            return False
+        try:
+            with client(self.socket) as stub:
+                return stub.GetStatus(pb.GetStatusRequest(), timeout=2).agent.ready
+        except grpc.RpcError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(30)
+
+
+@contextmanager
+def agent_process(base: Path, **sections: dict[str, object]) -> Iterator[AgentProcess]:
+    cfg = write_config(base, **sections)
+    p = AgentProcess(cfg, base / "run" / "api.sock")
+    p.start()
+    try:
+        yield p
+    finally:
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(30)
+
+
+def test_intents_survive_restart_and_sigkill_and_apply_before_the_api() -> None:
+    base = short_dir()
+    policies = base / "policies.d"
+    policies.mkdir()
+    (policies / "engine.yaml").write_text("id: eng\ncommandRegex: '^gn-proc-eng$'\npriority: 8\n")
+    with NamedThread("gn-proc-eng") as eng, agent_process(base) as p:
+        with client(p.socket) as stub:
+            stub.ApplyIntents(
+                pb.ApplyIntentsRequest(
+                    source="persist",
+                    generation=3,
+                    intents=[intent("a", regex="^gn-proc-eng$", priority=9), intent("b")],
+                )
+            )
+            stub.DeleteIntent(pb.DeleteIntentRequest(source="persist", id="b"))
+        assert p.stop() == 0  # clean stop
+        p.start()
+        with client(p.socket) as stub:
+            first = statuses(stub)  # the very first answer after the restart
+            assert first["persist/a"].state == pb.INTENT_STATE_APPLIED
+            assert first["persist/a"].matched_tasks == 1  # in effect before the API answered
+            assert first["local/eng"].state == pb.INTENT_STATE_APPLIED
+            assert "persist/b" not in first
+            assert first["persist/a"].generation == 3
+            matches = stub.ListMatches(pb.ListMatchesRequest()).matches
+            assert [m.intent for m in matches if m.tid == eng.tid] == ["persist/a"]
+            stub.ApplyIntents(pb.ApplyIntentsRequest(source="persist", generation=4, intents=[intent("c")]))
+        p.kill()  # SIGKILL: no chance to save anything on the way out
+        p.start()
+        with client(p.socket) as stub:
+            after = statuses(stub, "persist")
+            assert set(after) == {"persist/c"} and after["persist/c"].generation == 4
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ApplyIntents(pb.ApplyIntentsRequest(source="persist", generation=3, intents=[]))
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_sigkill_during_a_stream_of_applies_keeps_an_acknowledged_state() -> None:
+    base = short_dir()
+    with agent_process(base) as p:
+        acked: list[int] = []
+        stop = threading.Event()
+
+        def hammer() -> None:
+            with client(p.socket) as stub:
+                gen = 0
+                while not stop.is_set():
+                    gen += 1
+                    try:
+                        stub.ApplyIntents(
+                            pb.ApplyIntentsRequest(
+                                source="storm", generation=gen, intents=[intent(f"g{gen}"), intent("fixed")]
+                            ),
+                            timeout=5,
+                        )
+                    except grpc.RpcError:
+                        return
+                    acked.append(gen)
+
+        t = threading.Thread(target=hammer, daemon=True)
+        t.start()
+        wait_for(lambda: len(acked) >= 30, what="some acknowledged applies")
+        p.kill()
+        stop.set()
+        t.join(10)
+        last_acked = acked[-1]
+        p.start()
+        with client(p.socket) as stub:
+            st = statuses(stub, "storm")
+        (gen,) = {s.generation for s in st.values()}
+        assert gen in (last_acked, last_acked + 1)  # the one in flight may or may not have landed
+        assert set(st) == {f"storm/g{gen}", "storm/fixed"}
+        assert not [f for f in (base / "state").iterdir() if f.name != STATE_FILE]  # no stray temp files
+
+
+def test_sighup_rereads_policy_files() -> None:
+    base = short_dir()
+    policies = base / "policies.d"
+    policies.mkdir()
+    (policies / "a.json").write_text('{"id": "a", "commandRegex": "x", "priority": 1}')
+    with agent_process(base, policies={"poll_interval_s": 0}) as p, client(p.socket) as stub:
+        assert statuses(stub, "local")["local/a"].intent.priority == 1
+        (policies / "a.json").write_text('{"id": "a", "commandRegex": "x", "priority": 2}')
+        (policies / "b.yaml").write_text("commandRegex: y\n")
+        p.signal(signal.SIGHUP)
+        st = wait_for(
+            lambda: (s := statuses(stub, "local")) and "local/b-0" in s and s, what="reload on SIGHUP"
+        )
+        assert st["local/a"].intent.priority == 2
+
+
+def test_corrupt_state_file_moved_aside_and_agent_starts_empty() -> None:
+    base = short_dir()
+    state = base / "state"
+    state.mkdir()
+    (state / STATE_FILE).write_bytes(b'{"format": "gthulhu-node-intents", "version": 1, "sources": {"x": ')
+    with agent_process(base) as p:
+        with client(p.socket) as stub:
+            assert statuses(stub) == {}
+            stub.ApplyIntents(pb.ApplyIntentsRequest(source="fresh", intents=[intent("a")]))
+        aside = [f for f in state.iterdir() if f.name.startswith(STATE_FILE + ".corrupt-")]
+        assert len(aside) == 1 and aside[0].read_bytes().endswith(b'"x": ')
+        assert '"intents_state_corrupt"' in p.log.read_text() or "intents_state_corrupt" in p.log.read_text()
+        assert p.stop() == 0
+        p.start()
+        with client(p.socket) as stub:
+            assert set(statuses(stub)) == {"fresh/a"}
