@@ -5,6 +5,7 @@ client on urllib (a real client over a real socket), and merkle roots computed w
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import ssl
@@ -21,8 +22,15 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 
-def write_rsa_key(path: Path, bits: int = 2048) -> rsa.RSAPrivateKey:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
+@functools.cache
+def rsa_key(slot: str) -> rsa.RSAPrivateKey:
+    """One 2048-bit key per name per test session (generating one takes a while on a busy machine)."""
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def write_rsa_key(path: Path, slot: str = "node") -> rsa.RSAPrivateKey:
+    """Write the key named `slot` to `path`; other slots are other keys."""
+    key = rsa_key(slot)
     path.write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM,
@@ -219,6 +227,19 @@ def node_policy_rows(policies: list[dict[str, Any]]) -> list[tuple[str, str]]:
                 f"nodeID={node}|policyID={pid}|commandRegex={rx}|priority={prio}|executionTime={slice_ns}",
             )
         )
+    return rows
+
+
+def pod_intent_rows(intents: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The Manager's sort key and leaf text of each pod intent (labels as sorted `k=v`, comma-joined)."""
+    rows = []
+    for i in intents:
+        labels = ",".join(sorted(f"{k}={v}" for k, v in i.get("podLabels", {}).items()))
+        values = [i.get("podName", ""), i.get("podID", ""), i.get("nodeID", ""), i.get("k8sNamespace", ""),
+                  i.get("commandRegex", ""), str(i.get("priority", 0)), str(i.get("executionTime", 0))]
+        names = ["podName", "podID", "nodeID", "k8sNamespace", "commandRegex", "priority", "executionTime"]
+        text = "|".join(f"{n}={v}" for n, v in zip(names, values, strict=True)) + f"|podLabels={labels}"
+        rows.append(("|".join([*values, labels]), text))
     return rows
 
 

@@ -26,6 +26,7 @@ from tests.unit.rest_support import (
     client_context,
     make_pki,
     node_policy_rows,
+    pod_intent_rows,
     public_pem,
     reference_merkle,
     shell_merkle,
@@ -198,7 +199,7 @@ def _bad_tokens(env: Env, tmp_path: Path) -> dict[str, str | None]:
     now = int(time.time())
     claims = {"client_id": "manager-client", "sub": "manager-client", "iss": "decision-maker-service",
               "iat": now, "nbf": now, "exp": now + 600}
-    other = write_rsa_key(tmp_path / "other.key")
+    other = write_rsa_key(tmp_path / "other.key", "other")
     return {
         "missing": None,
         "expired": jwt.encode({**claims, "iat": now - 7200, "nbf": now - 7200, "exp": now - 3600},
@@ -237,7 +238,7 @@ def test_refused_tokens_get_401_and_change_nothing(plain: Env, tmp_path: Path) -
 
 
 def test_token_needs_our_public_key(plain: Env, tmp_path: Path) -> None:
-    other = write_rsa_key(tmp_path / "x.key")
+    other = write_rsa_key(tmp_path / "x.key", "other")
     for pem in [public_pem(other), "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n", "x"]:
         reply = plain.call("POST", "/api/v1/auth/token", {"public_key": pem, "client_id": "m"})
         assert reply.status == 401 and reply.body == {"success": False, "error": reply.body["error"]}
@@ -397,7 +398,7 @@ def test_mutual_tls_is_required_unless_insecure_is_explicit(tmp_path: Path) -> N
     no_key = RestConfig(enabled=True, listen="127.0.0.1:0", insecure_allow_plain_http=True)
     with pytest.raises(RestConfigError, match="jwt_private_key"):
         RestServer(no_key, store, node_name=NODE).start()
-    other = write_rsa_key(tmp_path / "other.key")
+    other = write_rsa_key(tmp_path / "other.key", "other")
     (tmp_path / "other.pub").write_text(public_pem(other))
     mismatched = RestConfig(enabled=True, listen="127.0.0.1:0", insecure_allow_plain_http=True,
                             jwt_private_key=tmp_path / "jwt.key", jwt_public_key=tmp_path / "other.pub")
@@ -421,3 +422,57 @@ def test_insecure_mode_works_and_says_so(tmp_path: Path) -> None:
     warnings = [e for e in logs if e["event"] == "rest_insecure_plain_http"]
     assert warnings[0]["log_level"] == "warning" and "token" in warnings[0]["risk"]
     assert env.server.stats().insecure is True
+
+
+# -- pod intents (source manager-pods) -------------------------------------------------------------
+
+POD_A = "0b9f3a7e-1c2d-4e5f-8a9b-0c1d2e3f4a5b"
+POD_B = "7d6c5b4a-3928-4170-9e8d-7c6b5a493827"
+
+
+def test_pod_intents_push_merkle_delete(plain: Env) -> None:
+    token = plain.token()
+    intents = [
+        {"podName": "vllm-0", "podID": POD_A, "nodeID": NODE, "k8sNamespace": "ml",
+         "commandRegex": "^EngineCore", "priority": 10, "executionTime": 2_000_000,
+         "podLabels": {"tier": "gpu", "app": "vllm"}},
+        {"podName": "vllm-0", "podID": POD_A, "nodeID": NODE, "k8sNamespace": "ml",
+         "commandRegex": "^tokenizer$", "priority": 1},
+        {"podName": "web-1", "podID": POD_B, "nodeID": NODE, "k8sNamespace": "default",
+         "commandRegex": "^nginx$", "executionTime": 500_000},
+    ]
+    node_before = plain.call("POST", "/api/v1/node-intents", {"policies": [policy("a" * 24)]}, token)
+    assert node_before.status == 200
+    reply = plain.call("POST", "/api/v1/intents", {"intents": intents}, token)
+    assert reply.status == 200 and reply.body["data"]["accepted"] == 3
+    pods = held(plain.store, "manager-pods")
+    assert sorted(i.pod_uid or "" for i in pods.values()) == [POD_A, POD_A, POD_B]
+    assert len(held(plain.store, "manager")) == 1  # node policies are another source
+    merkle = plain.call("GET", "/api/v1/intents/merkle", token=token)
+    assert merkle.body["data"]["rootHash"] == shell_merkle(pod_intent_rows(intents))
+    # the same push again (the Manager's re-push) keeps the ids: nothing changes
+    again = plain.call("POST", "/api/v1/intents", {"intents": intents[::-1]}, token)
+    assert again.body["data"]["changed"] is False and held(plain.store, "manager-pods") == pods
+    gone = plain.call("DELETE", "/api/v1/intents", {"podId": POD_A}, token)
+    assert gone.status == 200
+    assert [i.pod_uid for i in held(plain.store, "manager-pods").values()] == [POD_B]
+    merkle = plain.call("GET", "/api/v1/intents/merkle", token=token)
+    assert merkle.body["data"]["rootHash"] == shell_merkle(pod_intent_rows(intents[2:]))
+    assert plain.call("DELETE", "/api/v1/intents", {"all": True}, token).status == 200
+    assert held(plain.store, "manager-pods") == {} and len(held(plain.store, "manager")) == 1
+    assert plain.call("DELETE", "/api/v1/intents", {"all": False}, token).status == 400
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"podID": "not a uid", "commandRegex": "x"}, "intents[0].podID"),
+        ({"commandRegex": "x"}, "intents[0].podID"),
+        ({"podID": POD_A, "commandRegex": "x", "priority": 99}, "intents[0].priority"),
+        ({"podID": POD_A, "commandRegex": "x", "podLabels": {"a": 1}}, "intents[0].podLabels"),
+    ],
+)
+def test_invalid_pod_intent_is_refused(plain: Env, bad: dict[str, Any], field: str) -> None:
+    reply = plain.call("POST", "/api/v1/intents", {"intents": [bad]}, plain.token())
+    assert reply.status == 400 and reply.body["error"].startswith(field), reply.body
+    assert plain.store.get("manager-pods") is None
