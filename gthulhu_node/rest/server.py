@@ -46,13 +46,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def default_metrics_text() -> bytes:
-    """The process's Prometheus registry in text format (what `/metrics` serves)."""
-    from prometheus_client import REGISTRY, generate_latest
-
-    return generate_latest(REGISTRY)
-
-
 class RestServer:
     """`RestServer(config.rest, agent.store, node_name=...).start()` ... `.stop()`."""
 
@@ -63,8 +56,10 @@ class RestServer:
         *,
         node_name: str,
         status: StatusFn | None = None,
-        metrics_text: Callable[[], bytes] | None = default_metrics_text,
+        metrics_text: Callable[[], bytes] | None = None,
     ) -> None:
+        """`metrics_text`: when given, `GET /metrics` (no token, like upstream's) serves what it returns
+        (Prometheus text); otherwise that route is absent and metrics stay on the agent's own listener."""
         self._config = config
         self._store = store
         self._node_name = node_name

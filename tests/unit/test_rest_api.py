@@ -476,3 +476,23 @@ def test_invalid_pod_intent_is_refused(plain: Env, bad: dict[str, Any], field: s
     reply = plain.call("POST", "/api/v1/intents", {"intents": [bad]}, plain.token())
     assert reply.status == 400 and reply.body["error"].startswith(field), reply.body
     assert plain.store.get("manager-pods") is None
+
+
+def test_metrics_route_is_optional(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    env = start(tmp_path / "a", insecure=True)
+    try:
+        assert env.call("GET", "/metrics").status == 404
+    finally:
+        env.server.stop()
+    write_rsa_key(tmp_path / "jwt.key")
+    cfg = RestConfig(enabled=True, listen="127.0.0.1:0", jwt_private_key=tmp_path / "jwt.key",
+                     insecure_allow_plain_http=True)
+    server = RestServer(cfg, IntentStore(None), node_name=NODE,
+                        metrics_text=lambda: b"gthulhu_node_up 1\n")
+    server.start()
+    try:
+        reply = call(f"http://127.0.0.1:{server.port}", "GET", "/metrics")
+        assert reply.status == 200 and reply.body == "gthulhu_node_up 1\n"
+    finally:
+        server.stop()
