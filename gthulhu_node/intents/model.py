@@ -13,13 +13,13 @@ from typing import Annotated, Any
 import re2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
+SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
 # manager-pods: the upstream Manager's pod intents (REST `POST /api/v1/intents`), kept apart from its
 # node policies (`manager`) because each push replaces only its own set.
 RESERVED_SOURCES = frozenset({"local", "manager", "manager-pods"})
 # A Kubernetes pod UID (a UUID, or 32 hex digits for static pods), as the Manager sends it.
-POD_UID_RE = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,63}$")
+POD_UID_RE = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,63}\Z")
 
 PRIORITY_MAX = 20
 SLICE_MIN_NS = 50_000

@@ -193,3 +193,13 @@ def test_listeners_hear_changes_not_noops(tmp_path: Path) -> None:
     store.apply("a", 0, [intent("x")])
     store.delete("a", "x")
     assert heard == ["a", "a"]
+
+
+@pytest.mark.parametrize("bad", ["abc\n", "a\nb", "\n"])
+def test_ids_and_sources_with_a_trailing_newline_refused(bad: str) -> None:
+    # Python's `$` also matches before a final newline; the contract's names must not carry one.
+    with pytest.raises(IntentValidationError):
+        parse_intent({"id": bad, "commandRegex": "x"})
+    store = IntentStore(None)
+    with pytest.raises(IntentValidationError, match="source"):
+        store.apply(bad.lower(), 0, [])
