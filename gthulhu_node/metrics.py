@@ -125,6 +125,18 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
     return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
 
+ENGINE_CALL_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass
+class EngineSnapshot:
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reconciler: dict[str, Any] = dataclasses.field(default_factory=dict)
+    intents: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    health: Any = None
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 class AgentCollector(Collector):
     """Reads the agent's components' stats at scrape time and turns them into metric families.
 
@@ -144,10 +156,34 @@ class AgentCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._agent_metrics()
-        yield from self._engine_metrics()
-        yield from self._backend_metrics()
+        snap = self._engine_snapshot()
+        yield from self._engine_metrics(snap)
+        yield from self._backend_metrics(snap)
         yield from self._match_metrics()
         yield from self._log_metrics()
+
+    def _engine_snapshot(self) -> EngineSnapshot:
+        """Reconciler and backend figures, read on the engine thread (neither is thread-safe)."""
+        snap = EngineSnapshot()
+        engine = getattr(self.agent, "engine", None)
+        if engine is None:
+            return snap
+        snap.engine = _fields(_call(engine, "stats"))
+        if not getattr(engine, "running", False):
+            return snap
+
+        def read(reconciler: Any) -> tuple[Any, Any, Any, Any]:
+            backend = reconciler.backend
+            return reconciler.stats(), reconciler.intent_stats(), backend.health(), backend.counters()
+
+        try:
+            stats, per_intent, snap.health, snap.counters = engine.call(read, timeout=ENGINE_CALL_TIMEOUT_S)
+        except Exception as exc:  # a busy or stopping engine costs these metrics, not the scrape
+            log.warning("metrics_engine_read_failed", error=str(exc))
+            return snap
+        snap.reconciler = _fields(stats)
+        snap.intents = {str(k): _fields(v) for k, v in (per_intent or {}).items()}
+        return snap
 
     # -- intents, store, API ---------------------------------------------------------------------------
 
@@ -177,27 +213,46 @@ class AgentCollector(Collector):
                            store.get("persist_errors", 0))
             yield _counter("state_corrupt_files_total", "Corrupt state files moved aside at start.",
                            store.get("corrupt_state_files", 0))
-        if "local_files" in stats:
-            yield _gauge("policy_files", "Local policy files read.", float(stats.get("local_files", 0)))
-            yield _counter("policy_file_errors_total", "Local policy files refused (unreadable, invalid).",
-                           stats.get("local_file_errors", 0))
+        local = _fields(stats.get("local_files"))
+        if local:
+            yield _gauge("policy_files", "Local policy files read.", float(local.get("files", 0)))
+            yield _gauge("policy_files_invalid", "Local policy files refused now (unreadable, invalid).",
+                         float(local.get("bad_files", 0)))
+            yield _counter("policy_file_errors_total", "Times a local policy file was refused.",
+                           local.get("load_errors", 0))
             yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
-                           stats.get("local_reloads", 0))
-        if stats.get("api_requests") is not None:
+                           local.get("reloads", 0))
+        api = _fields(stats.get("api"))
+        if api:
             yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
-                            stats.get("api_requests") or {})
+                            api.get("requests") or {})
             yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
-                            stats.get("api_errors") or {})
+                            api.get("errors") or {})
+            yield _gauge("api_watch_streams", "Open WatchStatus streams.", float(api.get("watch_streams", 0)))
+        yield _counter("policy_updates_total", "Policy sets handed to the reconciler.",
+                       stats.get("policy_updates", 0))
+        yield _counter("policy_build_errors_total", "Intent sets that could not be compiled into a policy.",
+                       stats.get("policy_errors", 0))
 
     # -- task watching and the reconciler ---------------------------------------------------------------
 
-    def _engine_metrics(self) -> Iterator[Metric]:
-        """The reconciler's counters (ReconcilerStats), found through the engine or the agent."""
-        source = getattr(self.agent, "engine", None)
-        stats = _fields(_call(source, "stats"))
-        if "scans" not in stats:
-            source = getattr(source, "reconciler", None) or getattr(self.agent, "reconciler", None)
-            stats = _fields(_call(source, "stats"))
+    def _engine_metrics(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        engine = snap.engine
+        if engine:
+            yield _gauge("proc_events_available", "1 when the proc connector delivers task events (else "
+                         "only periodic scans).", 1.0 if engine.get("events_available") else 0.0)
+            yield _counter("proc_events_reopens_total", "Proc connector sockets reopened after an error.",
+                           engine.get("events_reopens", 0))
+            yield _counter("engine_wakeups_total", "Engine loop wakeups.", engine.get("loop_wakeups", 0))
+            yield _counter("scheduler_ejections_total", "Times the kernel removed the scheduler.",
+                           engine.get("backend_ejections", 0))
+            yield _counter("scheduler_reloads_total", "Scheduler reloads after an ejection.",
+                           engine.get("backend_reloads", 0))
+            yield _counter("scheduler_reload_failures_total", "Failed scheduler reloads.",
+                           engine.get("backend_reload_failures", 0))
+            yield _counter("engine_hook_failures_total", "Periodic hooks that raised.",
+                           engine.get("hook_failures", 0))
+        stats = snap.reconciler
         if not stats:
             return
         events = stats.get("events") or {}
@@ -212,13 +267,12 @@ class AgentCollector(Collector):
                        "strategies).", stats.get("scans_incomplete", 0))
         yield _counter("scan_errors_total", "Permission or I/O errors met during scans.",
                        stats.get("scan_errors", 0))
-        scan = SummaryMetricFamily(PREFIX + "scan_duration_seconds", "Duration of full /proc scans.",
-                                   count_value=stats.get("scans", 0),
-                                   sum_value=stats.get("scan_duration_total_s", 0.0))
-        yield scan
+        yield SummaryMetricFamily(PREFIX + "scan_duration_seconds", "Duration of full /proc scans.",
+                                  count_value=stats.get("scans", 0),
+                                  sum_value=stats.get("scan_duration_total_s", 0.0))
         yield _gauge("tasks", "Tasks (threads) currently known.", float(stats.get("tasks", 0)))
         yield _gauge("processes", "Processes currently known.", float(stats.get("processes", 0)))
-        yield _counter("tasks_seen_total", "Task events (fork, exec, comm) and scans that reported a task.",
+        yield _counter("tasks_seen_total", "Tasks reported by proc connector events (fork, exec, comm).",
                        sum(v for k, v in events.items() if k in ("fork", "exec", "comm")))
         yield _gauge("matched_tasks_all", "Tasks some intent governs right now (all intents).",
                      float(stats.get("matched_tasks", 0)))
@@ -236,44 +290,47 @@ class AgentCollector(Collector):
         yield _counter("backend_tasks_gone_total", "Writes skipped because the task had exited (normal).",
                        stats.get("tasks_gone", 0))
         yield _counter("resyncs_total", "Full resynchronisations with the backend.", stats.get("resyncs", 0))
-        yield _counter("policy_updates_total", "Policy sets handed to the reconciler.",
-                       stats.get("policy_updates", 0))
-        per_intent = _call(source, "intent_stats")
-        if isinstance(per_intent, Mapping):
-            yield _labelled(CounterMetricFamily, "intent_write_failures_total", "Entries of an intent the "
-                            "backend refused.", "intent",
-                            {k: getattr(v, "write_failures", 0) for k, v in per_intent.items()})
-            yield _labelled(GaugeMetricFamily, "intent_lost_tasks", "Tasks an intent matches but another "
-                            "intent wins (precedence).", "intent",
-                            {k: getattr(v, "lost_tasks", 0) for k, v in per_intent.items()})
-            yield _labelled(GaugeMetricFamily, "intent_applied_tasks", "Tasks whose strategy is this "
-                            "intent's.", "intent",
-                            {k: getattr(v, "applied_tasks", 0) for k, v in per_intent.items()})
+        per_intent = snap.intents
+        yield _labelled(GaugeMetricFamily, "intent_applied_tasks", "Tasks whose strategy is this intent's.",
+                        "intent", {k: v.get("applied_tasks", 0) for k, v in per_intent.items()})
+        yield _labelled(GaugeMetricFamily, "intent_lost_tasks", "Tasks an intent matches but another "
+                        "intent wins (precedence).", "intent",
+                        {k: v.get("lost_tasks", 0) for k, v in per_intent.items()})
+        yield _labelled(CounterMetricFamily, "intent_write_failures_total", "Entries of an intent the "
+                        "backend refused.", "intent",
+                        {k: v.get("write_failures", 0) for k, v in per_intent.items()})
 
     # -- the backend (scheduler) ------------------------------------------------------------------------
 
-    def _backend_metrics(self) -> Iterator[Metric]:
+    def _backend_metrics(self, snap: EngineSnapshot) -> Iterator[Metric]:
         backend = getattr(self.agent, "backend", None)
         if backend is None:
             return
-        health = _call(backend, "health")
-        state = str(getattr(getattr(health, "state", None), "value", getattr(health, "state", "unknown")))
         info = InfoMetricFamily(PREFIX + "backend", "The backend in use and why it was chosen.",
                                 labels=["kind", "reason"])
         info.add_metric([str(getattr(backend, "name", "")), str(getattr(self.agent, "backend_reason", ""))],
                         {})
         yield info
-        states = GaugeMetricFamily(PREFIX + "backend_state",
+        state = str(snap.engine.get("backend_state") or "")
+        reason = str(snap.engine.get("last_ejection_reason") or "")
+        if snap.health is not None:
+            state = str(getattr(snap.health.state, "value", snap.health.state))
+            reason = str(getattr(snap.health, "reason", "")) or reason
+        states = GaugeMetricFamily(PREFIX + "scheduler_state",
                                    "1 for the backend's current state (running, stopped, ejected).",
                                    labels=["state"])
         for name in ("running", "stopped", "ejected"):
             states.add_metric([name], 1.0 if state == name else 0.0)
         yield states
-        counters = _call(backend, "counters") or {}
-        if counters:
+        if reason:
+            last = InfoMetricFamily(PREFIX + "scheduler_exit", "Why the kernel last removed the scheduler.",
+                                    labels=["reason"])
+            last.add_metric([reason], {})
+            yield last
+        if snap.counters:
             yield _labelled(CounterMetricFamily, "scheduler_events_total",
                             "The BPF scheduler's own counters (boosted dispatches, preemptions, ...).",
-                            "counter", counters)
+                            "counter", snap.counters)
 
     # -- per-intent matches and run-queue wait ----------------------------------------------------------
 
@@ -283,7 +340,7 @@ class AgentCollector(Collector):
         for status in getattr(snapshot, "intents", ()) or ():
             per_intent[str(getattr(status, "key", ""))] = float(getattr(status, "matched_tasks", 0))
         if snapshot is not None:
-            yield _labelled(GaugeMetricFamily, "matched_tasks", "Tasks an intent governs right now.",
+            yield _labelled(GaugeMetricFamily, "matched_tasks", "Tasks an intent matches right now.",
                             "intent", per_intent)
         if self.runqueue is not None:
             matches = _call(self.agent, "matches")

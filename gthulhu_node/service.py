@@ -106,7 +106,8 @@ class Service:
             reconciler.on_latency = on_latency
         add_periodic = getattr(engine, "add_periodic", None)
         if callable(add_periodic) and self.notifier.watchdog_interval_s is not None:
-            add_periodic(min(TICK_S, self.notifier.watchdog_interval_s / 2), self._feed_watchdog)
+            add_periodic("systemd-watchdog", min(TICK_S, self.notifier.watchdog_interval_s / 2),
+                         self._feed_watchdog)
             self._watchdog_from_engine = True
         elif self.notifier.watchdog_interval_s is not None:
             log.warning("watchdog_fed_from_main_loop", reason="the engine has no periodic hook")

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import os
 import threading
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gthulhu_node.backends.base import BackendHealth, BackendState
 from gthulhu_node.metrics import Metrics, RunqueueWaitTracker, parse_listen
+from tests.prom import Samples, scrape
 
 
 @dataclass
@@ -107,13 +107,19 @@ class FakeStoreStats:
 
 
 @dataclass
+class FakeLocalStats:
+    files: int = 1
+    bad_files: int = 1
+    reloads: int = 2
+    load_errors: int = 4
+
+
+@dataclass
 class FakeAgentStats:
     ready: bool = True
     store: FakeStoreStats = field(default_factory=FakeStoreStats)
     intents_by_state: dict[str, int] = field(default_factory=lambda: {"applied": 1})
-    local_files: int = 1
-    local_file_errors: int = 4
-    local_reloads: int = 2
+    local_files: FakeLocalStats = field(default_factory=FakeLocalStats)
 
 
 class FakeBackend:
@@ -127,7 +133,7 @@ class FakeBackend:
 
 
 class FakeReconciler:
-    on_latency: Any = None
+    backend = FakeBackend()
 
     def stats(self) -> dict[str, Any]:
         return {"events": {"fork": 5, "comm": 2, "exec": 1, "exit": 4}, "events_lost": 1, "scans": 3,
@@ -135,15 +141,24 @@ class FakeReconciler:
                 "map_full": 1, "matched_tasks": 2}
 
     def intent_stats(self) -> dict[str, Any]:
-        return {}
+        return {"local/vllm": {"applied_tasks": 2, "lost_tasks": 0, "write_failures": 0}}
 
 
 class FakeEngine:
+    """Runs `call` inline; the real engine runs it on its thread (what the collector relies on)."""
+
+    running = True
     reconciler = FakeReconciler()
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        return fn(self.reconciler)
+
+    def stats(self) -> dict[str, Any]:
+        return {"events_available": True, "backend_ejections": 1, "backend_state": "running"}
 
 
 class FakeAgent:
-    backend = FakeBackend()
+    backend = FakeReconciler.backend
     backend_reason = "the kernel has sched_ext"
     engine = FakeEngine()
 
@@ -157,16 +172,9 @@ class FakeAgent:
         return [Row(os.getpid(), os.getpid(), "local/vllm")]
 
 
-def scrape(metrics: Metrics) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+def scrape_of(metrics: Metrics) -> Samples:
     assert metrics.address is not None
-    host, port = metrics.address
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
+    return scrape(*metrics.address)
 
 
 def test_scrape_over_http_shows_component_stats() -> None:
@@ -175,7 +183,7 @@ def test_scrape_over_http_shows_component_stats() -> None:
     assert metrics.serve("127.0.0.1:0") is not None
     try:
         metrics.observe_reaction(0.0015)
-        got = scrape(metrics)
+        got = scrape_of(metrics)
     finally:
         metrics.close()
     assert all(name.startswith("gthulhu_node_") for name in got)
@@ -193,7 +201,9 @@ def test_scrape_over_http_shows_component_stats() -> None:
     assert got["gthulhu_node_scan_duration_seconds_sum"][()] == pytest.approx(0.3)
     info = (("kind", "sched_ext"), ("reason", "the kernel has sched_ext"))
     assert got["gthulhu_node_backend_info"][info] == 1
-    assert got["gthulhu_node_backend_state"][(("state", "running"),)] == 1
+    assert got["gthulhu_node_scheduler_state"][(("state", "running"),)] == 1
+    assert got["gthulhu_node_scheduler_ejections_total"][()] == 1
+    assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/vllm"),)] == 2
     assert got["gthulhu_node_scheduler_events_total"][(("counter", "boosted_dispatches"),)] == 17
     assert got["gthulhu_node_reaction_latency_seconds_bucket"][(("le", "0.002"),)] == 1
     assert got["gthulhu_node_reaction_latency_seconds_bucket"][(("le", "0.001"),)] == 0
@@ -211,7 +221,7 @@ def test_a_failing_component_costs_only_its_own_metrics() -> None:
     metrics.attach(BrokenAgent())
     metrics.serve("127.0.0.1:0")
     try:
-        got = scrape(metrics)
+        got = scrape_of(metrics)
     finally:
         metrics.close()
     assert "gthulhu_node_matched_tasks" not in got

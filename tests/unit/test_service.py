@@ -25,7 +25,7 @@ class FakeEngine:
         self.stuck = threading.Event()
         self._stop = threading.Event()
 
-    def add_periodic(self, interval_s: float, fn: Callable[[], None]) -> None:
+    def add_periodic(self, name: str, interval_s: float, fn: Callable[[], None]) -> None:
         def loop() -> None:
             while not self._stop.wait(interval_s / 4):
                 if not self.stuck.is_set():

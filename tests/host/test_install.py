@@ -1,0 +1,67 @@
+"""`make install` (scripts/install) into a scratch prefix: a working virtual environment with the BPF object,
+a unit whose ExecStart is that environment and that `systemd-analyze verify` accepts, the default
+configuration installed once and a user's configuration never overwritten."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.host.agent_support import REPO, short_dir
+
+pytestmark = pytest.mark.host
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    d = short_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def install(scratch: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PREFIX=str(scratch / "opt"), CONFDIR=str(scratch / "etc"),
+               UNITDIR=str(scratch / "units"))
+    return subprocess.run([str(REPO / "scripts" / "install")], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+
+
+def test_install_and_reinstall(scratch: Path) -> None:
+    first = install(scratch)
+    assert first.returncode == 0, first.stderr
+    unit = scratch / "units" / "gthulhu-node.service"
+    text = unit.read_text()
+    exe = scratch / "opt" / "venv" / "bin" / "gthulhu-node"
+    assert f"ExecStart={exe} run --config {scratch / 'etc' / 'config.yaml'}\n" in text
+    assert "Type=notify\n" in text and "WatchdogSec=" in text
+
+    version = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True, cwd="/")
+    assert version.stdout.startswith("gthulhu-node ")
+    # the package is a copy (not an editable link to this checkout) and carries the scheduler object
+    where = subprocess.run(
+        [str(scratch / "opt" / "venv" / "bin" / "python"), "-c",
+         "import gthulhu_node, importlib.resources as r; print(gthulhu_node.__file__); "
+         "print(r.files('gthulhu_node').joinpath('data/gthulhu.bpf.o').read_bytes()[:4])"],
+        capture_output=True, text=True, check=True, cwd="/")
+    module, magic = where.stdout.splitlines()
+    assert module.startswith(str(scratch / "opt" / "venv"))
+    assert magic == repr(b"\x7fELF")
+
+    verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                            check=False)
+    assert verify.returncode == 0 and verify.stderr == "", verify.stderr
+
+    config = scratch / "etc" / "config.yaml"
+    assert config.read_text() == (REPO / "systemd" / "config.yaml").read_text()
+    assert (scratch / "etc" / "policies.d" / "vllm.yaml.example").is_file()
+    # a user's edit survives a second install (an upgrade)
+    config.write_text("log: {level: debug}\n")
+    second = install(scratch)
+    assert second.returncode == 0, second.stderr
+    assert config.read_text() == "log: {level: debug}\n"
+    assert "left as it is" in second.stdout

@@ -1,0 +1,134 @@
+"""The real `gthulhu-node run` process as systemd drives it, on this machine (dry-run backend forced):
+the sd_notify conversation over a real socket (READY only once the intents are applied, STATUS, WATCHDOG
+pings, RELOADING on SIGHUP, STOPPING on SIGTERM), the Prometheus endpoint over HTTP, and exit codes.
+The same in a real systemd with the real scheduler: tests/vm/test_service.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.host.agent_support import PYTHON, REPO, NamedThread, short_dir, wait_for, write_config
+from tests.prom import scrape
+
+pytestmark = pytest.mark.host
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NotifyListener:
+    """What systemd's notify socket would receive, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    def first(self, prefix: str) -> str | None:
+        return next((m for m in list(self.messages) if m.startswith(prefix)), None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    d = short_dir()
+    yield d
+    subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def test_run_under_a_notify_socket(base: Path) -> None:
+    port = free_port()
+    config = write_config(base, metrics={"listen": f"127.0.0.1:{port}"}, log={"format": "json"})
+    (base / "policies.d").mkdir()
+    (base / "policies.d" / "svc.yaml").write_text(yaml.safe_dump(
+        [{"id": "svc", "commandRegex": "^gn-svc-T[0-9]$", "priority": 10, "executionTime": 2000000}]))
+    listener = NotifyListener(base / "notify")
+    log = base / "agent.log"
+    with NamedThread("gn-svc-T0") as t0, NamedThread("gn-svc-T1"), log.open("wb") as out:
+        env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(base / "notify"),
+                   WATCHDOG_USEC="2000000", WATCHDOG_PID="")
+        proc = subprocess.Popen([str(PYTHON), "-m", "gthulhu_node", "run", "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
+        def metric(name: str, *labels: tuple[str, str]) -> float:
+            return scrape("127.0.0.1", port)[name][tuple(labels)]
+
+        try:
+            ready = wait_for(lambda: listener.first("READY=1"), timeout=60, what="READY=1")
+            # READY carries the summary computed once the saved and local intents were applied
+            assert "intents: 1 applied; 2 tasks matched" in ready, ready
+            assert listener.messages[0].startswith("STATUS=starting")
+            wait_for(lambda: listener.first("WATCHDOG=1"), timeout=10, what="a watchdog ping")
+
+            got = scrape("127.0.0.1", port)
+            assert got["gthulhu_node_matched_tasks"][(("intent", "local/svc"),)] == 2
+            assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 2
+            assert got["gthulhu_node_backend_writes_total"][(("op", "upsert"),)] >= 2
+            assert got["gthulhu_node_intents"][(("state", "applied"),)] == 1
+            assert got["gthulhu_node_ready"][()] == 1
+            before = got["gthulhu_node_reaction_latency_seconds_count"][()]
+
+            t0.rename("gn-other")  # an event after READY: its map write is observed in the histogram
+            wait_for(lambda: metric("gthulhu_node_reaction_latency_seconds_count") > before,
+                     timeout=10, what="the reaction latency to be observed")
+            got = scrape("127.0.0.1", port)
+            assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 1
+            # the per-intent status is recomputed every second by the agent
+            wait_for(lambda: metric("gthulhu_node_matched_tasks", ("intent", "local/svc")) == 1,
+                     timeout=10, what="the intent status to show 1 task")
+            assert got["gthulhu_node_backend_writes_total"][(("op", "delete"),)] >= 1
+
+            proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: listener.first("RELOADING=1"), timeout=10, what="RELOADING=1")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            listener.close()
+    messages = listener.messages
+    reloading = next(i for i, m in enumerate(messages) if m.startswith("RELOADING=1"))
+    assert any(m.startswith("READY=1") for m in messages[reloading + 1:])  # the reload finished
+    assert "STOPPING=1" in messages
+    text = log.read_text()
+    assert '"event": "service_ready"' in text and '"event": "service_stopped"' in text
+    assert '"watchdog_from_engine": true' in text
+
+
+def test_configuration_error_is_one_line_and_exit_2(base: Path) -> None:
+    bad = base / "config.yaml"
+    bad.write_text("metrics: {listen: 9812, bogus: 1}\n")
+    proc = subprocess.run([str(PYTHON), "-m", "gthulhu_node", "run", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60, cwd="/",
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gthulhu-node: configuration error: ")
+    assert "bogus" in lines[0]
