@@ -20,6 +20,7 @@ are managed; real-time, deadline and SCHED_IDLE threads are left alone and repor
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
@@ -59,6 +60,9 @@ log = structlog.get_logger(__name__)
 # ahead of ordinary threads, and nice -1 (1.25x) would not be noticeable under contention.
 NICE_WEAKEST_BOOST = -5
 _GONE = frozenset({errno.ESRCH, errno.ENOENT})
+# Where the agent keeps the threads it changed, for a successor after a crash. /run: gone at reboot, with
+# the threads it names. One agent per host uses it; other instances (tests, benches) pass none.
+DEFAULT_JOURNAL = Path("/run/gthulhu-node/eevdf-threads.json")
 
 
 def nice_for_priority(priority: int) -> int:
@@ -119,6 +123,7 @@ class EevdfBackend(Backend):
         probed: Probe | None = None,
         cover_interval_s: float = 1.0,
         verify_interval_s: float = 30.0,
+        journal: Path | None = None,
     ) -> None:
         self._proc_root = proc_root
         self._sys = syscalls
@@ -136,6 +141,8 @@ class EevdfBackend(Backend):
         self._verify_interval_s = verify_interval_s
         self._refresher: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._journal = journal
+        self._journal_dirty = False
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -152,6 +159,7 @@ class EevdfBackend(Backend):
                 raise BackendUnavailable(found.reason)
             self._sys = calls
             self._base_slice_ns = found.base_slice_ns
+            self._recover()
             self._running = True
             self._stopping.clear()
             if self._cover_interval_s > 0:
@@ -176,6 +184,7 @@ class EevdfBackend(Backend):
             self._entries.clear()
             self._hands_off.clear()
             self._running = False
+            self._save_journal()
             log.info("eevdf_backend_stopped", threads=restored)
 
     def health(self) -> BackendHealth:
@@ -204,6 +213,7 @@ class EevdfBackend(Backend):
                     result.upserted += 1
                 else:
                     result.failed[key] = err
+            self._save_journal()
             return result
 
     def refresh(self, *, verify: bool = True) -> ApplyResult:
@@ -223,6 +233,7 @@ class EevdfBackend(Backend):
                 for key, entry in list(self._entries.items()):
                     if key.kind is KeyKind.TGID:
                         result.upserted += self._cover_process(key, entry, verify=False)
+                self._save_journal()
                 return result
             for tid, (start, _why) in list(self._hands_off.items()):
                 if self._start_time_of(tid) != start:
@@ -241,6 +252,7 @@ class EevdfBackend(Backend):
                 err = self._check_still_ours(held)
                 if err is not None:
                     result.failed[key] = err
+            self._save_journal()
             return result
 
     def read_back(self) -> dict[EntryKey, Entry]:
@@ -402,6 +414,7 @@ class EevdfBackend(Backend):
             return self._syscall_failed(key, tid, rec, exc)
         self._counts["setattr"] += 1
         self._threads[tid] = _Thread(tid, tgid, start, key, entry, original, applied)
+        self._journal_dirty = True
         log.debug(
             "eevdf_thread_applied",
             key=str(key),
@@ -416,6 +429,7 @@ class EevdfBackend(Backend):
     def _release(self, rec: _Thread) -> BackendError | None:
         """Give a thread back its original attributes, unless it exited or someone else changed it."""
         self._threads.pop(rec.tid, None)
+        self._journal_dirty = True
         if self._start_time(rec.tgid, rec.tid) != rec.start_time:
             self._counts["threads_exited"] += 1
             return None
@@ -458,6 +472,7 @@ class EevdfBackend(Backend):
     def _foreign(self, rec: _Thread, current: SchedAttr) -> ForeignChangeError:
         """Hand a thread over to whoever changed it: no restore, no further writes until it exits."""
         self._threads.pop(rec.tid, None)
+        self._journal_dirty = True
         if rec.owner.kind is KeyKind.TID:
             self._entries.pop(rec.owner, None)
         self._counts["foreign_changes"] += 1
@@ -485,6 +500,7 @@ class EevdfBackend(Backend):
     def _forget_thread(self, rec: _Thread) -> None:
         """The thread exited (or its TID now names another task): nothing to restore."""
         self._threads.pop(rec.tid, None)
+        self._journal_dirty = True
         self._counts["threads_exited"] += 1
 
     def _syscall_failed(self, key: EntryKey, tid: int, rec: _Thread | None, exc: OSError) -> BackendError:
@@ -511,6 +527,67 @@ class EevdfBackend(Backend):
         restored as no request, which behaves the same until someone changes the base slice.
         """
         return 0 if original.runtime_ns == self._base_slice_ns else original.runtime_ns
+
+    # --- the journal: what a crashed agent left behind -------------------------------------------------
+
+    def _save_journal(self) -> None:
+        """Keep the threads we changed (and their originals) on disk, so a successor can undo our writes.
+
+        A sched_ext scheduler dies with the agent; nice values and slice requests do not. Written only
+        when the set of changed threads moved, atomically (a crash mid-write leaves the previous one).
+        """
+        if self._journal is None or not self._journal_dirty:
+            return
+        self._journal_dirty = False
+        records = [
+            {
+                "tid": r.tid,
+                "tgid": r.tgid,
+                "start_time": r.start_time,
+                "original": _attr_dict(r.original),
+                "applied": _attr_dict(r.applied),
+            }
+            for r in self._threads.values()
+        ]
+        try:
+            self._journal.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._journal.with_name(self._journal.name + ".tmp")
+            tmp.write_text(json.dumps({"base_slice_ns": self._base_slice_ns, "threads": records}))
+            os.replace(tmp, self._journal)
+        except OSError as exc:
+            self._counts["errors"] += 1
+            log.warning("eevdf_journal_write_failed", path=str(self._journal), error=exc.strerror)
+
+    def _recover(self) -> None:
+        """Undo what a predecessor that died without stop() wrote: each thread it changed that is still
+        the same task and still shows its write gets its original attributes back."""
+        if self._journal is None or not self._journal.exists():
+            return
+        try:
+            data = json.loads(self._journal.read_text())
+            records = [
+                (
+                    int(r["tid"]),
+                    int(r["tgid"]),
+                    int(r["start_time"]),
+                    _attr(r["original"]),
+                    _attr(r["applied"]),
+                )
+                for r in data["threads"]
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("eevdf_journal_unreadable", path=str(self._journal), error=str(exc))
+            records = []
+        before = self._counts["restored"]
+        for tid, tgid, start, original, applied in records:
+            self._release(
+                _Thread(tid, tgid, start, EntryKey(KeyKind.TID, tid), Entry(0, 0, start), original, applied)
+            )
+        if records:
+            restored = self._counts["restored"] - before
+            log.info("eevdf_journal_recovered", threads=len(records), restored=restored)
+        self._journal_dirty = True
+        self._save_journal()
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -552,3 +629,18 @@ class EevdfBackend(Backend):
         except (OSError, ValueError, IndexError):
             return None
         return None
+
+
+def _attr_dict(attr: SchedAttr) -> dict[str, int | bool]:
+    return {
+        "policy": attr.policy,
+        "nice": attr.nice,
+        "runtime_ns": attr.runtime_ns,
+        "reset_on_fork": attr.reset_on_fork,
+    }
+
+
+def _attr(data: dict[str, int | bool]) -> SchedAttr:
+    return SchedAttr(
+        int(data["policy"]), int(data["nice"]), int(data["runtime_ns"]), bool(data["reset_on_fork"])
+    )

@@ -47,7 +47,9 @@ def _auto_without_sched_ext(config: Any, sysfs: Path) -> tuple[Backend, str] | N
 
     found = sched_attr.probe()
     if found.ok:
-        backend: Backend = eevdf.EevdfBackend(proc_root=config.watch.proc_root, probed=found)
+        backend: Backend = eevdf.EevdfBackend(
+            proc_root=config.watch.proc_root, probed=found, journal=eevdf.DEFAULT_JOURNAL
+        )
         return backend, f"auto: the kernel has no sched_ext ({sysfs} is missing); eevdf: {found.reason}"
     log.info("eevdf_unavailable", reason=found.reason)
     return (
@@ -74,7 +76,7 @@ def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend,
             from gthulhu_node.backends import eevdf
         except ImportError as exc:
             raise BackendUnavailable(f"the eevdf backend is not available: {exc}") from None
-        backend: Backend = eevdf.EevdfBackend(proc_root=config.watch.proc_root)
+        backend: Backend = eevdf.EevdfBackend(proc_root=config.watch.proc_root, journal=eevdf.DEFAULT_JOURNAL)
         return backend, "eevdf forced by configuration"
     if kind != "auto":
         raise BackendUnavailable(f"unknown backend kind {kind!r}")

@@ -309,3 +309,35 @@ def wait_until(condition: Callable[[], bool]) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("condition never became true")
+
+
+def test_successor_undoes_what_a_crashed_agent_left(tmp_path: Path) -> None:
+    """nice and slice requests outlive the agent (a sched_ext scheduler does not): after a crash, the
+    next start gives every thread still showing the dead agent's write its original settings back."""
+    journal = tmp_path / "eevdf-threads.json"
+    kept, retuned, gone = Worker(), Worker(), Worker()
+    try:
+        os.setpriority(os.PRIO_PROCESS, kept.tid, 2)
+        before = attrs(kept.tid)
+        crashed = EevdfBackend(cover_interval_s=0, journal=journal)
+        crashed.start()
+        entries = {w.key(): w.entry(20, 1_000_000) for w in (kept, retuned, gone)}
+        assert crashed.apply(entries, []).upserted == 3
+        assert journal.exists()
+        # the agent dies here (no stop()); meanwhile an admin re-tunes one thread and another one exits
+        os.setpriority(os.PRIO_PROCESS, retuned.tid, 9)
+        gone.stop()
+        wait_gone(f"/proc/self/task/{gone.tid}")
+
+        successor = EevdfBackend(cover_interval_s=0, journal=journal)
+        successor.start()
+        try:
+            assert attrs(kept.tid) == before
+            assert nice_of(retuned.tid) == 9 and attrs(retuned.tid).runtime_ns == 1_000_000
+            assert successor.counters()["restored"] == 1
+            assert successor.gauges()["threads_managed"] == 0
+        finally:
+            successor.stop()
+    finally:
+        for w in (kept, retuned, gone):
+            w.stop()
