@@ -116,6 +116,10 @@ class RestConfig(_Section):
     insecure_allow_plain_http: bool = False
     insecure_warning_interval_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # Newer Managers sign a client assertion with their own RSA key instead of showing ours: set its public
+    # key here and tokens are issued only against such assertions (optionally only for this client id).
+    trusted_client_public_key: Path | None = None
+    expected_client_id: str = ""
 
 
 class ProbeConfig(_Section):

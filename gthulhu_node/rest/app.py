@@ -190,28 +190,34 @@ class DecisionMakerApi:
         return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
     async def token(self, request: web.Request) -> web.Response:
+        """A token for a client that shows our public key (upstream v1.3), or, when a trusted Manager key
+        is configured, a client assertion signed by it (newer Managers)."""
         try:
             body = await self._json(request)
             if not isinstance(body, dict):
                 raise BodyError("Invalid request payload: expected a JSON object")
-            pem, client_id, expired_at = body.get("public_key"), body.get("client_id", ""), body.get(
-                "expired_at", 0
-            )
-            if not isinstance(pem, str) or not pem:
-                raise BodyError("public_key: required (PEM text)")
+            client_id, expired_at = body.get("client_id", ""), body.get("expired_at", 0)
             if not isinstance(client_id, str) or len(client_id) > CLIENT_ID_MAX:
                 raise BodyError(f"client_id: expected a string of at most {CLIENT_ID_MAX} characters")
             if expired_at is None:
                 expired_at = 0
             if isinstance(expired_at, bool) or not isinstance(expired_at, int):
                 raise BodyError("expired_at: expected an integer (unix seconds)")
+            proof_key = "client_assertion" if self._auth.wants_assertions else "public_key"
+            proof = body.get(proof_key)
+            if not isinstance(proof, str) or not proof:
+                raise BodyError(f"{proof_key}: required")
         except BodyError as exc:
             return failure(400, str(exc))
-        if not self._auth.public_key_matches(pem):
+        try:
+            if self._auth.wants_assertions:
+                self._auth.check_client_assertion(client_id, proof)
+            elif not self._auth.public_key_matches(proof):
+                raise TokenError("public key does not match")
+        except TokenError as exc:
             self._stats.tokens_refused += 1
-            log.warning("rest_token_refused", client_id=client_id, reason="public key does not match",
-                        **_peer(request))
-            return failure(401, "Public key verification failed: public key does not match")
+            log.warning("rest_token_refused", client_id=client_id, reason=str(exc), **_peer(request))
+            return failure(401, f"Public key verification failed: {exc}")
         token, exp = self._auth.issue(client_id, expired_at)
         self._stats.tokens_issued += 1
         log.info("rest_token_issued", client_id=client_id, expires=exp, **_peer(request))

@@ -23,6 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey, RSAPubl
 log = structlog.get_logger(__name__)
 
 ISSUER = "decision-maker-service"
+# Newer Managers prove who they are with a short-lived JWT signed by their own key (a client assertion).
+ASSERTION_TYPE = "dm_client_assertion"
+ASSERTION_AUDIENCE = "gthulhu-decision-maker-token"
 ALGORITHM = "RS256"
 # Tolerated clock skew between the Manager and this node when checking nbf/exp.
 LEEWAY_S = 30
@@ -67,14 +70,14 @@ def parse_public_key(pem: str) -> RSAPublicKey | None:
     return key if isinstance(key, RSAPublicKey) else None
 
 
-def load_public_key(path: Path) -> RSAPublicKey:
+def load_public_key(path: Path, setting: str) -> RSAPublicKey:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise KeyFileError(f"rest.jwt_public_key {path}: {exc}") from None
+        raise KeyFileError(f"{setting} {path}: {exc}") from None
     key = parse_public_key(text)
     if key is None:
-        raise KeyFileError(f"rest.jwt_public_key {path}: not a PEM RSA public key")
+        raise KeyFileError(f"{setting} {path}: not a PEM RSA public key")
     return key
 
 
@@ -82,26 +85,81 @@ class TokenAuthority:
     """Issues and checks the bearer tokens of the REST API."""
 
     def __init__(
-        self, private_key: RSAPrivateKey, *, ttl_s: int, clock: Callable[[], float] = time.time
+        self,
+        private_key: RSAPrivateKey,
+        *,
+        ttl_s: int,
+        trusted_client_key: RSAPublicKey | None = None,
+        expected_client_id: str = "",
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`trusted_client_key`: the Manager's public key. When set, tokens are issued only against a
+        client assertion it signed (the newer Manager's scheme), never against a presented public key."""
         self._private = private_key
+        self._trusted_client = trusted_client_key
+        self._expected_client_id = expected_client_id
         self._public = private_key.public_key()
         self._public_numbers = self._public.public_numbers()
         self._ttl = ttl_s
         self._clock = clock
 
     @classmethod
-    def from_files(cls, private_path: Path, public_path: Path | None, *, ttl_s: int) -> TokenAuthority:
+    def from_files(
+        cls,
+        private_path: Path,
+        public_path: Path | None,
+        *,
+        ttl_s: int,
+        trusted_client_path: Path | None = None,
+        expected_client_id: str = "",
+    ) -> TokenAuthority:
         """Load the key pair; a configured public key must be the private key's own half."""
         private = load_private_key(private_path)
+        trusted = (
+            load_public_key(trusted_client_path, "rest.trusted_client_public_key")
+            if trusted_client_path is not None
+            else None
+        )
         if public_path is not None:
-            public = load_public_key(public_path)
+            public = load_public_key(public_path, "rest.jwt_public_key")
             if public.public_numbers() != private.public_key().public_numbers():
                 raise KeyFileError(
                     f"rest.jwt_public_key {public_path} is not the public half of rest.jwt_private_key "
                     f"{private_path}"
                 )
-        return cls(private, ttl_s=ttl_s)
+        return cls(private, ttl_s=ttl_s, trusted_client_key=trusted, expected_client_id=expected_client_id)
+
+    @property
+    def wants_assertions(self) -> bool:
+        return self._trusted_client is not None
+
+    def check_client_assertion(self, client_id: str, assertion: str) -> None:
+        """Raise TokenError unless `assertion` is a valid client assertion of `client_id` signed by the
+        trusted Manager key: RS256, `token_type` dm_client_assertion, audience
+        gthulhu-decision-maker-token, `client_id` = `sub` = `iss` = the requesting client, within its
+        `nbf`..`exp`."""
+        if self._trusted_client is None:
+            raise TokenError("client assertions are not configured (rest.trusted_client_public_key)")
+        if not client_id.strip():
+            raise TokenError("client_id is required")
+        if self._expected_client_id and client_id != self._expected_client_id:
+            raise TokenError("unauthorized client_id")
+        try:
+            claims = jwt.decode(
+                assertion,
+                self._trusted_client,
+                algorithms=[ALGORITHM],
+                audience=ASSERTION_AUDIENCE,
+                issuer=client_id,
+                leeway=LEEWAY_S,
+                options={"require": ["exp", "iat", "nbf", "iss", "sub", "aud"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise TokenError(str(exc) or type(exc).__name__) from None
+        if claims.get("token_type") != ASSERTION_TYPE:
+            raise TokenError("invalid client assertion type")
+        if claims.get("client_id") != client_id or claims.get("sub") != client_id:
+            raise TokenError("client assertion subject mismatch")
 
     @property
     def public_key(self) -> RSAPublicKey:

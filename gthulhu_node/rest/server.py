@@ -90,8 +90,13 @@ class RestServer:
         if cfg.jwt_private_key is None:
             raise RestConfigError("rest.jwt_private_key is required: the RSA key tokens are signed with")
         try:
-            authority = TokenAuthority.from_files(cfg.jwt_private_key, cfg.jwt_public_key,
-                                                  ttl_s=cfg.token_ttl_s)
+            authority = TokenAuthority.from_files(
+                cfg.jwt_private_key,
+                cfg.jwt_public_key,
+                ttl_s=cfg.token_ttl_s,
+                trusted_client_path=cfg.trusted_client_public_key,
+                expected_client_id=cfg.expected_client_id,
+            )
         except KeyFileError as exc:
             raise RestConfigError(str(exc)) from None
         if cfg.insecure_allow_plain_http:

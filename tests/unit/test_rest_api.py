@@ -496,3 +496,49 @@ def test_metrics_route_is_optional(tmp_path: Path) -> None:
         assert reply.status == 200 and reply.body == "gthulhu_node_up 1\n"
     finally:
         server.stop()
+
+
+# -- client assertions (newer Managers) ------------------------------------------------------------
+
+def _assertion(key: Any, client_id: str = "manager-client", **override: Any) -> str:
+    """What a newer Manager sends: a one-minute RS256 JWT signed with its own key."""
+    now = int(time.time())
+    claims = {"client_id": client_id, "token_type": "dm_client_assertion", "iss": client_id,
+              "sub": client_id, "aud": ["gthulhu-decision-maker-token"], "iat": now, "nbf": now,
+              "exp": now + 60, **override}
+    return jwt.encode(claims, key, algorithm="RS256")
+
+
+def test_client_assertion_tokens(tmp_path: Path) -> None:
+    manager_key = write_rsa_key(tmp_path / "manager.key", "manager")
+    (tmp_path / "manager.pub").write_text(public_pem(manager_key))
+    env = start(tmp_path, insecure=True, trusted_client_public_key=tmp_path / "manager.pub",
+                expected_client_id="manager-client")
+    try:
+        def ask(body: dict[str, Any]) -> Any:
+            return env.call("POST", "/api/v1/auth/token", body)
+
+        good = ask({"client_id": "manager-client", "client_assertion": _assertion(manager_key)})
+        assert good.status == 200 and good.body["success"] is True
+        token = good.body["data"]["token"]
+        assert env.call("POST", "/api/v1/node-intents", {"policies": [policy("a" * 24)]}, token).status == 200
+        other = write_rsa_key(tmp_path / "other.key", "other")
+        now = int(time.time())
+        refused = {
+            "another key": _assertion(other),
+            "wrong audience": _assertion(manager_key, aud=["gthulhu-decision-maker-api"]),
+            "wrong type": _assertion(manager_key, token_type="dm_access"),
+            "other subject": _assertion(manager_key, sub="intruder"),
+            "expired": _assertion(manager_key, iat=now - 600, nbf=now - 600, exp=now - 300),
+            "our own access token": token,
+        }
+        for name, assertion in refused.items():
+            reply = ask({"client_id": "manager-client", "client_assertion": assertion})
+            assert reply.status == 401 and reply.body["success"] is False, name
+        wrong_client = ask({"client_id": "intruder", "client_assertion": _assertion(manager_key, "intruder")})
+        assert wrong_client.status == 401
+        # with assertions configured, showing our public key is not enough any more
+        assert ask({"client_id": "manager-client", "public_key": public_pem(env.key)}).status == 400
+        assert env.server.stats().tokens_refused == len(refused) + 1
+    finally:
+        env.server.stop()
