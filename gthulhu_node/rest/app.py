@@ -230,7 +230,7 @@ class DecisionMakerApi:
             intents = node_policies(await self._json(request), self._store.max_intents_per_source)
         except BodyError as exc:
             return self._push_refused(request, str(exc))
-        return await self._apply(request, NODE_SOURCE, intents, None)
+        return await self._apply(request, NODE_SOURCE, lambda: (intents, None))
 
     async def delete_node_policies(self, request: web.Request) -> web.Response:
         try:
@@ -239,7 +239,7 @@ class DecisionMakerApi:
         except BodyError as exc:
             return failure(400, str(exc))
         if delete_all:
-            return await self._apply(request, NODE_SOURCE, [], None, deleting=True)
+            return await self._apply(request, NODE_SOURCE, lambda: ([], None), deleting=True)
         if not policy_id:
             return failure(400, "policyId is required when 'all' is false")
 
@@ -301,7 +301,7 @@ class DecisionMakerApi:
             intents, records = pod_intents(await self._json(request))
         except BodyError as exc:
             return self._push_refused(request, str(exc))
-        return await self._apply(request, POD_SOURCE, intents, records)
+        return await self._apply(request, POD_SOURCE, lambda: (intents, records))
 
     async def delete_pod_intents(self, request: web.Request) -> web.Response:
         try:
@@ -310,14 +310,17 @@ class DecisionMakerApi:
         except BodyError as exc:
             return failure(400, str(exc))
         if delete_all:
-            return await self._apply(request, POD_SOURCE, [], [], deleting=True)
+            return await self._apply(request, POD_SOURCE, lambda: ([], []), deleting=True)
         if not pod_id:
             return failure(400, "podId is required when 'all' is false")
-        current = self._store.get(POD_SOURCE)
-        held = current.intents if current is not None else ()
-        kept = [i for i in held if i.pod_uid != pod_id.lower()]
-        records = [r for r in self._pod_records if r.pod_id.lower() != pod_id.lower()]
-        return await self._apply(request, POD_SOURCE, kept, records, deleting=True)
+
+        def without_pod() -> tuple[list[Intent], list[PodIntentRecord]]:
+            current = self._store.get(POD_SOURCE)
+            held = current.intents if current is not None else ()
+            kept = [i for i in held if i.pod_uid != pod_id.lower()]
+            return kept, [r for r in self._pod_records if r.pod_id.lower() != pod_id.lower()]
+
+        return await self._apply(request, POD_SOURCE, without_pod, deleting=True)
 
     async def pod_merkle(self, request: web.Request) -> web.Response:
         current = self._store.get(POD_SOURCE)
@@ -333,22 +336,26 @@ class DecisionMakerApi:
         self,
         request: web.Request,
         source: str,
-        intents: list[Intent],
-        pod_records: list[PodIntentRecord] | None,
+        new_set: Callable[[], tuple[list[Intent], list[PodIntentRecord] | None]],
         *,
         deleting: bool = False,
     ) -> web.Response:
-        """Replace `source`'s set in the store (generation 0: the same set again is a no-op)."""
+        """Replace `source`'s set in the store (generation 0: the same set again is a no-op).
 
-        def work() -> tuple[int, bool]:
+        `new_set` runs under the lock, so a set derived from the current one (a delete) cannot lose a
+        concurrent push; it returns the intents and, for pod intents, the records the merkle root uses.
+        """
+
+        def work() -> tuple[list[Intent], int, bool]:
             with self._lock:
+                intents, pod_records = new_set()
                 outcome = self._store.apply(source, 0, intents, allow_reserved=True)
                 if pod_records is not None:
                     self._pod_records = pod_records
-                return outcome.generation, outcome.changed
+                return intents, outcome.generation, outcome.changed
 
         try:
-            generation, changed = await asyncio.to_thread(work)
+            intents, generation, changed = await asyncio.to_thread(work)
         except IntentValidationError as exc:
             return self._push_refused(request, str(exc))
         except (StoreError, OSError) as exc:

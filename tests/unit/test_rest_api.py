@@ -115,13 +115,25 @@ def held(store: IntentStore, source: str) -> dict[str, Intent]:
 
 # -- the Manager's exchange, replayed ------------------------------------------------------------------
 
-def test_manager_exchange_contract(mtls: Env) -> None:
-    """Token, push, merkle check, delete one, delete all: the exact bodies and headers the Manager sends
-    (Go's encoder: omitempty, no expired_at), and the fields it parses."""
-    env = mtls
-    # 1. token: Content-Type only, body {public_key, client_id}
-    tok = env.call("POST", "/api/v1/auth/token",
-                   f'{{"public_key":{json.dumps(public_pem(env.key))},"client_id":"manager-client"}}')
+GO_HEADERS = {"User-Agent": "Go-http-client/1.1", "Accept-Encoding": "gzip"}
+
+
+def manager_request(env: Env, method: str, path: str, body: str | None, token: str | None) -> Any:
+    """One request exactly as the Manager's Go client builds it: Content-Type only when there is a
+    body, Authorization only with a token, Go's default User-Agent and Accept-Encoding."""
+    headers = dict(GO_HEADERS)
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    if token is not None:
+        headers["Authorization"] = "Bearer " + token
+    return call(env.base, method, path, body, headers, env.ctx)
+
+
+def manager_token(env: Env) -> str:
+    """The Manager's token request (v1.3.0 TokenRequest: expired_at has no omitempty, so 0 is sent)."""
+    pem = json.dumps(public_pem(env.key))
+    body = '{"public_key":' + pem + ',"client_id":"manager-client","expired_at":0}'
+    tok = manager_request(env, "POST", "/api/v1/auth/token", body, None)
     assert tok.status == 200
     assert tok.body["success"] is True
     assert RFC3339.match(tok.body["timestamp"])
@@ -131,38 +143,50 @@ def test_manager_exchange_contract(mtls: Env) -> None:
     claims = jwt.decode(token, env.key.public_key(), algorithms=["RS256"], issuer="decision-maker-service")
     assert claims["client_id"] == "manager-client" and claims["sub"] == "manager-client"
     assert claims["exp"] == expired_at and claims["nbf"] <= claims["iat"] + 1
+    return str(token)
 
-    # 2. push: Content-Type + Authorization
+
+def test_manager_exchange_contract(mtls: Env) -> None:
+    """Token, push, merkle check, delete one, delete all: the exact bodies and headers the Manager sends
+    (Go's encoder: omitempty, compact JSON). The v1.3.0 Manager computes its token cache lifetime with the
+    wrong sign, so it fetches a fresh token before every call: replayed here too."""
+    env = mtls
     policies = [
         policy("665f1c2ab1d4e9a0c3b7f812", "^EngineCore(_DP[0-9]+)?$", 10, 2_000_000),
         policy("665f1c2ab1d4e9a0c3b7f813", "nginx", 0, 5_000_000),
-        policy("665f1c2ab1d4e9a0c3b7f811", "^a\u0026b$", 3, 0),
+        policy("665f1c2ab1d4e9a0c3b7f811", "^a&b<c>$", 3, 0),
     ]
-    push = env.call("POST", "/api/v1/node-intents", {"policies": policies}, token)
+    # Go escapes <, > and & in strings
+    push_body = json.dumps({"policies": policies}, separators=(",", ":")).replace("&", "\\u0026") \
+        .replace("<", "\\u003c").replace(">", "\\u003e")
+    push = manager_request(env, "POST", "/api/v1/node-intents", push_body, manager_token(env))
     assert push.status == 200 and push.body["success"] is True
     assert held(env.store, "manager").keys() == {p["policyID"] for p in policies}
     assert held(env.store, "manager")["665f1c2ab1d4e9a0c3b7f813"].priority == 0
+    assert held(env.store, "manager")["665f1c2ab1d4e9a0c3b7f811"].command_regex == "^a&b<c>$"
 
-    # 3. merkle check: Authorization only, no body; equals the root the Manager expects
-    merkle = env.call("GET", "/api/v1/node-intents/merkle", token=token)
+    # merkle check: no body; equals the root the Manager expects
+    merkle = manager_request(env, "GET", "/api/v1/node-intents/merkle", None, manager_token(env))
     assert merkle.status == 200 and merkle.body["success"] is True
     assert merkle.body["data"]["rootHash"] == shell_merkle(node_policy_rows(policies))
 
-    # 4. delete one policy, then all
-    one = env.call("DELETE", "/api/v1/node-intents", {"policyId": "665f1c2ab1d4e9a0c3b7f812"}, token)
+    # delete one policy, then all
+    one = manager_request(env, "DELETE", "/api/v1/node-intents", '{"policyId":"665f1c2ab1d4e9a0c3b7f812"}',
+                          manager_token(env))
     assert one.status == 200 and one.body["success"] is True
     assert "665f1c2ab1d4e9a0c3b7f812" not in held(env.store, "manager")
-    merkle = env.call("GET", "/api/v1/node-intents/merkle", token=token)
+    merkle = manager_request(env, "GET", "/api/v1/node-intents/merkle", None, manager_token(env))
     assert merkle.body["data"]["rootHash"] == shell_merkle(node_policy_rows(policies[1:]))
-    everything = env.call("DELETE", "/api/v1/node-intents", {"all": True}, token)
+    everything = manager_request(env, "DELETE", "/api/v1/node-intents", '{"all":true}', manager_token(env))
     assert everything.status == 200 and everything.body["success"] is True
     assert held(env.store, "manager") == {}
-    merkle = env.call("GET", "/api/v1/node-intents/merkle", token=token)
+    merkle = manager_request(env, "GET", "/api/v1/node-intents/merkle", None, manager_token(env))
     assert merkle.body["data"]["rootHash"] == shell_merkle([])
 
-    # neither policyId nor all: 400 in the error envelope
-    neither = env.call("DELETE", "/api/v1/node-intents", {}, token)
+    # neither policyId nor all (Go omits all=false): 400 in the error envelope
+    neither = manager_request(env, "DELETE", "/api/v1/node-intents", "{}", manager_token(env))
     assert neither.status == 400 and neither.body["success"] is False and neither.body["error"]
+    assert env.server.stats().tokens_issued == 7
 
 
 def test_health_needs_no_token(plain: Env) -> None:
