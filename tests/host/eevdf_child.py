@@ -1,10 +1,14 @@
-"""A process for TGID tests, driven line by line over stdin: `pid`, `spawn`, `end TID`; EOF ends it."""
+"""A process for TGID tests, driven line by line over stdin: `pid`, `spawn`, `end TID`, `comm NAME` (renames
+the main thread); EOF ends it."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
+
+PR_SET_NAME = 15
 
 
 def main() -> None:
@@ -30,6 +34,9 @@ def main() -> None:
             started.wait()
             stops[box[0]] = (stop, thread)
             reply = str(box[0])
+        elif command == "comm":
+            ctypes.CDLL(None).prctl(PR_SET_NAME, arg.encode()[:15], 0, 0, 0)
+            reply = "ok"
         elif command == "end":
             stop, thread = stops.pop(int(arg))
             stop.set()

@@ -97,6 +97,10 @@ class ChildProcess:
         """Start one more thread; return its tid."""
         return int(self._ask("spawn"))
 
+    def rename(self, comm: str) -> None:
+        """Rename the main thread (what a matching intent sees)."""
+        assert self._ask(f"comm {comm}") == "ok"
+
     def end(self, tid: int) -> None:
         """Let one spawned thread exit (returns once it has been joined)."""
         assert self._ask(f"end {tid}") == "ok"

@@ -1,0 +1,93 @@
+"""The whole agent on this machine's kernel with the EEVDF backend: intents over the real gRPC socket, the
+engine's real proc connector events, the reconciler, and sched_setattr on threads this test created (the
+intents match names only these threads have). What users rely on: a thread that takes a matching name gets
+the boost and slice, loses them when it stops matching, and every thread gets its settings back when the
+agent stops."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gthulhu_node.agent import Agent
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.sched_attr import SchedAttrSyscalls, probe
+from tests.host.agent_support import (
+    NamedThread,
+    intent,
+    running_agent,
+    short_dir,
+    statuses,
+    stub_of,
+    wait_for,
+)
+from tests.host.eevdf_threads import ChildProcess
+
+pytestmark = pytest.mark.host
+
+SYS = SchedAttrSyscalls()
+BASE_SLICE = probe().base_slice_ns
+
+
+def sched(tid: int) -> tuple[int, int]:
+    """(nice via getpriority, slice via sched_getattr)."""
+    return os.getpriority(os.PRIO_PROCESS, tid), SYS.get(tid).runtime_ns
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    base = short_dir()
+    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
+    with running_agent(base, backend=backend) as a:
+        yield a
+
+
+def test_renamed_thread_is_boosted_then_released(agent: Agent) -> None:
+    with NamedThread("gn-eevdf-idle") as t, stub_of(agent) as stub:
+        stub.ApplyIntents(
+            pb.ApplyIntentsRequest(
+                source="eevdf",
+                intents=[intent("eng", regex="^gn-eevdf-eng$", priority=15, execution_time=500_000)],
+            )
+        )
+        assert sched(t.tid) == (0, BASE_SLICE)
+        t.rename("gn-eevdf-eng")
+        wait_for(lambda: sched(t.tid) == (nice_for_priority(15), 500_000), what="the boost on the thread")
+        agent.refresh_status()
+        st = statuses(stub, "eevdf")["eevdf/eng"]
+        assert st.state == pb.INTENT_STATE_APPLIED and st.matched_tasks == 1
+        t.rename("gn-eevdf-idle")
+        wait_for(lambda: sched(t.tid) == (0, BASE_SLICE), what="the thread's own settings back")
+        assert agent.backend is not None and agent.backend.counters()["restored"] == 1
+
+
+def test_process_scope_covers_later_threads_and_stop_restores() -> None:
+    base = short_dir()
+    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
+    child = ChildProcess()
+    try:
+        early = child.spawn()
+        with running_agent(base, backend=backend) as a, stub_of(a) as stub:
+            stub.ApplyIntents(
+                pb.ApplyIntentsRequest(
+                    source="eevdf",
+                    intents=[intent("proc", regex="^gn-eevdf-proc$", priority=20, scope="process")],
+                )
+            )
+            child.rename("gn-eevdf-proc")
+            boosted = (-20, BASE_SLICE)
+            wait_for(
+                lambda: sched(child.pid) == boosted and sched(early) == boosted, what="the process boost"
+            )
+            late = child.spawn()
+            wait_for(lambda: sched(late) == boosted, what="a thread created later, covered by refresh")
+            assert backend.gauges()["threads_managed"] == 3
+        # the agent stopped: every thread has its own settings back, and the journal names nothing
+        assert [sched(tid) for tid in child.tids()] == [(0, BASE_SLICE)] * 3
+        assert '"threads": []' in Path(base / "eevdf-threads.json").read_text()
+    finally:
+        child.close()
