@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import threading
 from collections.abc import Callable
@@ -83,7 +84,8 @@ class RestServer:
         return "http" if self._config.insecure_allow_plain_http else "https"
 
     def stats(self) -> RestStats:
-        return self._stats
+        """A copy of the counters (the listener's thread keeps counting in the original)."""
+        return dataclasses.replace(self._stats, requests=dict(self._stats.requests))
 
     def _prepare(self) -> tuple[TokenAuthority, ssl.SSLContext | None]:
         cfg = self._config
