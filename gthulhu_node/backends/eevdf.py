@@ -20,11 +20,13 @@ are managed; real-time, deadline and SCHED_IDLE threads are left alone and repor
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
+import select
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,7 @@ from gthulhu_node.backends.sched_attr import (
     probe,
 )
 from gthulhu_node.intents.model import PRIORITY_MAX
+from gthulhu_node.tasks.events import EventKind, EventsUnavailable, ProcEventSource
 from gthulhu_node.tasks.procfs import StatParseError, read_task
 
 log = structlog.get_logger(__name__)
@@ -124,6 +127,7 @@ class EevdfBackend(Backend):
         cover_interval_s: float = 1.0,
         verify_interval_s: float = 30.0,
         journal: Path | None = None,
+        fork_events: bool = True,
     ) -> None:
         self._proc_root = proc_root
         self._sys = syscalls
@@ -142,6 +146,8 @@ class EevdfBackend(Backend):
         self._refresher: threading.Thread | None = None
         self._stopping = threading.Event()
         self._journal = journal
+        self._fork_events = fork_events
+        self._wake_fd = -1
         self._journal_dirty = False
 
     # --- lifecycle -------------------------------------------------------------------------------------
@@ -163,6 +169,7 @@ class EevdfBackend(Backend):
             self._running = True
             self._stopping.clear()
             if self._cover_interval_s > 0:
+                self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
                 self._refresher = threading.Thread(
                     target=self._refresh_loop, name="gthulhu-eevdf-refresh", daemon=True
                 )
@@ -173,8 +180,11 @@ class EevdfBackend(Backend):
         """Restore every thread we changed (those still ours), then forget everything."""
         self._stopping.set()
         if self._refresher is not None:
+            os.eventfd_write(self._wake_fd, 1)
             self._refresher.join()
             self._refresher = None
+            os.close(self._wake_fd)
+            self._wake_fd = -1
         with self._lock:
             if not self._running:
                 return
@@ -298,21 +308,98 @@ class EevdfBackend(Backend):
             }
 
     def _refresh_loop(self) -> None:
-        next_verify = time.monotonic() + self._verify_interval_s
-        while not self._stopping.wait(self._cover_interval_s):
-            verify = time.monotonic() >= next_verify
-            if verify:
-                next_verify = time.monotonic() + self._verify_interval_s
-            try:
-                result = self.refresh(verify=verify)
-            except BackendError:
-                return  # stopped meanwhile
-            except Exception as exc:  # the loop must outlive one bad pass
+        """The backend's own thread: covers new threads of TGID entries (at once on the proc connector's
+        fork events, else by the periodic light pass) and verifies every thread now and then."""
+        events = self._open_fork_events()
+        poller = select.poll()
+        poller.register(self._wake_fd, select.POLLIN)
+        if events is not None:
+            poller.register(events.fileno(), select.POLLIN | select.POLLERR)
+        now = time.monotonic()
+        next_cover, next_verify = now + self._cover_interval_s, now + self._verify_interval_s
+        try:
+            while not self._stopping.is_set():
+                wait_s = max(0.0, min(next_cover, next_verify) - time.monotonic())
+                ready = poller.poll(int(wait_s * 1000) + 1)
+                if self._stopping.is_set():
+                    break
+                if events is not None and any(fd == events.fileno() for fd, _ in ready):
+                    batch = events.read_pending()
+                    forks = [(e.tgid, e.tid) for e in batch.events if e.kind is EventKind.FORK]
+                    if forks:
+                        self._guarded(functools.partial(self._cover_forks, forks))
+                    if batch.lost or batch.error:
+                        next_cover = 0.0  # something was missed: look at once
+                    if batch.error:
+                        poller.unregister(events.fileno())
+                        events = self._reopen(events)
+                        if events is not None:
+                            poller.register(events.fileno(), select.POLLIN | select.POLLERR)
+                now = time.monotonic()
+                if now >= next_verify:
+                    self._guarded(lambda: self.refresh(verify=True))
+                    next_verify, next_cover = now + self._verify_interval_s, now + self._cover_interval_s
+                elif now >= next_cover:
+                    self._guarded(lambda: self.refresh(verify=False))
+                    next_cover = now + self._cover_interval_s
+        finally:
+            if events is not None:
+                events.close()
+
+    def _open_fork_events(self) -> ProcEventSource | None:
+        if not self._fork_events:
+            return None
+        events = ProcEventSource()
+        try:
+            events.open()
+        except EventsUnavailable as exc:
+            log.warning(
+                "eevdf_fork_events_unavailable", error=str(exc), cover_interval_s=self._cover_interval_s
+            )
+            return None
+        return events
+
+    def _reopen(self, events: ProcEventSource) -> ProcEventSource | None:
+        try:
+            events.reopen()
+        except EventsUnavailable as exc:
+            log.warning(
+                "eevdf_fork_events_unavailable", error=str(exc), cover_interval_s=self._cover_interval_s
+            )
+            events.close()
+            return None
+        return events
+
+    def _guarded(self, step: Callable[[], object]) -> None:
+        """One pass of the refresh thread; a failure is logged and counted, the thread goes on."""
+        try:
+            step()
+        except BackendError:
+            pass  # stopped meanwhile
+        except Exception as exc:
+            with self._lock:
                 self._counts["errors"] += 1
-                log.exception("eevdf_refresh_failed", error=str(exc))
-                continue
-            if result.upserted:
-                log.debug("eevdf_threads_covered", threads=result.upserted)
+            log.exception("eevdf_refresh_failed", error=str(exc))
+
+    def _cover_forks(self, forks: list[tuple[int, int]]) -> None:
+        """New threads, from fork events: write the ones whose process has a TGID entry and they none."""
+        with self._lock:
+            if not self._running:
+                return
+            covered = 0
+            for tgid, tid in forks:
+                key = EntryKey(KeyKind.TGID, tgid)
+                entry = self._entries.get(key)
+                if entry is None or tid == tgid or EntryKey(KeyKind.TID, tid) in self._entries:
+                    continue
+                start = self._start_time(tgid, tid)
+                if start is None or self._left_alone(tid, start) is not None:
+                    continue
+                if self._settle(tid, tgid, start, key, entry) is None:
+                    covered += 1
+            if covered:
+                self._save_journal()
+                log.debug("eevdf_threads_covered", threads=covered, by="fork_events")
 
     # --- keys ------------------------------------------------------------------------------------------
 

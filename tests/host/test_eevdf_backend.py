@@ -288,7 +288,8 @@ def test_tgid_entry_of_an_exited_process_is_task_gone(backend: EevdfBackend) -> 
 
 
 def test_refresh_thread_covers_new_threads_and_forgets_exited_ones(child: ChildProcess) -> None:
-    b = EevdfBackend(cover_interval_s=0.05)
+    """The periodic pass alone (no fork events), as on a host where the proc connector is refused."""
+    b = EevdfBackend(cover_interval_s=0.05, fork_events=False)
     b.start()
     try:
         b.apply({child.key(): child.entry(20, 0)}, [])
@@ -300,6 +301,19 @@ def test_refresh_thread_covers_new_threads_and_forgets_exited_ones(child: ChildP
     finally:
         b.stop()
     assert nice_of(child.pid) == 0
+
+
+def test_fork_events_cover_new_threads_without_waiting_for_a_pass(child: ChildProcess) -> None:
+    b = EevdfBackend(cover_interval_s=3600, verify_interval_s=3600)  # no periodic pass during the test
+    b.start()
+    try:
+        b.apply({child.key(): child.entry(20, 800_000)}, [])
+        late = [child.spawn() for _ in range(3)]
+        wait_until(lambda: all((nice_of(t), attrs(t).runtime_ns) == (-20, 800_000) for t in late))
+        assert b.gauges()["threads_managed"] == 4
+    finally:
+        b.stop()
+    assert all(nice_of(t) == 0 for t in child.tids())
 
 
 def wait_until(condition: Callable[[], bool]) -> None:
