@@ -148,6 +148,7 @@ class EevdfBackend(Backend):
         self._journal = journal
         self._fork_events = fork_events
         self._wake_fd = -1
+        self._refresher_error = ""
         self._journal_dirty = False
 
     # --- lifecycle -------------------------------------------------------------------------------------
@@ -198,7 +199,16 @@ class EevdfBackend(Backend):
             log.info("eevdf_backend_stopped", threads=restored)
 
     def health(self) -> BackendHealth:
-        return BackendHealth(BackendState.RUNNING if self._running else BackendState.STOPPED)
+        """EJECTED when the refresh thread died: the engine then restarts the backend (stop restores
+        every thread, start and a resync write them again), as it reloads an ejected scheduler."""
+        if not self._running:
+            return BackendHealth(BackendState.STOPPED)
+        refresher = self._refresher
+        if refresher is not None and not refresher.is_alive() and not self._stopping.is_set():
+            return BackendHealth(
+                BackendState.EJECTED, f"the eevdf refresh thread ended: {self._refresher_error}"
+            )
+        return BackendHealth(BackendState.RUNNING)
 
     # --- the Backend interface -------------------------------------------------------------------------
 
@@ -308,6 +318,13 @@ class EevdfBackend(Backend):
             }
 
     def _refresh_loop(self) -> None:
+        try:
+            self._refresh_passes()
+        except Exception as exc:
+            self._refresher_error = f"{type(exc).__name__}: {exc}"
+            log.exception("eevdf_refresh_thread_died", error=self._refresher_error)
+
+    def _refresh_passes(self) -> None:
         """The backend's own thread: covers new threads of TGID entries (at once on the proc connector's
         fork events, else by the periodic light pass) and verifies every thread now and then."""
         events = self._open_fork_events()

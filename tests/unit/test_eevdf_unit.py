@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from gthulhu_node.backends.base import (
     BackendError,
+    BackendState,
     BackendUnavailable,
     Entry,
     EntryKey,
@@ -186,3 +188,45 @@ def test_apply_before_start_is_an_error(tmp_path: Path) -> None:
     backend = EevdfBackend(proc_root=tmp_path, syscalls=FakeKernel(), cover_interval_s=0)
     with pytest.raises(BackendError, match="not started"):
         backend.apply({}, [])
+
+
+def test_a_dead_refresh_thread_reports_ejected_and_a_restart_recovers(tmp_path: Path) -> None:
+    kernel = FakeKernel()
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0.01, fork_events=False)
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    backend._refresh_passes = broken  # type: ignore[method-assign]
+    backend.start()
+    backend._refresher.join()  # type: ignore[union-attr]
+    health = backend.health()
+    assert health.state is BackendState.EJECTED and "boom" in health.reason
+    del backend._refresh_passes  # what the engine's reload then runs is the real thread again
+    backend.stop()
+    backend.start()
+    try:
+        assert backend.health().state is BackendState.RUNNING
+    finally:
+        backend.stop()
+    assert backend.health().state is BackendState.STOPPED
+
+
+def test_journal_restores_a_predecessors_threads_and_survives_garbage(tmp_path: Path) -> None:
+    kernel = FakeKernel()
+    journal = tmp_path / "run" / "eevdf-threads.json"
+    crashed = make(tmp_path, kernel, 501, 502)
+    crashed._journal = journal
+    kernel.tasks[502] = _Task(nice=3)
+    crashed.apply({key(501): entry(501, 20, 300_000), key(502): entry(502, 1)}, [])
+    assert kernel.tasks[501] == _Task(nice=-20, request=300_000, reset_on_fork=True)
+    successor = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
+    successor.start()
+    assert kernel.tasks[501] == _Task() and kernel.tasks[502] == _Task(nice=3)
+    assert json.loads(journal.read_text())["threads"] == []
+    successor.stop()
+    journal.write_text("{not json")
+    again = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
+    again.start()  # an unreadable journal is logged and replaced, never fatal
+    assert json.loads(journal.read_text())["threads"] == []
+    again.stop()
