@@ -100,6 +100,7 @@ class ReconcilerStats:
     write_failures: int = 0
     map_full: int = 0
     tasks_gone: int = 0
+    tasks_vanished: int = 0  # an event named a task that was gone before its /proc entry could be read
     resyncs: int = 0
     policy_updates: int = 0
     latency_count: int = 0
@@ -461,6 +462,7 @@ class Reconciler:
             log.warning("task_read_failed", tid=tid, tgid=tgid, error=str(exc))
             return
         if task is None:
+            self._stats.tasks_vanished += 1
             return  # gone already: its exit event follows
         self._put_task(task, ts)
 

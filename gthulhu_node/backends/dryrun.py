@@ -38,7 +38,8 @@ from gthulhu_node.backends.base import (
 
 log = structlog.get_logger(__name__)
 
-HISTORY_MAX = 100_000
+# Bounded: a long history of small tuples made every full GC pass slow enough to delay reactions.
+HISTORY_MAX = 4096
 
 
 class DryRunBackend(Backend):
