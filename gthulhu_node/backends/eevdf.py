@@ -239,12 +239,12 @@ class EevdfBackend(Backend):
     def refresh(self, *, verify: bool = True) -> ApplyResult:
         """Bring TGID entries up to date with their processes' threads; forget threads that exited.
 
-        The kernel has no TGID fallback for this backend, so a thread created after its process's entry
-        was applied is only covered here. The backend's own thread calls it every `cover_interval_s`
-        (listing each process's threads; new ones are written, gone ones forgotten) and with `verify`
-        every `verify_interval_s` (also reading back every thread, to find ones someone else changed).
-        Calling it on fork events makes coverage immediate. `upserted` counts threads newly covered;
-        `failed` names TID keys whose thread left our hands.
+        The kernel has no TGID fallback for this backend: a thread created after its process's entry was
+        applied is written by the backend's own thread, at once on its fork event, and by this pass as a
+        safety net every `cover_interval_s` (listing each process's threads; new ones are written, gone
+        ones forgotten); with `verify` (every `verify_interval_s`) it also reads every thread back, to
+        find ones someone else changed. `upserted` counts threads newly covered; `failed` names TID keys
+        whose thread left our hands.
         """
         with self._lock:
             self._require_running()
