@@ -12,6 +12,7 @@
   spawn     workload: a thread named EngineCore_DP0 starts N threads (they inherit the name);
             JSON {tid: time just before Thread.start()}.
   storm     workload: like spawn, 100,000 threads, each living >= 20 ms; JSON with every tid and timing.
+  latency   runs floor + agent + reader + rename + spawn and prints the report (host and lab VM alike).
   hold      holds N idle threads until stdin closes (the snapshot benchmark's population).
 All times are CLOCK_MONOTONIC ns (the clock the kernel stamps proc events with).
 """
@@ -19,6 +20,7 @@ All times are CLOCK_MONOTONIC ns (the clock the kernel stamps proc events with).
 from __future__ import annotations
 
 import argparse
+import bisect
 import ctypes
 import json
 import logging
@@ -27,7 +29,9 @@ import resource
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 PATTERN = "^EngineCore(_DP[0-9]+)?$"
+REPO = Path(__file__).resolve().parents[2]
 PR_SET_NAME = 15
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -120,8 +125,60 @@ def _on_term(signum: int, frame: Any) -> None:
     _stop = True
 
 
+def _open_map_by_name(name: str) -> int:
+    """An fd for the newest loaded BPF map called `name` (another process's map, found by id)."""
+    from gthulhu_node.scheduler import libbpf
+
+    lib = libbpf.lib()
+    cur, nxt = ctypes.c_uint32(0), ctypes.c_uint32()
+    found = -1
+    while lib.bpf_map_get_next_id(cur.value, ctypes.byref(nxt)) == 0:
+        cur.value = nxt.value
+        fd = lib.bpf_map_get_fd_by_id(nxt.value)
+        if fd < 0:
+            continue
+        info = libbpf._MapInfo()
+        size = ctypes.c_uint32(ctypes.sizeof(info))
+        if (
+            lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)) == 0
+            and info.name == name.encode()
+        ):
+            if found >= 0:
+                os.close(found)
+            found = fd
+        else:
+            os.close(fd)
+    if found < 0:
+        raise SystemExit(f"no BPF map {name} is loaded")
+    return found
+
+
+def run_bpf_reader(args: argparse.Namespace) -> int:
+    """Poll the scheduler's tid_map (read from the kernel): each key's appearances get the local time."""
+    from gthulhu_node.scheduler import libbpf
+
+    signal.signal(signal.SIGTERM, _on_term)
+    fd = _open_map_by_name("tid_map")
+    seen: dict[str, list[int]] = defaultdict(list)
+    present: set[int] = set()
+    interval = args.poll_us / 1e6
+    print("ready", flush=True)
+    while not _stop:
+        keys = set(libbpf.map_keys(fd, ctypes.c_uint32))
+        t = now()
+        for k in keys - present:
+            seen[f"tid:{k}"].append(t)
+        present = keys
+        time.sleep(interval)
+    os.close(fd)
+    Path(args.out).write_text(json.dumps(seen))
+    return 0
+
+
 def run_reader(args: argparse.Namespace) -> int:
     """Poll the record file; every U line's key gets the local time it was first seen."""
+    if args.source == "bpf":
+        return run_bpf_reader(args)
     signal.signal(signal.SIGTERM, _on_term)
     seen: dict[str, list[int]] = defaultdict(list)
     path = args.record
@@ -269,6 +326,135 @@ def run_hold(args: argparse.Namespace) -> int:
     return 0
 
 
+class Role:
+    """One helper process of this module; waits for its "ready" line."""
+
+    def __init__(self, *args: str) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.watchbench", *args],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline().strip()
+        if line != "ready":
+            self.kill()
+            raise SystemExit(f"{args[0]} did not start: {line!r}")
+
+    def finish(self) -> str:
+        """Close stdin (the agent's stop signal); the last line it printed."""
+        out, _ = self.p.communicate(timeout=300)
+        return out.strip().splitlines()[-1] if out.strip() else ""
+
+    def terminate(self) -> None:
+        self.p.terminate()
+        self.p.wait(timeout=120)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def workload(role: str, out: Path, **kw: object) -> dict[str, Any]:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    subprocess.run(
+        [sys.executable, "-m", "tests.bench.watchbench", role, f"--out={out}", *args],
+        cwd=REPO,
+        check=True,
+        timeout=900,
+    )
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def _first_at_or_after(times: list[int], t0: int) -> int | None:
+    i = bisect.bisect_left(times, t0)
+    return times[i] if i < len(times) else None
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    """The whole reaction-latency measurement: floor, agent, reader, both workloads; prints a report
+    and, last, one JSON line with the figures."""
+    tmp = Path(tempfile.mkdtemp(prefix="gthulhu-latency-"))
+    record = tmp / "record"
+    prio = [args.prio] if args.prio else []
+    roles: list[Role] = []
+    try:
+        floor = Role("floor", f"--out={tmp / 'floor.json'}", *prio)
+        roles.append(floor)
+        agent_args = ["agent", f"--backend={args.backend}", *prio]
+        if args.backend == "dry-run":
+            agent_args.append(f"--record={record}")
+        agent = Role(*agent_args)
+        roles.append(agent)
+        source = ["--source=bpf"] if args.backend == "sched_ext" else [f"--record={record}"]
+        reader = Role("reader", *source, f"--out={tmp / 'reader.json'}", *prio)
+        roles.append(reader)
+        rename = workload("rename", tmp / "rename.json", count=args.count, interval_ms=args.interval_ms)
+        spawn = workload(
+            "spawn", tmp / "spawn.json", count=args.count, interval_ms=args.interval_ms, life_ms=50
+        )
+        time.sleep(0.5)
+        reader.terminate()
+        floor.terminate()
+        agent_stats = json.loads(agent.finish())
+    finally:
+        for r in roles:
+            r.kill()
+    seen = {k: sorted(v) for k, v in json.loads((tmp / "reader.json").read_text()).items()}
+    fl = json.loads((tmp / "floor.json").read_text())
+    rows: dict[str, list[float]] = {
+        "rename agent": [],
+        "rename floor": [],
+        "spawn agent": [],
+        "spawn floor": [],
+    }
+    missed = {"rename": 0, "spawn": 0}
+    tid = rename["tid"]
+    entry_seen = seen.get(f"tid:{tid}", [])
+    comm_seen = sorted(t for t, comm in fl["comm"].get(str(tid), []) if comm == "EngineCore_DP1")
+    for t0 in rename["starts"]:
+        a, f = _first_at_or_after(entry_seen, t0), _first_at_or_after(comm_seen, t0)
+        if a is None:
+            missed["rename"] += 1
+        else:
+            rows["rename agent"].append((a - t0) / 1e6)
+        if f is not None:
+            rows["rename floor"].append((f - t0) / 1e6)
+    for tid_s, t0 in spawn["starts"].items():
+        a = _first_at_or_after(seen.get(f"tid:{tid_s}", []), t0)
+        f = _first_at_or_after(sorted(fl["fork"].get(tid_s, [])), t0)
+        if a is None:
+            missed["spawn"] += 1
+        else:
+            rows["spawn agent"].append((a - t0) / 1e6)
+        if f is not None:
+            rows["spawn floor"].append((f - t0) / 1e6)
+    print(f"reaction latency, workload timestamp -> entry seen by an independent reader ({args.backend})")
+    for name, ms in rows.items():
+        print(
+            f"  {name:<14} n={len(ms):5d}  p50={pct(ms, 0.5):8.3f} ms  p99={pct(ms, 0.99):8.3f} ms  "
+            f"max={max(ms, default=float('nan')):8.3f} ms"
+        )
+    ratios = {k: pct(rows[f"{k} agent"], 0.99) / pct(rows[f"{k} floor"], 0.99) for k in ("rename", "spawn")}
+    for k, v in ratios.items():
+        print(f"  {k}: agent p99 / floor p99 = {v:.1f}x")
+    print(f"  agent: {agent_stats}")
+    summary = {
+        name: {"n": len(ms), "p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99)} for name, ms in rows.items()
+    }
+    print(json.dumps({"rows": summary, "ratios": ratios, "missed": missed, "agent": agent_stats}))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="role", required=True)
@@ -278,11 +464,17 @@ def main() -> int:
     a.add_argument("--scope", default="thread")
     a.add_argument("--rescan", type=float, default=30.0)
     r = sub.add_parser("reader")
-    r.add_argument("--record", required=True)
+    r.add_argument("--record", default="")
+    r.add_argument("--source", default="record", choices=["record", "bpf"])
     r.add_argument("--out", required=True)
     r.add_argument("--poll-us", type=float, default=100.0)
     f = sub.add_parser("floor")
     f.add_argument("--out", required=True)
+    lat = sub.add_parser("latency")
+    lat.add_argument("--backend", default="dry-run", choices=["dry-run", "sched_ext"])
+    lat.add_argument("--prio", default="", help="passed to agent, reader and floor: --fifo=10, --nice=-10")
+    lat.add_argument("--count", type=int, default=1000)
+    lat.add_argument("--interval-ms", type=float, default=4.0)
     h = sub.add_parser("hold")
     h.add_argument("--count", type=int, default=20_000)
     for name in ("rename", "spawn", "storm"):
@@ -309,6 +501,7 @@ def main() -> int:
         "spawn": run_spawn,
         "storm": run_storm,
         "hold": run_hold,
+        "latency": run_latency,
     }
     return roles[args.role](args)
 
