@@ -323,7 +323,11 @@ class Engine:
         backend = self.reconciler.backend
         r = self.reconciler
         if not self._ejected:
-            health = backend.health()
+            try:
+                health = backend.health()
+            except Exception as exc:  # a broken health check must not end the engine
+                log.exception("backend_health_failed", backend=backend.name, error=str(exc))
+                return
             self._stats.backend_state = health.state.value
             if health.state is not BackendState.EJECTED:
                 return
