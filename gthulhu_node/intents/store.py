@@ -48,6 +48,8 @@ STATE_FORMAT = "gthulhu-node-intents"
 STATE_VERSION = 1
 # Sources whose intents live elsewhere on disk and are therefore not written to the state file.
 NOT_PERSISTED = frozenset({"local"})
+# Generations travel as uint64 in the gRPC API.
+GENERATION_MAX = 2**64 - 1
 
 
 class StoreError(Exception):
@@ -181,9 +183,9 @@ class IntentStore:
         except ValueError as exc:
             self._count("refused_invalid")
             raise IntentValidationError("source", str(exc)) from None
-        if generation < 0:
+        if not 0 <= generation <= GENERATION_MAX:
             self._count("refused_invalid")
-            raise IntentValidationError("generation", "must not be negative")
+            raise IntentValidationError("generation", f"must be 0-{GENERATION_MAX}")
         try:
             check_set(intents, max_count=self._max_intents)
         except IntentValidationError:
@@ -199,6 +201,12 @@ class IntentStore:
                 if new_digest == cur_content:
                     self._stats.applies_unchanged += 1
                     return ApplyOutcome(source, cur_gen, changed=False)
+                if cur_gen >= GENERATION_MAX:
+                    self._stats.refused_stale += 1
+                    raise StaleGenerationError(
+                        f"source {source!r} is at the largest generation ({GENERATION_MAX}): "
+                        "it has no next one"
+                    )
                 new_gen = cur_gen + 1
             elif generation < cur_gen:
                 self._stats.refused_stale += 1
@@ -353,8 +361,8 @@ def _parse_state(blob: bytes) -> dict[str, SourceSet]:
         if not isinstance(entry, Mapping):
             raise ValueError(f"sources.{name}: expected an object")
         gen = entry.get("generation")
-        if isinstance(gen, bool) or not isinstance(gen, int) or gen < 0:
-            raise ValueError(f"sources.{name}.generation: expected a non-negative integer")
+        if isinstance(gen, bool) or not isinstance(gen, int) or not 0 <= gen <= GENERATION_MAX:
+            raise ValueError(f"sources.{name}.generation: expected an integer 0-{GENERATION_MAX}")
         raw_intents = entry.get("intents")
         if not isinstance(raw_intents, list):
             raise ValueError(f"sources.{name}.intents: expected a list")

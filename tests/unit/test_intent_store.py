@@ -203,3 +203,13 @@ def test_ids_and_sources_with_a_trailing_newline_refused(bad: str) -> None:
     store = IntentStore(None)
     with pytest.raises(IntentValidationError, match="source"):
         store.apply(bad.lower(), 0, [])
+
+
+def test_largest_generation_has_no_next(tmp_path: Path) -> None:
+    store = IntentStore(None)
+    store.apply("a", 2**64 - 1, [intent("x")])
+    with pytest.raises(StaleGenerationError, match="largest"):
+        store.apply("a", 0, [intent("y")])
+    with pytest.raises(IntentValidationError, match="generation"):
+        store.apply("a", 2**64, [intent("y")])
+    assert ids(store, "a") == ["x"]
