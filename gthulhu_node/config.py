@@ -123,9 +123,11 @@ class RestConfig(_Section):
 
 
 class ProbeConfig(_Section):
-    """The continuous BCC run-queue latency probe. Off by default (it costs CPU)."""
+    """The continuous BCC run-queue latency probe. Off by default (it costs CPU: docs/probe.md)."""
 
     enabled: bool = False
+    # how often the in-kernel thread filter follows the agent's matches
+    poll_interval_s: float = Field(default=1.0, ge=0.1, le=60.0)
 
 
 class AgentConfig(_Section):

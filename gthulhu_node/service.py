@@ -55,6 +55,7 @@ class Service:
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
         self.agent: Any = None
+        self.probe: Any = None  # the continuous run-queue probe (gthulhu_node/probe), when enabled
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._main_alive = time.monotonic()
@@ -141,6 +142,9 @@ class Service:
         if self._stop.is_set():
             return self._shutdown()
         self._wire_engine(self.agent)
+        if self.config.probe.enabled:  # its own thread; a probe that cannot run only logs and exports up=0
+            from gthulhu_node.probe.continuous import start_if_enabled
+            self.probe = start_if_enabled(self.config, self.agent, self.metrics.registry)
         summary = self._summary()
         self.notifier.ready(status=summary)
         log.info("service_ready", summary=summary, watchdog_from_engine=self._watchdog_from_engine)
@@ -237,6 +241,8 @@ class Service:
         self.notifier.status("stopping: unloading the scheduler")
         log.info("service_stopping", signal=self._stop_signal or "none")
         code = 0
+        if self.probe is not None:
+            self.probe.stop()
         try:
             self.agent.stop()
         except Exception as exc:

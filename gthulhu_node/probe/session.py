@@ -90,11 +90,20 @@ class Session:
 
     def _index(self, intent: str) -> int | None:
         idx = self.intent_index.get(intent)
-        if idx is None:
-            if len(self.intent_index) >= MAX_INTENTS:
-                log.warning("probe_too_many_intents", intent=intent, limit=MAX_INTENTS)
-                return None
+        if idx is not None:
+            return idx
+        if len(self.intent_index) < MAX_INTENTS:
             idx = self.intent_index[intent] = len(self.intent_index)
+            return idx
+        # Full (a long-running agent sees intents come and go): reuse the index of one with no thread now.
+        in_use = {rec.target.intent for rec in self.records.values()}
+        idle = next((key for key in self.intent_index if key not in in_use), None)
+        if idle is None:
+            log.warning("probe_too_many_intents", intent=intent, limit=MAX_INTENTS)
+            return None
+        idx = self.intent_index.pop(idle)
+        self.probe.clear_intent(idx)
+        self.intent_index[intent] = idx
         return idx
 
     def sync(self) -> None:

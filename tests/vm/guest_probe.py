@@ -80,6 +80,19 @@ def schedstat(tgid: int, tid: int) -> int | None:
         return None
 
 
+def wait_for_comm(pids: list[int], names: list[str], timeout: float = 60.0) -> None:
+    """Until each process has renamed itself (python starts slowly next to CPU hogs under TCG)."""
+    end = time.monotonic() + timeout
+    for pid, name in zip(pids, names, strict=True):
+        while time.monotonic() < end:
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+
 def run(duration: float, boost: str, hogs: int) -> None:
     from gthulhu_node.probe import ProbeUnavailable
     from gthulhu_node.probe.loader import RunqueueProbe
@@ -87,29 +100,31 @@ def run(duration: float, boost: str, hogs: int) -> None:
     from gthulhu_node.probe.targets import RegexTargets
 
     me = [sys.executable, os.path.abspath(__file__)]
-    procs: list[subprocess.Popen[str]] = []
-    if hogs:
-        hog_cmd = ["stress-ng", "--cpu", str(hogs), "--timeout", f"{int(duration + 60)}s"]
-        # stress-ng refuses a read-only working directory (LAB.md): start it from the guest's /tmp
-        procs.append(subprocess.Popen(hog_cmd, cwd="/tmp", stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, text=True))
-    work_s = duration + 30  # they must outlive the compile; stopped at the end
-    fifo = ["--fifo"] if boost == "fifo" else []
-    twins = {
-        name: subprocess.Popen([*me, "worker", name, str(work_s), *(fifo if name == "probe_boost" else [])],
-                               stdout=subprocess.PIPE, text=True)
-        for name in ("probe_boost", "probe_plain")
-    }
-    procs += twins.values()
     out: dict[str, object] = {"boost": boost, "hogs": hogs}
+    # Compile first, on an idle guest: with the hogs running, BCC's clang would take minutes under TCG.
+    t0 = time.monotonic()
     try:
-        t0 = time.monotonic()
-        try:
-            probe = RunqueueProbe()
-        except ProbeUnavailable as exc:
-            print(json.dumps({"error": str(exc)}))
-            return
-        out["compile_s"] = round(time.monotonic() - t0, 1)
+        probe = RunqueueProbe()
+    except ProbeUnavailable as exc:
+        print(json.dumps({"error": str(exc)}))
+        return
+    out["compile_s"] = round(time.monotonic() - t0, 1)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        if hogs:
+            hog_cmd = ["stress-ng", "--cpu", str(hogs), "--timeout", f"{int(duration + 120)}s"]
+            # stress-ng refuses a read-only working directory (LAB.md): start it from the guest's /tmp
+            procs.append(subprocess.Popen(hog_cmd, cwd="/tmp", stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, text=True))
+        fifo = ["--fifo"] if boost == "fifo" else []
+        names = ["probe_boost", "probe_plain"]
+        twins = [
+            subprocess.Popen([*me, "worker", name, str(duration + 90), *(fifo if name == names[0] else [])],
+                             stdout=subprocess.PIPE, text=True)
+            for name in names
+        ]
+        procs += twins
+        wait_for_comm([p.pid for p in twins], names)
         source = RegexTargets("^probe_")
         session = Session(probe, source)
         session.sync()
@@ -127,12 +142,12 @@ def run(duration: float, boost: str, hogs: int) -> None:
             str(tid): (after[tid] - b) if (b is not None and after[tid] is not None) else None
             for tid, (_, b) in before.items()
         }
-        spawn.wait(timeout=30)
+        spawn.wait(timeout=60)
         assert spawn.stdout is not None
         out["spawner"] = json.loads(spawn.stdout.readline() or "{}")
         source.close()
-        probe.close()
     finally:
+        probe.close()
         for p in procs:
             if p.poll() is None:
                 p.terminate()
