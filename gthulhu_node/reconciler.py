@@ -45,6 +45,7 @@ from gthulhu_node.tasks.procfs import Snapshot, Task, read_task
 log = structlog.get_logger(__name__)
 
 LATENCY_WINDOW = 4096
+_EVENT_NAMES = {k: k.name.lower() for k in EventKind}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,7 @@ class Reconciler:
         # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
         # written; `resync` writes everything once the backend is back.
         self.hold_writes = False
+        self._pending_logs: list[dict[str, object]] = []
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -211,7 +213,7 @@ class Reconciler:
         counts = self._stats.events
         for ev in events:
             kind = ev.kind
-            counts[kind.name.lower()] += 1
+            counts[_EVENT_NAMES[kind]] += 1
             if kind is EventKind.EXIT:
                 old = self._tasks.get(ev.tid)
                 if old is not None and old.tgid == ev.tgid:
@@ -339,7 +341,19 @@ class Reconciler:
     # ---- writing ------------------------------------------------------------------------------------
 
     def flush(self) -> ApplyResult:
-        """Write every dirty key whose desired value differs from what the backend holds, as one batch."""
+        """Write every dirty key whose desired value differs from what the backend holds, as one batch.
+
+        Log lines about matched tasks are emitted after the write, so rendering them never delays it.
+        """
+        try:
+            return self._flush()
+        finally:
+            if self._pending_logs:
+                logs, self._pending_logs = self._pending_logs, []
+                for fields in logs:
+                    log.info("task_matched", **fields)
+
+    def _flush(self) -> ApplyResult:
         if not self._dirty or self.hold_writes:
             return ApplyResult()
         dirty, self._dirty = self._dirty, {}
@@ -580,8 +594,10 @@ class Reconciler:
             return
         self._winner[tid] = w
         if prev is not w:
-            log.info("task_matched", intent_id=w.key, tid=tid, tgid=task.tgid, comm=task.comm,
-                     priority=w.priority, slice_ns=w.slice_ns, scope=w.scope.value)
+            self._pending_logs.append(
+                {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
+                 "priority": w.priority, "slice_ns": w.slice_ns, "scope": w.scope.value}
+            )
         covered_by_tgid = (
             pw is not None
             and not pw.is_noop
