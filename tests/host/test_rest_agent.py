@@ -41,6 +41,10 @@ pytestmark = pytest.mark.host
 
 WORKLOAD = Path(__file__).with_name("vllm_threads.py")
 NODE = "test-node"
+# Thread names unique to this run: the dry-run agent watches the whole machine, where other tests may run
+# vLLM-like workloads with the same thread names at the same time.
+TAG = uuid.uuid4().hex[:6]
+ENGINE0, ENGINE1, POD_WORKER = f"Eng{TAG}_DP0", f"Eng{TAG}_DP1", f"pod{TAG}wk"
 DEADLINE_S = 60.0
 
 
@@ -82,7 +86,7 @@ def agent_with_rest() -> Iterator[tuple[Agent, Manager]]:
         key = write_rsa_key(base / "jwt.key")
         (base / "policies.d").mkdir()
         (base / "policies.d" / "vllm.yaml").write_text(
-            "- id: local-engine\n  commandRegex: '^EngineCore_DP1$'\n  priority: 3\n"
+            f"- id: local-engine\n  commandRegex: '^{ENGINE1}$'\n  priority: 3\n"
         )
         config = AgentConfig.model_validate({
             "node": {"name": NODE},
@@ -150,17 +154,17 @@ def test_manager_push_reaches_threads_and_status() -> None:
         assert set(before) == {"local", "ops-team"}
         work = Workload()
         try:
-            engine_tid = work.spawn("EngineCore_DP0")
-            local_tid = work.spawn("EngineCore_DP1")
+            engine_tid = work.spawn(ENGINE0)
+            local_tid = work.spawn(ENGINE1)
             policies = [
                 {"policyID": "665f1c2ab1d4e9a0c3b7f812", "nodeID": NODE,
-                 "commandRegex": "^EngineCore_DP0$", "priority": 10, "executionTime": 2_000_000},
+                 "commandRegex": f"^{ENGINE0}$", "priority": 10, "executionTime": 2_000_000},
                 {"policyID": "665f1c2ab1d4e9a0c3b7f813", "nodeID": "another-node",
-                 "commandRegex": "^EngineCore_DP0$", "priority": 20},
+                 "commandRegex": f"^{ENGINE0}$", "priority": 20},
             ]
             data = manager("POST", "/api/v1/node-intents", {"policies": policies})
             assert data["accepted"] == 2 and data["notForThisNode"] == ["665f1c2ab1d4e9a0c3b7f813"]
-            wait_for("manager intent governs EngineCore_DP0",
+            wait_for("manager intent governs the engine thread",
                      lambda: engine_tid in tids(agent, "manager/665f1c2ab1d4e9a0c3b7f812"))
             engine_id = "665f1c2ab1d4e9a0c3b7f812"
             wait_for("status applied", lambda: states(manager)[engine_id]["state"] == "applied")
@@ -183,7 +187,7 @@ def test_manager_push_reaches_threads_and_status() -> None:
 def test_thousand_intents_applied_and_acknowledged() -> None:
     with agent_with_rest() as (agent, manager):
         policies = [
-            {"policyID": f"{i:024x}", "nodeID": NODE, "commandRegex": f"^gn-worker-{i}$",
+            {"policyID": f"{i:024x}", "nodeID": NODE, "commandRegex": f"^{TAG}-w{i}$",
              "priority": 1 + i % 20, "executionTime": 1_000_000}
             for i in range(1000)
         ]
@@ -231,15 +235,15 @@ def test_pod_intents_select_processes_by_pod_cgroup() -> None:
     with pod_cgroups() as (uid_a, dir_a, uid_b, dir_b), agent_with_rest() as (agent, manager):
         in_a, in_b, outside = Workload(dir_a), Workload(dir_b), Workload()
         try:
-            tid_a, tid_b = in_a.spawn("gn-pod-worker"), in_b.spawn("gn-pod-worker")
-            tid_out = outside.spawn("gn-pod-worker")
+            tid_a, tid_b = in_a.spawn(POD_WORKER), in_b.spawn(POD_WORKER)
+            tid_out = outside.spawn(POD_WORKER)
             assert uid_a.replace("-", "_") in Path(f"/proc/{in_a.proc.pid}/cgroup").read_text()
             intents = [
                 {"podName": "vllm-0", "podID": uid_a, "nodeID": NODE, "k8sNamespace": "ml",
-                 "commandRegex": "^gn-pod-worker$", "priority": 10, "executionTime": 2_000_000,
+                 "commandRegex": f"^{POD_WORKER}$", "priority": 10, "executionTime": 2_000_000,
                  "podLabels": {"app": "vllm", "tier": "gpu"}},
                 {"podName": "web-1", "podID": uid_b, "nodeID": NODE, "k8sNamespace": "default",
-                 "commandRegex": "^gn-pod-worker$", "priority": 2},
+                 "commandRegex": f"^{POD_WORKER}$", "priority": 2},
             ]
             data = manager("POST", "/api/v1/intents", {"intents": intents})
             assert data["accepted"] == 2
