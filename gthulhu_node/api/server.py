@@ -243,14 +243,18 @@ class ApiServer:
         """Bind the listeners and start serving (health NOT_SERVING until `set_ready`)."""
         path = self.config.socket
         _prepare_socket_path(path)
-        bound = self._server.add_insecure_port(f"unix://{path}")
-        if bound == 0:
-            raise ApiConfigError(f"cannot listen on unix socket {path}")
-        if self.config.tcp_listen:
-            self.tcp_port = self._add_tls_port(self.config)
-        self._server.start()
-        # The socket exists once start() returns; the 0700 directory keeps others out of the window
-        # between bind and this chmod.
+        # The socket is created 0600 (umask) and chmod-ed again after start: no window in which another
+        # user could connect, even in a directory that is not 0700. Only this thread creates files now.
+        old_umask = os.umask(0o177)
+        try:
+            bound = self._server.add_insecure_port(f"unix://{path}")
+            if bound == 0:
+                raise ApiConfigError(f"cannot listen on unix socket {path}")
+            if self.config.tcp_listen:
+                self.tcp_port = self._add_tls_port(self.config)
+            self._server.start()
+        finally:
+            os.umask(old_umask)
         os.chmod(path, 0o600)
         log.info("api_listening", socket=str(path), tcp=self.config.tcp_listen, tcp_port=self.tcp_port)
 

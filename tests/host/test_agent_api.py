@@ -270,3 +270,38 @@ def test_socket_is_root_only(agent) -> None:  # type: ignore[no-untyped-def]
         assert os.waitstatus_to_exitcode(status) == 1
     finally:
         sock.parent.chmod(0o700)
+
+
+class FlakyDryRun(DryRunBackend):
+    """A dry-run backend whose restart can be made to fail, to hold it in the ejected state."""
+
+    fail_start = False
+
+    def start(self) -> None:
+        if self.fail_start:
+            from gthulhu_node.backends.base import BackendUnavailable
+
+            raise BackendUnavailable("test: reload refused")
+        super().start()
+
+
+def test_failed_while_the_scheduler_is_ejected_then_applied_again() -> None:
+    backend = FlakyDryRun()
+    with (
+        NamedThread("gn-eject-t"),
+        running_agent(backend=backend, scheduler={"reload_backoff_initial_s": 0.5}) as a,
+        stub_of(a) as stub,
+    ):
+        apply(stub, "ej", 0, intent("e", regex="^gn-eject-t$", priority=6))
+        wait_for(lambda: statuses(stub)["ej/e"].state == APPLIED, what="Applied")
+        backend.fail_start = True
+        assert a.engine is not None
+        a.engine.call(lambda r: backend.eject("test: watchdog fired"))
+        st = wait_for(
+            lambda: (s := statuses(stub)["ej/e"]).state == pb.INTENT_STATE_FAILED and s, what="Failed"
+        )
+        assert "ejected" in st.reason and "watchdog fired" in st.reason
+        assert stub.GetStatus(pb.GetStatusRequest()).agent.scheduler_state == "ejected"
+        backend.fail_start = False
+        st = wait_for(lambda: (s := statuses(stub)["ej/e"]).state == APPLIED and s, what="Applied again")
+        assert st.matched_tasks == 1 and not st.reason
