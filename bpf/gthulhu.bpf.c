@@ -91,7 +91,7 @@ struct {
 } tgid_map SEC(".maps");
 
 struct task_ctx {
-	u64 vtime;        /* fair virtual time, charged for every run (boosted ones too) */
+	u64 vtime;        /* fair virtual time, charged for unboosted runs */
 	u64 started_at;   /* when the current run began */
 	u64 window_start; /* start of this task's boost accounting window */
 	u64 window_used;  /* boosted run time inside it */
@@ -356,9 +356,14 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	if (!tctx)
 		return;
 	used = now - tctx->started_at;
-	tctx->vtime += used * 100 / (p->scx.weight ? p->scx.weight : 100);
+	/*
+	 * Boosted time is paid for by the guard, not by vtime: charging it too would leave a demoted task so
+	 * far behind that it never ran in its fair turn, and stayed stuck there after its window passed.
+	 */
 	if (tctx->prio)
 		charge_boost(tctx, used, now);
+	else
+		tctx->vtime += used * 100 / (p->scx.weight ? p->scx.weight : 100);
 }
 
 /*

@@ -42,6 +42,7 @@ from gthulhu_node.scheduler.loader import (
     LoadSettings,
     load,
     sched_ext_state,
+    wait_state,
 )
 
 log = structlog.get_logger(__name__)
@@ -176,6 +177,9 @@ class SchedExtBackend(Backend):
             state, ops = f"unreadable ({exc.strerror})", ""
         if state == "enabled" and ops == SCHED_NAME:
             return BackendHealth(BackendState.RUNNING)
+        if state == "disabling":
+            # the kernel is tearing it down; the exit callback records the reason before `disabled`
+            state, ops = wait_state("disabled", 2.0, self._root)
         info = self._sched.bss(refresh_counts=False).exit_info
         reason = " ".join(
             part

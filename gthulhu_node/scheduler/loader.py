@@ -119,20 +119,28 @@ def _section(elf: bytes, name: str) -> tuple[int, int]:
     raise BackendError(f"BPF object has no {name} section")
 
 
-def _with_timeout(elf: bytes, timeout_ms: int) -> bytes:
-    """The object with ops.timeout_ms set: libbpf 1.1.2 has no API to edit struct_ops data before load,
-    so the value is written into the `.struct_ops` section at the offset the object's own BTF gives."""
+def patch_ops(elf: bytes, *, timeout_ms: int | None = None, name: str | None = None) -> bytes:
+    """The object with sched_ext_ops fields changed. libbpf 1.1.2 has no API to edit struct_ops data
+    before load, so the value is written into the `.struct_ops` section (which holds only our ops) at the
+    offset the object's own BTF gives. `name` exists for tests that need a scheduler that is not ours."""
     probe = libbpf.BpfObject(elf, SCHED_NAME)
     try:
-        members = {name: (off, size) for name, off, size in probe.btf().struct_members("sched_ext_ops")}
+        members = {m: (off, size) for m, off, size in probe.btf().struct_members("sched_ext_ops")}
     finally:
         probe.close()
-    field_off, size = members["timeout_ms"]
     sec_off, sec_size = _section(elf, ".struct_ops")
-    if size != 4 or field_off + 4 > sec_size:
-        raise BackendError("unexpected sched_ext_ops.timeout_ms layout in the BPF object")
     patched = bytearray(elf)
-    struct.pack_into("<I", patched, sec_off + field_off, timeout_ms)
+    if timeout_ms is not None:
+        field_off, size = members["timeout_ms"]
+        if size != 4 or field_off + size > sec_size:
+            raise BackendError("unexpected sched_ext_ops.timeout_ms layout in the BPF object")
+        struct.pack_into("<I", patched, sec_off + field_off, timeout_ms)
+    if name is not None:
+        field_off, size = members["name"]
+        raw = name.encode()
+        if len(raw) >= size or field_off + size > sec_size:
+            raise BackendError(f"scheduler name {name!r} does not fit sched_ext_ops.name")
+        patched[sec_off + field_off : sec_off + field_off + size] = raw.ljust(size, b"\0")
     return bytes(patched)
 
 
@@ -162,7 +170,7 @@ class _Lock:
             os.close(fd)
 
 
-def _wait_state(want: str, timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
+def wait_state(want: str, timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
     while True:
         state, ops = sched_ext_state(root)
@@ -181,7 +189,7 @@ def detach_stale(root: Path = SCHED_EXT) -> int:
                 count += libbpf.map_delete(fd, key)
         finally:
             os.close(fd)
-    _wait_state("disabled", ATTACH_TIMEOUT_S, root)
+    wait_state("disabled", ATTACH_TIMEOUT_S, root)
     return count
 
 
@@ -212,7 +220,7 @@ class LoadedScheduler:
         try:
             with contextlib.suppress(OSError):
                 self._link.destroy()
-            _wait_state("disabled", ATTACH_TIMEOUT_S)
+            wait_state("disabled", ATTACH_TIMEOUT_S)
         finally:
             self.obj.close()
             self._lock.release()
@@ -254,7 +262,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
     path = object_path(flavour, settings.bpf_object)
     elf = path.read_bytes()
     if settings.watchdog_timeout_ms:
-        elf = _with_timeout(elf, settings.watchdog_timeout_ms)
+        elf = patch_ops(elf, timeout_ms=settings.watchdog_timeout_ms)
     obj = libbpf.BpfObject(elf, SCHED_NAME)
     try:
         for name in ("tid_map", "tgid_map"):
@@ -280,7 +288,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             link = obj.map(OPS_MAP).attach_struct_ops()
         except OSError as exc:
             raise BackendUnavailable(f"attaching the scheduler failed: {exc}") from exc
-        state, ops = _wait_state("enabled", ATTACH_TIMEOUT_S, root)
+        state, ops = wait_state("enabled", ATTACH_TIMEOUT_S, root)
         loaded = LoadedScheduler(obj, link, lock, flavour)
         if state != "enabled" or ops != SCHED_NAME:
             info = loaded.bss(refresh_counts=False).exit_info

@@ -1,0 +1,78 @@
+"""The structs Python writes into the scheduler's maps match the compiled object's BTF, field by field;
+and on this machine's kernel (no sched_ext) the loader says clearly why it cannot run.
+
+Opening an object (not loading it) needs no privileges and changes nothing on this kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gthulhu_node.backends.base import BackendUnavailable
+from gthulhu_node.scheduler import libbpf, loader
+from gthulhu_node.scheduler.layout import MIRRORS, fields_of
+
+DATA = Path(__file__).resolve().parents[2] / "gthulhu_node" / "data"
+OBJECTS = ["gthulhu.bpf.o", "gthulhu-6.12.bpf.o"]
+
+
+@pytest.fixture(params=OBJECTS)
+def bpf_object(request: pytest.FixtureRequest) -> Iterator[libbpf.BpfObject]:
+    path = DATA / request.param
+    obj = libbpf.BpfObject(path.read_bytes(), "gthulhu")
+    yield obj
+    obj.close()
+
+
+@pytest.mark.parametrize("struct_name", sorted(MIRRORS))
+def test_python_layout_matches_btf(bpf_object: libbpf.BpfObject, struct_name: str) -> None:
+    mirror = MIRRORS[struct_name]
+    btf = bpf_object.btf()
+    assert fields_of(mirror) == btf.struct_members(struct_name)
+    assert btf.struct_size(struct_name) == ctypes.sizeof(mirror)
+
+
+def test_rodata_and_bss_are_exactly_the_shared_structs(bpf_object: libbpf.BpfObject) -> None:
+    """The loader writes settings as the whole .rodata and reads counters as the whole .bss."""
+    from gthulhu_node.scheduler.layout import GthulhuBss, GthulhuSettings
+
+    rodata = loader._internal_map(bpf_object, ".rodata")
+    assert len(rodata.initial_value()) == ctypes.sizeof(GthulhuSettings)
+    settings = GthulhuSettings.from_buffer_copy(rodata.initial_value())
+    assert settings.default_slice_ns == 5_000_000 and settings.boost_share_percent == 75
+    bss = loader._internal_map(bpf_object, ".bss")
+    assert len(bss.initial_value()) == ctypes.sizeof(GthulhuBss)
+
+
+def test_patch_ops_sets_timeout_and_name() -> None:
+    elf = (DATA / "gthulhu.bpf.o").read_bytes()
+    patched = loader.patch_ops(elf, timeout_ms=2000, name="other")
+    obj = libbpf.BpfObject(patched, "gthulhu")
+    try:
+        members = {m: off for m, off, _ in obj.btf().struct_members("sched_ext_ops")}
+    finally:
+        obj.close()
+    sec, _ = loader._section(patched, ".struct_ops")
+    assert int.from_bytes(patched[sec + members["timeout_ms"] :][:4], "little") == 2000
+    assert patched[sec + members["name"] :][:6] == b"other\0"
+    assert len(patched) == len(elf)
+
+
+def test_no_sched_ext_here_is_a_clear_error() -> None:
+    """This machine's kernel has no sched_ext: the error names the missing piece and the kernel."""
+    assert not Path("/sys/kernel/sched_ext").exists(), "this test expects the host kernel without sched_ext"
+    with pytest.raises(BackendUnavailable, match=r"has no sched_ext .*CONFIG_SCHED_CLASS_EXT"):
+        loader.check_support()
+
+
+def test_kfunc_flavour_is_read_from_btf(tmp_path: Path) -> None:
+    new = tmp_path / "new"
+    new.write_bytes(b"\0scx_bpf_dsq_insert\0scx_bpf_dsq_insert_vtime\0")
+    old = tmp_path / "old"
+    old.write_bytes(b"\0scx_bpf_dispatch\0scx_bpf_consume\0")
+    assert loader.kfunc_flavour(new) == "6.13"
+    assert loader.kfunc_flavour(old) == "6.12"

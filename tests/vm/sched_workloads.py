@@ -1,0 +1,517 @@
+"""Guest-side workloads for tests/vm/test_scheduler.py: each loads the real scheduler in the lab VM, runs
+real tasks under it and prints one JSON object with what it measured (the test asserts on it).
+
+Run inside the lab guest as root: `.venv/bin/python tests/vm/sched_workloads.py <scenario>`.
+CPU-bound workers are forked processes (no GIL between them); CPU time comes from /proc/<pid>/schedstat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import structlog
+
+from gthulhu_node.backends.base import (
+    BackendState,
+    Entry,
+    EntryKey,
+    InvalidEntryError,
+    KeyKind,
+    MapFullError,
+    TaskGoneError,
+)
+from gthulhu_node.config import SchedulerConfig
+from gthulhu_node.scheduler import loader
+from gthulhu_node.scheduler.backend import SchedExtBackend, task_start_time
+
+# stdout carries the JSON result only
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+PR_SET_NAME = 15
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def set_comm(name: str) -> None:
+    _libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def run_ns(pid: int, tid: int | None = None) -> int:
+    """CPU time a task has had (first field of schedstat)."""
+    path = f"/proc/{pid}/task/{tid}/schedstat" if tid else f"/proc/{pid}/schedstat"
+    return int(Path(path).read_text().split()[0])
+
+
+def schedstat(pid: int) -> tuple[int, int, int]:
+    run, wait, turns = Path(f"/proc/{pid}/schedstat").read_text().split()
+    return int(run), int(wait), int(turns)
+
+
+def fork_worker(body: Callable[[], None], name: str, cpus: set[int] | None = None) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            set_comm(name)
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            body()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def busy_fraction(busy_ms: float, sleep_ms: float) -> Callable[[], None]:
+    """Busy for busy_ms of the thread's own CPU time, then sleep: a fixed share whatever the contention."""
+
+    def body() -> None:
+        while True:
+            end = time.thread_time_ns() + int(busy_ms * 1e6)
+            while time.thread_time_ns() < end:
+                pass
+            time.sleep(sleep_ms / 1000)
+
+    return body
+
+
+@contextlib.contextmanager
+def workers() -> Iterator[list[int]]:
+    pids: list[int] = []
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+@contextlib.contextmanager
+def scheduler(**cfg: Any) -> Iterator[SchedExtBackend]:
+    # The driver is the agent here: protected like the agent, so measurements are read on time.
+    backend = SchedExtBackend(SchedulerConfig(**cfg), protect_agent=True)
+    backend.start()
+    try:
+        yield backend
+    finally:
+        backend.stop()
+
+
+def key_for(kind: KeyKind, pid: int) -> tuple[EntryKey, int]:
+    start = task_start_time(pid)
+    assert start is not None
+    return EntryKey(kind, pid), start
+
+
+def cpu_shares(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Fraction of one CPU each task got over about `seconds` (timestamps taken next to the reads)."""
+    t0 = time.monotonic()
+    before = {name: run_ns(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    after = {name: run_ns(pid) for name, pid in pids.items()}
+    elapsed = time.monotonic() - t0
+    return {name: (after[name] - before[name]) / 1e9 / elapsed for name in pids}
+
+
+def state() -> dict[str, str]:
+    s, ops = loader.sched_ext_state()
+    return {"state": s, "ops": ops}
+
+
+# --- scenarios ---------------------------------------------------------------------------------------
+
+
+def lifecycle(_: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"before": state()}
+    backend = SchedExtBackend(SchedulerConfig(), protect_agent=False)
+    backend.start()
+    out["loaded"] = state()
+    out["health"] = backend.health().state.value
+    out["counters_after_load"] = backend.counters()
+    backend.stop()
+    out["stopped"] = state()
+    out["health_stopped"] = backend.health().state.value
+    return out
+
+
+def other_scheduler(_: argparse.Namespace) -> dict[str, Any]:
+    """Another sched_ext scheduler (our object renamed) is running: our start must refuse to displace it."""
+    path = loader.object_path(loader.kfunc_flavour())
+    elf = loader.patch_ops(path.read_bytes(), name="intruder")
+    obj = loader.libbpf.BpfObject(elf, "intruder")
+    obj.program("gthulhu_init").add_flags(loader.libbpf.BPF_F_SLEEPABLE)
+    obj.load()
+    link = obj.map(loader.OPS_MAP).attach_struct_ops()
+    try:
+        out: dict[str, Any] = {"running": state()}
+        backend = SchedExtBackend(SchedulerConfig(), protect_agent=False)
+        try:
+            backend.start()
+            out["error"] = None
+            backend.stop()
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["after"] = state()
+    finally:
+        link.destroy()
+        obj.close()
+    out["final"] = state()
+    return out
+
+
+def crashed_agent(_: argparse.Namespace) -> dict[str, Any]:
+    """An agent that loads, writes entries and dies by SIGKILL; the next start must take over cleanly."""
+    out: dict[str, Any] = {}
+    with workers() as pids:
+        pids.append(fork_worker(lambda: time.sleep(600), "crash-victim"))
+        time.sleep(0.2)
+        child = subprocess.Popen(
+            [sys.executable, __file__, "_hold", str(pids[0])], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout is not None
+        out["child_said"] = child.stdout.readline().strip()
+        child.kill()
+        child.wait()
+        time.sleep(0.5)
+        out["after_kill"] = state()
+        backend = SchedExtBackend(SchedulerConfig(), protect_agent=False)
+        backend.start()
+        try:
+            out["after_takeover"] = state()
+            out["entries_after_takeover"] = len(backend.read_back())
+            out["live_after_takeover"] = backend.counters()["live_tid_entries"]
+            key, start = key_for(KeyKind.TID, pids[0])
+            res = backend.apply({key: Entry(3, 0, start)}, [])
+            out["upserted_after_takeover"] = res.upserted
+        finally:
+            backend.stop()
+    out["final"] = state()
+    return out
+
+
+def _hold(args: argparse.Namespace) -> dict[str, Any]:
+    backend = SchedExtBackend(SchedulerConfig(), protect_agent=False)
+    backend.start()
+    key, start = key_for(KeyKind.TID, int(args.arg))
+    backend.apply({key: Entry(7, 0, start)}, [])
+    print(f"entries={len(backend.read_back())}", flush=True)
+    time.sleep(600)
+    return {}
+
+
+def tid_tgid_share(args: argparse.Namespace) -> dict[str, Any]:
+    """Boosted by TID, boosted by TGID fallback, and an unmatched twin, among CPU hogs."""
+    out: dict[str, Any] = {}
+    ncpu = os.cpu_count() or 1
+    with scheduler() as backend, workers() as pids:
+        for i in range(2 * ncpu):
+            pids.append(fork_worker(spin, f"hog{i}"))
+        by_tid = fork_worker(spin, "by-tid")
+        by_tgid = fork_worker(spin, "by-tgid")
+        twin = fork_worker(spin, "twin")
+        pids += [by_tid, by_tgid, twin]
+        time.sleep(0.3)
+        before = backend.counters()
+        k1, s1 = key_for(KeyKind.TID, by_tid)
+        k2, s2 = key_for(KeyKind.TGID, by_tgid)
+        res = backend.apply({k1: Entry(10, 0, s1), k2: Entry(10, 0, s2)}, [])
+        out["apply"] = {"upserted": res.upserted, "failed": {str(k): str(e) for k, e in res.failed.items()}}
+        out["shares"] = cpu_shares({"by_tid": by_tid, "by_tgid": by_tgid, "twin": twin}, args.seconds)
+        after = backend.counters()
+        out["delta"] = {k: after[k] - before[k] for k in ("tid_hits", "tgid_hits", "boosted_dispatches")}
+        out["health"] = backend.health().state.value
+    return out
+
+
+def slice_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Two CPU-bound tasks on one CPU, priority 0, slices far apart: run length per turn follows the slice."""
+    out: dict[str, Any] = {}
+    cpu = {(os.cpu_count() or 1) - 1}
+    with scheduler() as backend, workers() as pids:
+        long_ = fork_worker(spin, "long-slice", cpu)
+        short = fork_worker(spin, "short-slice", cpu)
+        default = fork_worker(spin, "default-slice", cpu)
+        pids += [long_, short, default]
+        time.sleep(0.3)
+        k1, s1 = key_for(KeyKind.TID, long_)
+        k2, s2 = key_for(KeyKind.TID, short)
+        backend.apply({k1: Entry(0, 40_000_000, s1), k2: Entry(0, 1_000_000, s2)}, [])
+        before = {n: schedstat(p) for n, p in (("long", long_), ("short", short), ("default", default))}
+        time.sleep(args.seconds)
+        for name, pid in (("long", long_), ("short", short), ("default", default)):
+            run, _, turns = schedstat(pid)
+            d_run, d_turns = run - before[name][0], turns - before[name][2]
+            per_turn = d_run / 1e6 / max(d_turns, 1)
+            out[name] = {"run_ms": d_run / 1e6, "turns": d_turns, "ms_per_turn": per_turn}
+        out["health"] = backend.health().state.value
+    return out
+
+
+def no_leak(args: argparse.Namespace) -> dict[str, Any]:
+    """Thousands of short-lived matched threads (tests/vm/leaky_threads.c); a writer scanning /proc races
+    their lifetimes and never deletes anything itself: the scheduler and the writer's recheck must."""
+    binary = "/tmp/leaky_threads"
+    src = Path(__file__).with_name("leaky_threads.c")
+    subprocess.run(["clang", "-O2", "-pthread", "-o", binary, str(src)], check=True)
+    out: dict[str, Any] = {"threads": args.threads}
+    with scheduler() as backend:
+        proc = subprocess.Popen(
+            [binary, str(args.threads), "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdin is not None
+        done = threading.Event()
+        spawner_out = proc.stdout
+
+        def wait_spawned() -> None:
+            spawner_out.readline()
+            done.set()
+
+        threading.Thread(target=wait_spawned, daemon=True).start()
+        tgid_key, tgid_start = key_for(KeyKind.TGID, proc.pid)
+        backend.apply({tgid_key: Entry(2, 0, tgid_start)}, [])
+        written = gone = scans = 0
+        while True:
+            finished = done.is_set()
+            batch: dict[EntryKey, Entry] = {}
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(f"/proc/{proc.pid}/task"):
+                    tid = int(name)
+                    if tid == proc.pid:
+                        continue
+                    start = task_start_time(tid)
+                    if start is not None:
+                        batch[EntryKey(KeyKind.TID, tid)] = Entry(5, 0, start)
+            res = backend.apply(batch, [])
+            written += res.upserted
+            gone += sum(isinstance(e, TaskGoneError) for e in res.failed.values())
+            scans += 1
+            if finished:
+                break
+        time.sleep(0.5)
+        live = {int(n) for n in os.listdir(f"/proc/{proc.pid}/task")} - {proc.pid}
+        counters = backend.counters()
+        out.update(
+            scans=scans,
+            writes=written,
+            gone_at_write=gone,
+            live_matched=sorted(live),
+            held=sorted(k.id for k in backend.read_back() if k.kind is KeyKind.TID),
+            live_tid_entries=counters["live_tid_entries"],
+            live_tgid_entries=counters["live_tgid_entries"],
+            exit_deleted_tid=counters["exit_deleted_tid"],
+        )
+        proc.stdin.close()
+        proc.wait()
+        time.sleep(0.3)
+        counters = backend.counters()
+        out["after_exit"] = {
+            k: counters[k] for k in ("live_tid_entries", "live_tgid_entries", "exit_deleted_tgid")
+        }
+    return out
+
+
+def starvation(args: argparse.Namespace) -> dict[str, Any]:
+    """Boosted load beyond the node's capacity; an unboosted CPU-bound task must still run (>= 10%)."""
+    ncpu = os.cpu_count() or 1
+    out: dict[str, Any] = {}
+    cases = {
+        "cpu_bound": (ncpu, spin),
+        "sixty_percent": (2 * ncpu, busy_fraction(6, 4)),
+    }
+    for case, (n, body) in cases.items():
+        with scheduler(watchdog_timeout_ms=2000) as backend, workers() as pids:
+            boosted = [fork_worker(body, f"boosted{i}") for i in range(n)]
+            pids += boosted
+            victim = fork_worker(spin, "unboosted")
+            pids.append(victim)
+            time.sleep(0.2)
+            upserts = {}
+            for pid in boosted:
+                k, s = key_for(KeyKind.TID, pid)
+                upserts[k] = Entry(20, 0, s)
+            backend.apply(upserts, [])
+            tasks = {"victim": victim, **{f"b{i}": p for i, p in enumerate(boosted)}}
+            shares = cpu_shares(tasks, args.seconds)
+            c = backend.counters()
+            health = backend.health()
+            out[case] = {
+                "victim_share": shares["victim"],
+                "boosted_shares": [v for k, v in shares.items() if k != "victim"],
+                "demotions": c["demotions"],
+                "throttled_windows": c["throttled_windows"],
+                "health": health.state.value,
+                "reason": health.reason,
+                "state": state(),
+            }
+    return out
+
+
+def affinity(args: argparse.Namespace) -> dict[str, Any]:
+    """Boosted and unboosted tasks pinned to one CPU: they run only there, and the kernel keeps us."""
+    ncpu = os.cpu_count() or 1
+    pin = ncpu - 1
+    out: dict[str, Any] = {"pinned_to": pin}
+    with scheduler() as backend, workers() as pids:
+        for i in range(2 * ncpu):
+            pids.append(fork_worker(spin, f"hog{i}"))
+        waker = fork_worker(busy_fraction(1, 3), "pinned-waker", {pin})
+        hog = fork_worker(spin, "pinned-hog", {pin})
+        pids += [waker, hog]
+        time.sleep(0.2)
+        k, s = key_for(KeyKind.TID, waker)
+        backend.apply({k: Entry(15, 0, s)}, [])
+        seen: dict[str, set[int]] = {"waker": set(), "hog": set()}
+        before = backend.counters()
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            for name, pid in (("waker", waker), ("hog", hog)):
+                seen[name].add(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36]))
+            time.sleep(0.01)
+        after = backend.counters()
+        out["cpus_seen"] = {k: sorted(v) for k, v in seen.items()}
+        out["boosted_dispatches"] = after["boosted_dispatches"] - before["boosted_dispatches"]
+        out["health"] = backend.health().state.value
+    return out
+
+
+def _cgroup_share(seconds: float, quota: str) -> float:
+    cg = Path("/sys/fs/cgroup/gthulhu-test")
+    root = Path("/sys/fs/cgroup/cgroup.subtree_control")
+    if "cpu" not in root.read_text():
+        root.write_text("+cpu")
+    cg.mkdir(exist_ok=True)
+    (cg / "cpu.max").write_text(quota)
+    with workers() as pids:
+        pid = fork_worker(spin, "capped")
+        pids.append(pid)
+        (cg / "cgroup.procs").write_text(str(pid))
+        time.sleep(0.3)
+        share = cpu_shares({"capped": pid}, seconds)["capped"]
+    time.sleep(0.2)
+    cg.rmdir()
+    return share
+
+
+def cpu_max(args: argparse.Namespace) -> dict[str, Any]:
+    """A CPU hog in a cgroup with cpu.max = 20% of one CPU, under EEVDF and then under ours."""
+    out: dict[str, Any] = {"quota": "20000 100000"}
+    out["eevdf_share"] = _cgroup_share(args.seconds, out["quota"])
+    with scheduler() as backend:
+        out["ours_share"] = _cgroup_share(args.seconds, out["quota"])
+        out["health"] = backend.health().state.value
+    return out
+
+
+def bad_input(_: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    me = os.getpid()
+    start = task_start_time(me)
+    assert start is not None
+    good = {EntryKey(KeyKind.TID, me): Entry(3, 0, start)}
+    bad = {
+        "priority": Entry(21, 0, start),
+        "slice_low": Entry(1, 49_999, start),
+        "slice_high": Entry(1, 1_000_000_001, start),
+    }
+    with scheduler(map_capacity=4) as backend:
+        for name, entry in bad.items():
+            try:
+                backend.apply({**good, EntryKey(KeyKind.TGID, me): entry}, [])
+                out[name] = "accepted"
+            except InvalidEntryError as exc:
+                out[name] = f"refused: {exc}"
+        out["held_after_bad"] = len(backend.read_back())
+        # a full map: 4 entries fit, the next ones are reported per key
+        with workers() as pids:
+            for i in range(6):
+                pids.append(fork_worker(lambda: time.sleep(600), f"fill{i}"))
+            time.sleep(0.3)
+            upserts = {}
+            for pid in pids:
+                k, s = key_for(KeyKind.TID, pid)
+                upserts[k] = Entry(1, 0, s)
+            res = backend.apply(upserts, [])
+            out["full"] = {
+                "upserted": res.upserted,
+                "map_full": sum(isinstance(e, MapFullError) for e in res.failed.values()),
+                "messages": sorted({str(e) for e in res.failed.values()}),
+            }
+            out["held_after_full"] = len(backend.read_back())
+        gone = EntryKey(KeyKind.TID, pids[0])
+        res = backend.apply({gone: Entry(1, 0, upserts[gone].start_time)}, [])
+        out["gone"] = type(res.failed.get(gone)).__name__
+    return out
+
+
+def ejection(_: argparse.Namespace) -> dict[str, Any]:
+    """sysrq-S kicks the scheduler out: health says EJECTED with the kernel's reason; a restart works."""
+    out: dict[str, Any] = {}
+    backend = SchedExtBackend(SchedulerConfig(), protect_agent=False)
+    backend.start()
+    Path("/proc/sysrq-trigger").write_text("S")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and backend.health().state is BackendState.RUNNING:
+        time.sleep(0.05)
+    health = backend.health()
+    out["health"] = health.state.value
+    out["reason"] = health.reason
+    out["exit_kind"] = backend.exit_kind()
+    backend.stop()
+    backend.start()
+    out["restarted"] = state()
+    out["health_restarted"] = backend.health().state.value
+    backend.stop()
+    out["final"] = state()
+    return out
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "lifecycle": lifecycle,
+    "other-scheduler": other_scheduler,
+    "crashed-agent": crashed_agent,
+    "_hold": _hold,
+    "tid-tgid-share": tid_tgid_share,
+    "slice-only": slice_only,
+    "no-leak": no_leak,
+    "starvation": starvation,
+    "affinity": affinity,
+    "cpu-max": cpu_max,
+    "bad-input": bad_input,
+    "ejection": ejection,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("arg", nargs="?", default="")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=10_000)
+    args = parser.parse_args()
+    result = SCENARIOS[args.scenario](args)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
