@@ -63,9 +63,11 @@ log = structlog.get_logger(__name__)
 # ahead of ordinary threads, and nice -1 (1.25x) would not be noticeable under contention.
 NICE_WEAKEST_BOOST = -5
 _GONE = frozenset({errno.ESRCH, errno.ENOENT})
-# Where the agent keeps the threads it changed, for a successor after a crash. /run: gone at reboot, with
-# the threads it names. One agent per host uses it; other instances (tests, benches) pass none.
-DEFAULT_JOURNAL = Path("/run/gthulhu-node/eevdf-threads.json")
+# The file, in the agent's state directory, where it keeps the threads it changed, for a successor after a
+# crash (not /run: systemd empties the unit's RuntimeDirectory on every stop, crashes included). One agent
+# per host uses it; other instances (tests, benches) pass none.
+JOURNAL_NAME = "eevdf-threads.json"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 def nice_for_priority(priority: int) -> int:
@@ -656,7 +658,9 @@ class EevdfBackend(Backend):
         try:
             self._journal.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._journal.with_name(self._journal.name + ".tmp")
-            tmp.write_text(json.dumps({"base_slice_ns": self._base_slice_ns, "threads": records}))
+            tmp.write_text(
+                json.dumps({"boot_id": _boot_id(), "base_slice_ns": self._base_slice_ns, "threads": records})
+            )
             os.replace(tmp, self._journal)
         except OSError as exc:
             self._counts["errors"] += 1
@@ -669,6 +673,8 @@ class EevdfBackend(Backend):
             return
         try:
             data = json.loads(self._journal.read_text())
+            if data.get("boot_id") != _boot_id():
+                data = {"threads": []}  # another boot's tids and start times name other tasks
             records = [
                 (
                     int(r["tid"]),
@@ -748,3 +754,10 @@ def _attr(data: dict[str, int | bool]) -> SchedAttr:
     return SchedAttr(
         int(data["policy"]), int(data["nice"]), int(data["runtime_ns"]), bool(data["reset_on_fork"])
     )
+
+
+def _boot_id() -> str:
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""

@@ -48,7 +48,9 @@ def _auto_without_sched_ext(config: Any, sysfs: Path) -> tuple[Backend, str] | N
     found = sched_attr.probe()
     if found.ok:
         backend: Backend = eevdf.EevdfBackend(
-            proc_root=config.watch.proc_root, probed=found, journal=eevdf.DEFAULT_JOURNAL
+            proc_root=config.watch.proc_root,
+            probed=found,
+            journal=config.state.directory / eevdf.JOURNAL_NAME,
         )
         return backend, f"auto: the kernel has no sched_ext ({sysfs} is missing); eevdf: {found.reason}"
     log.info("eevdf_unavailable", reason=found.reason)
@@ -76,7 +78,9 @@ def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend,
             from gthulhu_node.backends import eevdf
         except ImportError as exc:
             raise BackendUnavailable(f"the eevdf backend is not available: {exc}") from None
-        backend: Backend = eevdf.EevdfBackend(proc_root=config.watch.proc_root, journal=eevdf.DEFAULT_JOURNAL)
+        backend: Backend = eevdf.EevdfBackend(
+            proc_root=config.watch.proc_root, journal=config.state.directory / eevdf.JOURNAL_NAME
+        )
         return backend, "eevdf forced by configuration"
     if kind != "auto":
         raise BackendUnavailable(f"unknown backend kind {kind!r}")

@@ -1,9 +1,10 @@
 """Backend choice on this machine's kernel (6.18, no sched_ext): `auto` must pick the EEVDF backend, say
 why, and fall back to the dry run with the probe's reason when the probe fails. Nothing is started here,
-so no thread of the machine is touched."""
+and the one test that starts the selected backend touches only a thread it created."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.backends.eevdf import EevdfBackend
 from gthulhu_node.backends.select import select_backend
 from gthulhu_node.config import AgentConfig
+from tests.host.eevdf_threads import Worker
 
 pytestmark = pytest.mark.host
 
@@ -35,3 +37,18 @@ def test_auto_falls_back_to_dry_run_with_the_probe_reason(
     backend, reason = select_backend(AgentConfig(), sysfs=tmp_path / "no-sched-ext")
     assert isinstance(backend, DryRunBackend)
     assert "eevdf is unavailable (kernel 6.6 ignores slices)" in reason
+
+
+def test_selected_backend_keeps_its_journal_in_the_state_directory(tmp_path: Path) -> None:
+    config = AgentConfig.model_validate({"backend": {"kind": "eevdf"}, "state": {"directory": str(tmp_path)}})
+    backend, _ = select_backend(config)
+    worker = Worker()
+    backend.start()
+    try:
+        backend.apply({worker.key(): worker.entry(20, 0)}, [])
+        journal = json.loads((tmp_path / "eevdf-threads.json").read_text())
+        assert [t["tid"] for t in journal["threads"]] == [worker.tid]
+    finally:
+        backend.stop()
+        worker.stop()
+    assert json.loads((tmp_path / "eevdf-threads.json").read_text())["threads"] == []

@@ -230,3 +230,16 @@ def test_journal_restores_a_predecessors_threads_and_survives_garbage(tmp_path: 
     again.start()  # an unreadable journal is logged and replaced, never fatal
     assert json.loads(journal.read_text())["threads"] == []
     again.stop()
+
+
+def test_a_journal_from_another_boot_is_ignored(tmp_path: Path) -> None:
+    kernel = FakeKernel()
+    make(tmp_path, kernel, 601)
+    kernel.tasks[601] = _Task(nice=-20, request=300_000, reset_on_fork=True)
+    applied = {"policy": 0, "nice": -20, "runtime_ns": 300_000, "reset_on_fork": True}
+    journal = tmp_path / "eevdf-threads.json"
+    record = {"tid": 601, "tgid": 100, "start_time": 1101, "applied": applied}
+    record["original"] = {"policy": 0, "nice": 0, "runtime_ns": BASE, "reset_on_fork": False}
+    journal.write_text(json.dumps({"boot_id": "another-boot", "threads": [record]}))
+    EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal).start()
+    assert kernel.tasks[601].nice == -20  # the same tid and start time name another task after a reboot
