@@ -258,14 +258,15 @@ def check_server(stub: Any, model: Model, last: object) -> None:
 
 
 @settings(
-    max_examples=int(os.environ.get("GTHULHU_FUZZ_EXAMPLES", "105")),
+    max_examples=105,
     deadline=None,
     phases=(Phase.generate,),
     suppress_health_check=list(HealthCheck),
     database=None,
 )
 @given(st.lists(step, min_size=95, max_size=105))
-def test_fuzz_api_against_model(steps: list[tuple[str, Any]]) -> None:
+def fuzz_api_against_model(steps: list[tuple[str, Any]]) -> None:
+    """One example: a fresh agent, ~100 requests, the server checked against the model after each."""
     global TOTAL_REQUESTS
     base = Path(tempfile.mkdtemp(prefix="gnf-", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"))
     model = Model()
@@ -309,8 +310,8 @@ def test_fuzz_api_against_model(steps: list[tuple[str, Any]]) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_fuzz_sent_enough_requests() -> None:
-    """Runs after the fuzz test (file order): the brief's floor of 10,000 requests was met."""
-    if os.environ.get("GTHULHU_FUZZ_EXAMPLES"):
-        pytest.skip("example count overridden for a quick local run")  # never set by make test
+def test_fuzz_api_against_model() -> None:
+    global TOTAL_REQUESTS
+    TOTAL_REQUESTS = 0
+    fuzz_api_against_model()
     assert TOTAL_REQUESTS >= 10_000, TOTAL_REQUESTS
