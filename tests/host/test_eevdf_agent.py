@@ -16,8 +16,10 @@ from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
 from gthulhu_node.backends.sched_attr import SchedAttrSyscalls, probe
+from gthulhu_node.config import AgentConfig
 from tests.host.agent_support import (
     NamedThread,
+    config_dict,
     intent,
     running_agent,
     short_dir,
@@ -91,3 +93,20 @@ def test_process_scope_covers_later_threads_and_stop_restores() -> None:
         assert '"threads": []' in Path(base / "eevdf-threads.json").read_text()
     finally:
         child.close()
+
+
+def test_auto_on_this_kernel_shows_eevdf_and_why_in_status() -> None:
+    """The configured default (auto) on a kernel without sched_ext, as people see it over the API. The agent
+    has no intents, so it changes no thread."""
+    base = short_dir()
+    doc = config_dict(base)
+    doc["backend"] = {"kind": "auto"}
+    a = Agent(AgentConfig.model_validate(doc))
+    a.start()
+    try:
+        with stub_of(a) as stub:
+            summary = stub.GetStatus(pb.GetStatusRequest()).agent
+        assert summary.backend == "eevdf" and summary.ready and summary.scheduler_state == "running"
+        assert "no sched_ext" in summary.backend_reason and "honours slice requests" in summary.backend_reason
+    finally:
+        a.stop()
