@@ -40,7 +40,7 @@ from gthulhu_node.backends.base import (
 )
 from gthulhu_node.matching import CompiledIntent, PolicySet, best, read_pod_uid
 from gthulhu_node.tasks.events import EventKind, ProcEvent
-from gthulhu_node.tasks.procfs import Snapshot, Task, read_task
+from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -204,8 +204,6 @@ class Reconciler:
 
     def rescan(self) -> ApplyResult:
         """Take a full snapshot of `proc_root` and apply it."""
-        from gthulhu_node.tasks.procfs import snapshot
-
         return self.apply_snapshot(snapshot(self.proc_root))
 
     def handle_events(self, events: Iterable[ProcEvent]) -> ApplyResult:
