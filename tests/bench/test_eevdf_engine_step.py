@@ -1,7 +1,8 @@
 """The engine-step benchmark on this machine's own kernel (EEVDF, no sched_ext).
 
-An engine thread (2 ms of its own CPU time, then 5 ms sleep; tests/bench/eevdf_engine_step.py) runs beside
-`stress-ng --cpu 8` in these cases, interleaved round by round so drift in the machine's load hits all:
+An engine thread (2 ms of its own CPU time, then 5 ms sleep) runs beside `stress-ng --cpu 8` (workload and
+hogs are the sched_ext bench's own, tests/vm/engine_step_bench.py, run here on the host) in these cases,
+interleaved round by round so drift in the machine's load hits all:
 - no contention (the baseline),
 - EEVDF without policy,
 - the EEVDF backend's boost, through the agent's own reconciler: an intent matching the engine thread by
@@ -17,32 +18,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from gthulhu_node.backends.eevdf import EevdfBackend
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import PolicySet
 from gthulhu_node.reconciler import Reconciler
+from tests.vm import engine_step_bench
 
 pytestmark = pytest.mark.bench
 
 RUN_S = float(os.environ.get("EEVDF_BENCH_SECONDS", "10"))
 ROUNDS = int(os.environ.get("EEVDF_BENCH_ROUNDS", "3"))
-HOGS = 8
-WARMUP_S = 1.0
-COMM = "EevdfBenchEng"  # unique, so the bench's intent can match nothing but its own engine
-ENGINE = Path(__file__).with_name("eevdf_engine_step.py")
+HOGS = engine_step_bench.HOGS
+ENGINE = Path(engine_step_bench.__file__)  # the scheduler bench's workload, run on this host's kernel
+COMM = engine_step_bench.COMM  # unique, so the bench's intent can match nothing but its own engine
 
 BASELINE = "no contention"
 NO_POLICY = "EEVDF, no policy"
@@ -53,47 +51,6 @@ CASES: dict[str, dict[str, Any]] = {
     "backend p20 + 0.5 ms slice": {"hogs": True, "intent": {"priority": 20, "executionTime": 500_000}},
     "nice -n -20": {"hogs": True, "prefix": ["nice", "-n", "-20"]},
 }
-
-
-@contextlib.contextmanager
-def hogs(active: bool) -> Iterator[dict[str, float]]:
-    """stress-ng --cpu 8 from a writable directory; always killed, even when the case fails."""
-    result: dict[str, float] = {}
-    if not active:
-        yield result
-        return
-    with tempfile.TemporaryDirectory(prefix="eevdf-bench-") as tmp:
-        report = Path(tmp) / "stress.yaml"
-        proc = subprocess.Popen(
-            [
-                "stress-ng",
-                "--cpu",
-                str(HOGS),
-                "--timeout",
-                f"{int(RUN_S + 60)}s",
-                "--metrics-brief",
-                "--yaml",
-                str(report),
-            ],
-            cwd=tmp,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            time.sleep(WARMUP_S)
-            yield result
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)  # stress-ng reports its metrics on SIGINT
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        with contextlib.suppress(OSError, yaml.YAMLError, KeyError, TypeError, IndexError):
-            metrics = yaml.safe_load(report.read_text())["metrics"][0]
-            result["bogo_ops_per_s"] = float(metrics["bogo-ops-per-second-real-time"])
 
 
 @contextlib.contextmanager
@@ -124,9 +81,9 @@ def policy(intent: dict[str, Any] | None) -> Iterator[None]:
 
 def run_case(name: str) -> dict[str, float]:
     case = CASES[name]
-    with hogs(case["hogs"]) as hog:
+    with engine_step_bench.hogs(case["hogs"], RUN_S) as hog:
         engine = subprocess.Popen(
-            [*case.get("prefix", []), sys.executable, str(ENGINE), str(RUN_S), COMM],
+            [*case.get("prefix", []), sys.executable, str(ENGINE), "--engine", str(RUN_S)],
             cwd=tempfile.gettempdir(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -185,4 +142,4 @@ def test_engine_step_on_eevdf() -> None:
             f" {med([r['p99_ms'] for r in results]):>20} {med(bogo) if bogo else '-':>26}"
             f" {statistics.median(steps) / base:8.2f} {statistics.median(steps) / plain:8.2f} {ratio_hogs}"
         )
-    assert all(r["steps"] > 0 for results in runs.values() for r in results)
+    assert all(r["steps_per_s"] > 0 for results in runs.values() for r in results)
