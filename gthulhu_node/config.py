@@ -67,7 +67,7 @@ class ApiConfig(_Section):
     tls_client_ca: Path | None = None
     max_message_bytes: int = Field(default=4 << 20, ge=1024)
     max_intents_per_source: int = Field(default=10_000, ge=1)
-    max_sources: int = Field(default=64, ge=1)  # distinct source names (local and manager included)
+    max_sources: int = Field(default=64, ge=1)  # distinct gRPC client sources (local, manager not counted)
     workers: int = Field(default=8, ge=1, le=256)  # gRPC handler threads (each watch stream holds one)
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import structlog
 
-from gthulhu_node.intents.model import Intent, check_source
+from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, check_source
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
 
 log = structlog.get_logger(__name__)
@@ -224,8 +224,12 @@ class IntentStore:
                 )
             else:
                 new_gen = generation
-            if current is None and len(self._sources) >= self._max_sources:
-                raise LimitError(f"at most {self._max_sources} sources; {source!r} would be one more")
+            # The limit is for gRPC clients: the agent's own sources (local files, the Manager) never
+            # lose their place to them.
+            if current is None and source not in RESERVED_SOURCES:
+                clients = sum(1 for name in self._sources if name not in RESERVED_SOURCES)
+                if clients >= self._max_sources:
+                    raise LimitError(f"at most {self._max_sources} sources; {source!r} would be one more")
             changed = new_digest != cur_content
             new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time())
             self._commit(source, new)

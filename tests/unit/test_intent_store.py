@@ -103,6 +103,8 @@ def test_limits(tmp_path: Path) -> None:
     store.apply("b", 0, [intent("x")])
     with pytest.raises(LimitError):
         store.apply("c", 0, [intent("x")])
+    store.apply("local", 0, [intent("x")], allow_reserved=True)  # the agent's own sources still fit
+    store.apply("manager", 0, [intent("x")], allow_reserved=True)
 
 
 @pytest.mark.parametrize(
