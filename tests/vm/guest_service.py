@@ -1,0 +1,111 @@
+"""Guest side of tests/vm/test_service.py and tests/vm/demo.py: installs the unit in the lab guest and reads
+back what a user (or an independent tool) would see. Run in the guest with the repo's .venv python.
+
+  guest_service.py install DIR          the shipped unit + a drop-in for the lab (ExecStart = this
+                                        repo's .venv, --config DIR/config.yaml), daemon-reload
+  guest_service.py wait-applied KEY N   poll `gthulhu-node status -o json` until intent KEY is Applied with N
+                                        matched tasks; print that intent's status (JSON)
+  guest_service.py kernel-tids          the scheduler's TID map as the kernel holds it (bpftool), as JSON
+                                        {tid: {"priority", "slice_ns"}}
+  guest_service.py wait-tids FILE       wait for the workload's {comm: tid} file; print it
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT_DIR = Path("/etc/systemd/system")
+EXE = REPO / ".venv" / "bin" / "gthulhu-node"
+
+
+def install(directory: Path) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "policies.d").mkdir(exist_ok=True)
+    (directory / "config.yaml").write_text(
+        f"policies: {{directory: {directory / 'policies.d'}}}\n"
+        "log: {format: auto}\n"
+        'metrics: {listen: "127.0.0.1:9812"}\n'
+    )
+    shutil.copy(REPO / "systemd" / "gthulhu-node.service", UNIT_DIR / "gthulhu-node.service")
+    dropin = UNIT_DIR / "gthulhu-node.service.d"
+    dropin.mkdir(exist_ok=True)
+    # The guest's root is the host's, read-only: the agent runs from this repository, configured from DIR.
+    (dropin / "lab.conf").write_text(
+        "[Service]\nExecStart=\n"
+        f"ExecStart={EXE} run --config {directory / 'config.yaml'}\n"
+    )
+    # (`systemd-analyze verify` of the unit runs on the host: tests/host/test_install.py; here it takes
+    # minutes under emulation.)
+    subprocess.run(["systemctl", "daemon-reload"], check=True)
+    return 0
+
+
+def status_json() -> dict[str, Any]:
+    out = subprocess.run([str(EXE), "status", "-o", "json"], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return {}
+    return dict(json.loads(out.stdout))
+
+
+def wait_applied(key: str, tasks: int, timeout: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        for intent in status_json().get("intents", []):
+            if intent.get("key") == key:
+                last = intent
+                applied = intent.get("state") == "INTENT_STATE_APPLIED"
+                if applied and int(intent.get("matchedTasks", 0)) == tasks:
+                    print(json.dumps(intent))
+                    return 0
+        time.sleep(0.5)
+    print(json.dumps(last))
+    return 1
+
+
+def kernel_tids() -> int:
+    out = subprocess.run(["bpftool", "-j", "map", "dump", "name", "tid_map"], capture_output=True, text=True,
+                         check=True)
+    entries: dict[int, dict[str, int]] = {}
+    for row in json.loads(out.stdout):
+        formatted = row.get("formatted", row)
+        value = formatted["value"]
+        entries[int(formatted["key"])] = {"priority": int(value["priority"]),
+                                          "slice_ns": int(value["slice_ns"])}
+    print(json.dumps(entries))
+    return 0
+
+
+def wait_tids(path: Path, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return 1
+        time.sleep(0.1)
+    print(path.read_text())
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cmd, *rest = argv
+    if cmd == "install":
+        return install(Path(rest[0]))
+    if cmd == "wait-applied":
+        return wait_applied(rest[0], int(rest[1]))
+    if cmd == "kernel-tids":
+        return kernel_tids()
+    if cmd == "wait-tids":
+        return wait_tids(Path(rest[0]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+"""gthulhu-node as a real systemd service in the lab (systemd as PID 1, the sched_ext kernel), checked the
+way its users check it: systemctl, the CLI, journalctl, a Prometheus scrape, and the kernel's own view of
+the scheduler (sysfs and bpftool, never the agent's memory).
+
+The tests share one guest and one service instance and run in file order: start, intent + workload,
+journal, metrics, SIGKILL -> restart, stop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.prom import parse_samples
+from tests.vm.lab import Lab
+
+pytestmark = pytest.mark.vm
+
+DIR = "/run/gthulhu-lab"
+PY = ".venv/bin/python"
+HELPER = f"{PY} tests/vm/guest_service.py"
+INTENT = "cli/vllm"
+
+
+@dataclass
+class Shared:
+    lab: Lab
+    tids: dict[str, int] = field(default_factory=dict)
+    main_pid: int = 0
+
+
+def run(lab: Lab, cmd: str, timeout: float = 120) -> str:
+    return lab.run(cmd, timeout=timeout).check(cmd).stdout
+
+
+def show(lab: Lab, *props: str) -> dict[str, str]:
+    out = run(lab, "systemctl show gthulhu-node " + " ".join(f"-p {p}" for p in props))
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def kernel_tids(lab: Lab) -> dict[int, dict[str, int]]:
+    return {int(k): v for k, v in json.loads(run(lab, f"{HELPER} kernel-tids")).items()}
+
+
+@pytest.fixture(scope="module")
+def shared(lab_systemd_session: Lab) -> Iterator[Shared]:
+    lab = lab_systemd_session
+    lab.ensure_alive()
+    run(lab, f"{HELPER} install {DIR}", timeout=300)
+    yield Shared(lab)
+    lab.run("systemctl stop vllm-like gthulhu-node", timeout=120)
+
+
+def test_start_returns_once_the_scheduler_is_loaded(shared: Shared) -> None:
+    lab = shared.lab
+    # Type=notify: `systemctl start` returns when READY=1 arrives; the state is read right after, in the
+    # same guest command, so it is what READY promised.
+    out = run(lab, "systemctl start gthulhu-node && systemctl is-active gthulhu-node && "
+                   "cat /sys/kernel/sched_ext/state /sys/kernel/sched_ext/root/ops", timeout=300)
+    assert out.split() == ["active", "enabled", "gthulhu"], out
+    props = show(lab, "Type", "WatchdogUSec", "Restart", "MainPID", "StatusText", "NRestarts")
+    assert props["Type"] == "notify"
+    assert props["WatchdogUSec"] == "30s"
+    assert props["Restart"] == "on-failure"
+    assert props["StatusText"].startswith("backend sched_ext (running)"), props
+    shared.main_pid = int(props["MainPID"])
+
+
+def test_vllm_intent_applied_and_in_the_kernel(shared: Shared) -> None:
+    lab = shared.lab
+    run(lab, f"mkdir -p {DIR} && cp systemd/policies.d/vllm.yaml.example {DIR}/vllm.yaml && "
+             f".venv/bin/gthulhu-node apply -f {DIR}/vllm.yaml")
+    run(lab, f"systemd-run --unit vllm-like --working-directory={lab.repo} "
+             f"{lab.repo}/{PY} tests/vm/vllm_engine.py --idle --tids {DIR}/tids.json")
+    shared.tids = json.loads(run(lab, f"{HELPER} wait-tids {DIR}/tids.json"))
+    engine_tids = {shared.tids["EngineCore_DP0"], shared.tids["EngineCore_DP1"]}
+    status = json.loads(run(lab, f"{HELPER} wait-applied {INTENT} 2", timeout=180))
+    assert status["state"] == "INTENT_STATE_APPLIED" and int(status["matchedTasks"]) == 2, status
+    # The kernel's map holds exactly the engine threads (not the python3.12 leader), with the strategy.
+    held = kernel_tids(lab)
+    assert set(held) == engine_tids, (held, shared.tids)
+    assert all(v == {"priority": 10, "slice_ns": 2_000_000} for v in held.values()), held
+    matches = json.loads(run(lab, ".venv/bin/gthulhu-node matches -o json"))
+    assert {int(r["tid"]) for r in matches["matches"]} == engine_tids, matches
+
+
+def journal(lab: Lab, *filters: str) -> list[dict[str, Any]]:
+    out = run(lab, "journalctl -u gthulhu-node -o json --no-pager " + " ".join(filters))
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_journal_has_structured_events(shared: Shared) -> None:
+    lab = shared.lab
+    matched = journal(lab, "EVENT=task_matched", f"INTENT_ID={INTENT}")
+    by_tid = {int(r["TID"]): r for r in matched}
+    for comm in ("EngineCore_DP0", "EngineCore_DP1"):
+        record = by_tid[shared.tids[comm]]
+        assert record["COMM"] == comm
+        assert record["SCHED_PRIORITY"] == "10" and record["SLICE_NS"] == "2000000"
+        assert record["PRIORITY"] == "6" and record["SYSLOG_IDENTIFIER"] == "gthulhu-node"
+        assert record["MESSAGE"].startswith("task_matched ")
+        assert record["CODE_FILE"].endswith("reconciler.py")
+    ready = journal(lab, "EVENT=service_ready")
+    assert ready and "backend sched_ext" in ready[-1]["SUMMARY"]
+    assert ready[-1]["WATCHDOG_FROM_ENGINE"] == "true"
+
+
+def test_prometheus_scrape_shows_the_matches(shared: Shared) -> None:
+    got = parse_samples(run(shared.lab, "curl -sf http://127.0.0.1:9812/metrics"))
+    assert got["gthulhu_node_matched_tasks"][(("intent", INTENT),)] == 2
+    assert got["gthulhu_node_intent_applied_tasks"][(("intent", INTENT),)] == 2
+    assert got["gthulhu_node_intents"][(("state", "applied"),)] == 1
+    assert got["gthulhu_node_scheduler_state"][(("state", "running"),)] == 1
+    kinds = {dict(labels)["kind"] for labels in got["gthulhu_node_backend_info"]}
+    assert kinds == {"sched_ext"}
+    assert got["gthulhu_node_backend_writes_total"][(("op", "upsert"),)] >= 2
+    assert (("counter", "tid_hits"),) in got["gthulhu_node_scheduler_events_total"]
+    assert (("intent", INTENT),) in got["gthulhu_node_matched_runqueue_wait_seconds_total"]
+
+
+def test_sigkill_restarts_with_intents_back(shared: Shared) -> None:
+    lab = shared.lab
+    before = show(lab, "MainPID", "NRestarts")
+    run(lab, f"kill -KILL {before['MainPID']}")
+    # Restart=on-failure: systemd starts it again (RestartSec=2); wait until a new main PID is active.
+    run(lab, f"for i in $(seq 600); do pid=$(systemctl show -p MainPID --value gthulhu-node); "
+             f"[ \"$(systemctl is-active gthulhu-node)\" = active ] && [ \"$pid\" != 0 ] && "
+             f"[ \"$pid\" != {before['MainPID']} ] && exit 0; sleep 0.5; done; exit 1", timeout=360)
+    after = show(lab, "MainPID", "NRestarts")
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1
+    assert run(lab, "cat /sys/kernel/sched_ext/state /sys/kernel/sched_ext/root/ops").split() == [
+        "enabled", "gthulhu"]
+    status = json.loads(run(lab, f"{HELPER} wait-applied {INTENT} 2", timeout=180))
+    assert status["state"] == "INTENT_STATE_APPLIED"
+    engine_tids = {shared.tids["EngineCore_DP0"], shared.tids["EngineCore_DP1"]}
+    assert set(kernel_tids(lab)) == engine_tids
+
+
+def test_stop_leaves_sched_ext_disabled(shared: Shared) -> None:
+    lab = shared.lab
+    out = run(lab, "systemctl stop gthulhu-node; systemctl is-active gthulhu-node; "
+                   "cat /sys/kernel/sched_ext/state", timeout=120)
+    assert out.split() == ["inactive", "disabled"], out
+    stopped = journal(lab, "EVENT=service_stopped")
+    assert stopped and stopped[-1]["EXIT_CODE"] == "0"
