@@ -106,13 +106,19 @@ struct {
 	__type(value, struct task_ctx);
 } task_ctxs SEC(".maps");
 
-/* What each CPU runs now: 0 unboosted or idle, else the boosted priority (a preemption target check). */
+struct cpu_ctx {
+	u64 last_fair; /* when this CPU last took a task from FAIR_DSQ */
+	u64 vtime;     /* vtime of the unboosted task it runs */
+	u32 prio;      /* what it runs now: 0 unboosted or idle, else the boosted priority */
+	u32 pad;
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, MAX_CPUS);
 	__type(key, u32);
-	__type(value, u32);
-} cpu_prio SEC(".maps");
+	__type(value, struct cpu_ctx);
+} cpu_ctxs SEC(".maps");
 
 struct strategy {
 	u64 slice;
@@ -187,26 +193,41 @@ static u32 effective_prio(struct task_ctx *tctx, u32 prio, u64 now)
 	return prio;
 }
 
+/* Whether the boosted run in progress has crossed the task's budget for its window. */
+static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
+{
+	u64 used = now - tctx->started_at;
+
+	if (now - tctx->window_start < settings.boost_window_ns)
+		used += tctx->window_used;
+	return used > boost_budget();
+}
+
 static __always_inline struct task_ctx *ctx_of(struct task_struct *p)
 {
 	return bpf_task_storage_get(&task_ctxs, p, 0, 0);
 }
 
-static __always_inline u32 prio_on(s32 cpu)
+static __always_inline struct cpu_ctx *cpu_ctx_of(s32 cpu)
 {
 	u32 key = cpu;
-	u32 *v = bpf_map_lookup_elem(&cpu_prio, &key);
 
-	return v ? *v : 0;
+	return bpf_map_lookup_elem(&cpu_ctxs, &key);
+}
+
+static __always_inline u32 prio_on(s32 cpu)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	return c ? c->prio : 0;
 }
 
 static __always_inline void set_prio_on(s32 cpu, u32 prio)
 {
-	u32 key = cpu;
-	u32 *v = bpf_map_lookup_elem(&cpu_prio, &key);
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
 
-	if (v)
-		*v = prio;
+	if (c)
+		c->prio = prio;
 }
 
 /* Wake an idle CPU the task may run on, so a queued task does not wait for the next tick. */
@@ -254,6 +275,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 {
 	struct task_ctx *tctx = ctx_of(p);
+	struct cpu_ctx *c;
 	struct strategy s;
 	u64 vtime, floor;
 	s32 cpu;
@@ -270,12 +292,14 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if (prio) {
 		count(&bss.stats.boosted_dispatches);
 		/*
-		 * Local DSQ + SCX_ENQ_PREEMPT: the task runs the moment its CPU reschedules, instead of waiting for
-		 * that CPU's next dispatch (measured in LAB.md: this path matters most for a waking boosted task).
-		 * Only the task's own CPU, so migration-disabled tasks and affinity stay safe.
+		 * A waking boosted task: local DSQ + SCX_ENQ_PREEMPT, so it runs the moment its CPU reschedules
+		 * instead of at that CPU's next dispatch (LAB.md: this path matters most). Only wakeups: a task
+		 * requeued at the end of its slice goes through BOOST_DSQ, so it never jumps ahead of unboosted
+		 * tasks already handed to this CPU. Only the task's own CPU: affinity and migration-disabled
+		 * tasks stay safe.
 		 */
 		cpu = scx_bpf_task_cpu(p);
-		if (prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+		if ((enq_flags & SCX_ENQ_WAKEUP) && prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
 			dsq_insert(p, SCX_DSQ_LOCAL_ON | cpu, s.slice, enq_flags | SCX_ENQ_PREEMPT | SCX_ENQ_HEAD);
 			count(&bss.stats.preemptions);
 			return;
@@ -293,32 +317,76 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	floor = vtime_now > settings.default_slice_ns ? vtime_now - settings.default_slice_ns : 0;
 	if (vtime < floor)
 		vtime = floor;
+	/*
+	 * Wakeup preemption, as the fair class does it: a waking task that is behind the unboosted task on its
+	 * CPU by more than half a default slice runs now, instead of after that task's whole slice.
+	 */
+	cpu = scx_bpf_task_cpu(p);
+	c = cpu_ctx_of(cpu);
+	if ((enq_flags & SCX_ENQ_WAKEUP) && c && !c->prio && vtime + settings.default_slice_ns / 2 < c->vtime &&
+	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+		dsq_insert(p, SCX_DSQ_LOCAL_ON | cpu, s.slice, enq_flags | SCX_ENQ_PREEMPT);
+		count(&bss.stats.fair_preemptions);
+		return;
+	}
 	dsq_insert_vtime(p, FAIR_DSQ, s.slice, vtime, enq_flags);
 	kick_idle(p);
 }
 
+static __always_inline bool take_fair(struct cpu_ctx *c, u64 now)
+{
+	if (!dsq_move_to_local(FAIR_DSQ))
+		return false;
+	if (c)
+		c->last_fair = now;
+	return true;
+}
+
 void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 {
-	/* While the node is over its boost share, unboosted tasks go first; boosted ones fill the rest. */
-	if (bpf_ktime_get_ns() < throttled_until) {
-		if (!dsq_move_to_local(FAIR_DSQ))
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+	u64 now = bpf_ktime_get_ns();
+	u64 gap = settings.boost_window_ns - boost_budget();
+	struct task_ctx *tctx;
+
+	/*
+	 * Unboosted tasks go first while the node is over its boost share, and on each CPU at least once per
+	 * (window - budget): a floor under the guard that no mix of boosted tasks can take away.
+	 */
+	if (now < throttled_until || (c && gap && now - c->last_fair >= gap)) {
+		if (!take_fair(c, now))
 			dsq_move_to_local(BOOST_DSQ);
 		return;
 	}
-	if (!dsq_move_to_local(BOOST_DSQ))
-		dsq_move_to_local(FAIR_DSQ);
+	if (dsq_move_to_local(BOOST_DSQ))
+		return;
+	/*
+	 * A boosted prev that may go on keeps its CPU (returning empty-handed lets the kernel keep it);
+	 * pulling an unboosted task here would only park it in this CPU's local DSQ behind prev.
+	 */
+	if (prev && (prev->scx.flags & SCX_TASK_QUEUED)) {
+		tctx = ctx_of(prev);
+		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now))
+			return;
+	}
+	take_fair(c, now);
 }
 
 void OP(gthulhu_running, struct task_struct *p)
 {
 	struct task_ctx *tctx = ctx_of(p);
+	struct cpu_ctx *c;
 
 	if (!tctx)
 		return;
 	tctx->started_at = bpf_ktime_get_ns();
 	if (!tctx->prio && (s64)(tctx->vtime - vtime_now) > 0)
 		vtime_now = tctx->vtime;
-	set_prio_on(scx_bpf_task_cpu(p), tctx->prio);
+	c = cpu_ctx_of(scx_bpf_task_cpu(p));
+	if (c) {
+		c->prio = tctx->prio;
+		c->vtime = tctx->vtime;
+	}
 }
 
 /* Charge boosted run time to the task's window and to the node's; start the guard when over budget. */
@@ -382,9 +450,7 @@ void OP(gthulhu_tick, struct task_struct *p)
 	if (!tctx)
 		return;
 	if (tctx->prio) {
-		if ((now - tctx->window_start < settings.boost_window_ns &&
-		     tctx->window_used + (now - tctx->started_at) > boost_budget()) ||
-		    (now < throttled_until && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
+		if (over_budget(tctx, now) || (now < throttled_until && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
 			p->scx.slice = 0;
 	} else if (now >= throttled_until && scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
 		p->scx.slice = 0;

@@ -46,6 +46,7 @@ struct gthulhu_stats {
 	u64 fair_dispatches;    /* unboosted tasks queued to run */
 	u64 direct_dispatches;  /* waking tasks that found an idle CPU */
 	u64 preemptions;        /* a waking boosted task preempted an unboosted one */
+	u64 fair_preemptions;   /* a waking unboosted task preempted one far ahead of it in vtime */
 	u64 demotions;          /* a boosted task exceeded its share and runs unboosted until the window ends */
 	u64 throttled_windows;  /* all boosted tasks together exceeded their share of the node */
 	u64 exit_deleted_tid;   /* TID entries removed because their task exited */

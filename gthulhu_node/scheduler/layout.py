@@ -41,6 +41,7 @@ STAT_NAMES = (
     "fair_dispatches",
     "direct_dispatches",
     "preemptions",
+    "fair_preemptions",
     "demotions",
     "throttled_windows",
     "exit_deleted_tid",

@@ -269,7 +269,9 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             obj.map(name).set_max_entries(settings.map_capacity)
         rodata = _internal_map(obj, ".rodata")
         if len(rodata.initial_value()) != ctypes.sizeof(GthulhuSettings):
-            raise BackendError(".rodata of the BPF object does not match struct gthulhu_settings")
+            raise BackendUnavailable(".rodata of the BPF object does not match struct gthulhu_settings")
+        if len(_internal_map(obj, ".bss").initial_value()) != ctypes.sizeof(GthulhuBss):
+            raise BackendUnavailable(".bss of the BPF object does not match struct gthulhu_bss")
         values = GthulhuSettings(
             default_slice_ns=settings.default_slice_ns,
             boost_window_ns=settings.boost_window_ns,
