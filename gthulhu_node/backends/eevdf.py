@@ -173,8 +173,10 @@ class EevdfBackend(Backend):
             self._stopping.clear()
             if self._cover_interval_s > 0:
                 self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                # Subscribed here, not in the thread: a fork right after start() must not be missed.
+                events = self._open_fork_events()
                 self._refresher = threading.Thread(
-                    target=self._refresh_loop, name="gthulhu-eevdf-refresh", daemon=True
+                    target=self._refresh_loop, args=(events,), name="gthulhu-eevdf-refresh", daemon=True
                 )
                 self._refresher.start()
             log.info("eevdf_backend_started", base_slice_ns=self._base_slice_ns, reason=found.reason)
@@ -319,17 +321,19 @@ class EevdfBackend(Backend):
                 "threads_left_alone": len(self._hands_off),
             }
 
-    def _refresh_loop(self) -> None:
+    def _refresh_loop(self, events: ProcEventSource | None) -> None:
         try:
-            self._refresh_passes()
+            self._refresh_passes(events)
         except Exception as exc:
             self._refresher_error = f"{type(exc).__name__}: {exc}"
             log.exception("eevdf_refresh_thread_died", error=self._refresher_error)
+        finally:
+            if events is not None:
+                events.close()  # idempotent; the passes close a socket they replaced themselves
 
-    def _refresh_passes(self) -> None:
+    def _refresh_passes(self, events: ProcEventSource | None) -> None:
         """The backend's own thread: covers new threads of TGID entries (at once on the proc connector's
         fork events, else by the periodic light pass) and verifies every thread now and then."""
-        events = self._open_fork_events()
         poller = select.poll()
         poller.register(self._wake_fd, select.POLLIN)
         if events is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
+from gthulhu_node.backends.sched_attr import SchedAttrSyscalls, probe
 from gthulhu_node.tasks.procfs import read_task
 
 CHILD_SCRIPT = Path(__file__).with_name("eevdf_child.py")
@@ -31,6 +32,15 @@ def start_time(tgid: int, tid: int) -> int:
 def nice_of(tid: int) -> int:
     """The thread's nice through getpriority(2): a path independent of the backend's sched_getattr."""
     return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+SYS = SchedAttrSyscalls()
+BASE_SLICE = probe().base_slice_ns  # what a thread without a slice request of its own gets
+
+
+def sched_of(tid: int) -> tuple[int, int]:
+    """(nice via getpriority, slice via sched_getattr)."""
+    return nice_of(tid), SYS.get(tid).runtime_ns
 
 
 class Worker:

@@ -6,7 +6,6 @@ agent stops."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import pytest
 from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
-from gthulhu_node.backends.sched_attr import SchedAttrSyscalls, probe
 from gthulhu_node.config import AgentConfig
 from tests.host.agent_support import (
     NamedThread,
@@ -27,17 +25,10 @@ from tests.host.agent_support import (
     stub_of,
     wait_for,
 )
-from tests.host.eevdf_threads import ChildProcess
+from tests.host.eevdf_threads import BASE_SLICE, ChildProcess
+from tests.host.eevdf_threads import sched_of as sched
 
 pytestmark = pytest.mark.host
-
-SYS = SchedAttrSyscalls()
-BASE_SLICE = probe().base_slice_ns
-
-
-def sched(tid: int) -> tuple[int, int]:
-    """(nice via getpriority, slice via sched_getattr)."""
-    return os.getpriority(os.PRIO_PROCESS, tid), SYS.get(tid).runtime_ns
 
 
 @pytest.fixture

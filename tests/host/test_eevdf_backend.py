@@ -32,15 +32,11 @@ from gthulhu_node.backends.sched_attr import (
     SCHED_BATCH,
     SCHED_OTHER,
     SchedAttr,
-    SchedAttrSyscalls,
     probe,
 )
-from tests.host.eevdf_threads import ChildProcess, Worker, nice_of, start_time
+from tests.host.eevdf_threads import BASE_SLICE, SYS, ChildProcess, Worker, nice_of, start_time
 
 pytestmark = pytest.mark.host
-
-SYS = SchedAttrSyscalls()
-BASE_SLICE = probe().base_slice_ns
 
 
 def attrs(tid: int) -> SchedAttr:

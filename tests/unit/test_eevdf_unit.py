@@ -194,7 +194,7 @@ def test_a_dead_refresh_thread_reports_ejected_and_a_restart_recovers(tmp_path: 
     kernel = FakeKernel()
     backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0.01, fork_events=False)
 
-    def broken() -> None:
+    def broken(events: object) -> None:
         raise RuntimeError("boom")
 
     backend._refresh_passes = broken  # type: ignore[method-assign]
