@@ -351,6 +351,9 @@ class EevdfBackend(Backend):
                     forks = [(e.tgid, e.tid) for e in batch.events if e.kind is EventKind.FORK]
                     if forks:
                         self._guarded(functools.partial(self._cover_forks, forks))
+                    exits = [e.tid for e in batch.events if e.kind is EventKind.EXIT]
+                    if exits:
+                        self._guarded(functools.partial(self._forget_exits, exits))
                     if batch.lost or batch.error:
                         next_cover = 0.0  # something was missed: look at once
                     if batch.error:
@@ -423,6 +426,17 @@ class EevdfBackend(Backend):
             if covered:
                 self._save_journal()
                 log.debug("eevdf_threads_covered", threads=covered, by="fork_events")
+
+    def _forget_exits(self, tids: list[int]) -> None:
+        """Exited threads, from exit events: their records go at once (nothing to restore)."""
+        with self._lock:
+            gone = [self._threads[tid] for tid in tids if tid in self._threads]
+            for rec in gone:
+                self._forget_thread(rec)
+            for tid in tids:
+                self._hands_off.pop(tid, None)
+            if gone:
+                self._save_journal()
 
     # --- keys ------------------------------------------------------------------------------------------
 

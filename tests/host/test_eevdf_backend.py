@@ -299,7 +299,7 @@ def test_refresh_thread_covers_new_threads_and_forgets_exited_ones(child: ChildP
     assert nice_of(child.pid) == 0
 
 
-def test_fork_events_cover_new_threads_without_waiting_for_a_pass(child: ChildProcess) -> None:
+def test_fork_and_exit_events_are_handled_without_waiting_for_a_pass(child: ChildProcess) -> None:
     b = EevdfBackend(cover_interval_s=3600, verify_interval_s=3600)  # no periodic pass during the test
     b.start()
     try:
@@ -307,6 +307,9 @@ def test_fork_events_cover_new_threads_without_waiting_for_a_pass(child: ChildPr
         late = [child.spawn() for _ in range(3)]
         wait_until(lambda: all((nice_of(t), attrs(t).runtime_ns) == (-20, 800_000) for t in late))
         assert b.gauges()["threads_managed"] == 4
+        child.end(late[0])  # and its exit event drops its record, again without a periodic pass
+        wait_until(lambda: b.gauges()["threads_managed"] == 3)
+        assert b.counters()["threads_exited"] == 1 and late[0] not in b.thread_attrs()
     finally:
         b.stop()
     assert all(nice_of(t) == 0 for t in child.tids())
