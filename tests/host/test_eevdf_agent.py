@@ -6,6 +6,7 @@ agent stops."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +36,11 @@ pytestmark = pytest.mark.host
 def agent() -> Iterator[Agent]:
     base = short_dir()
     backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
-    with running_agent(base, backend=backend) as a:
-        yield a
+    try:
+        with running_agent(base, backend=backend) as a:
+            yield a
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_renamed_thread_is_boosted_then_released(agent: Agent) -> None:
@@ -84,6 +88,7 @@ def test_process_scope_covers_later_threads_and_stop_restores() -> None:
         assert '"threads": []' in Path(base / "eevdf-threads.json").read_text()
     finally:
         child.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_auto_on_this_kernel_shows_eevdf_and_why_in_status() -> None:
@@ -101,3 +106,4 @@ def test_auto_on_this_kernel_shows_eevdf_and_why_in_status() -> None:
         assert "no sched_ext" in summary.backend_reason and "honours slice requests" in summary.backend_reason
     finally:
         a.stop()
+        shutil.rmtree(base, ignore_errors=True)
