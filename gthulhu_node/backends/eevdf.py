@@ -12,9 +12,11 @@ else: it is left alone (not even restored) until it exits, logged, counted, and 
 
 Semantics that differ from the sched_ext backend (docs/eevdf.md): no preemption guarantee (a boost is a
 weight, not a place ahead of the queue), no in-kernel TGID fallback (a TGID entry is expanded to the
-process's threads here, and threads created later are covered only by `refresh()`), and no starvation guard
-of our own (EEVDF's fairness bounds what a boosted thread can take). Only SCHED_OTHER and SCHED_BATCH threads
-are managed; real-time, deadline and SCHED_IDLE threads are left alone and reported.
+process's threads here; the backend's own thread writes threads created later on their fork event, with a
+periodic pass as the safety net), and no starvation guard of our own (EEVDF's fairness bounds what a
+boosted thread can take). Only SCHED_OTHER and SCHED_BATCH threads are managed; real-time, deadline and
+SCHED_IDLE threads are left alone and reported. Nice values outlive the agent, so the threads it changed
+are journaled and a successor restores them after a crash.
 """
 
 from __future__ import annotations
