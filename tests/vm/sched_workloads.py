@@ -330,6 +330,49 @@ def no_leak(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def no_leak_agent(args: argparse.Namespace) -> dict[str, Any]:
+    """The same spawner, driven through the agent's engine: proc connector events, RE2 matching and the
+    reconciler's batched writes into SchedExtBackend (the path the running agent takes)."""
+    from gthulhu_node.engine import Engine
+    from gthulhu_node.intents.model import Intent
+    from gthulhu_node.matching import PolicySet
+    from gthulhu_node.reconciler import Reconciler
+
+    binary = "/tmp/leaky_threads"
+    src = Path(__file__).with_name("leaky_threads.c")
+    subprocess.run(["clang", "-O2", "-pthread", "-o", binary, str(src)], check=True)
+    out: dict[str, Any] = {"threads": args.threads}
+    intent = Intent.model_validate({"id": "leaky", "commandRegex": "^leaky$", "priority": 5})
+    with scheduler() as backend:
+        reconciler = Reconciler(backend, policy=PolicySet.build([("test/leaky", intent)]))
+        engine = Engine(reconciler, rescan_interval_s=2.0)
+        engine.start()
+        try:
+            proc = subprocess.Popen(
+                [binary, str(args.threads), "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            assert proc.stdout is not None and proc.stdin is not None
+            proc.stdout.readline()
+            time.sleep(5)  # events drained and at least one full rescan
+            live = {int(n) for n in os.listdir(f"/proc/{proc.pid}/task")} - {proc.pid}
+            counters = backend.counters()
+            out.update(
+                live_matched=sorted(live),
+                held=sorted(k.id for k in backend.read_back() if k.kind is KeyKind.TID),
+                live_tid_entries=counters["live_tid_entries"],
+                exit_deleted_tid=counters["exit_deleted_tid"],
+                tid_hits=counters["tid_hits"],
+                reconciler=str(reconciler.stats()),
+            )
+            proc.stdin.close()
+            proc.wait()
+            time.sleep(3)
+            out["after_exit"] = backend.counters()["live_tid_entries"]
+        finally:
+            engine.stop()
+    return out
+
+
 def starvation(args: argparse.Namespace) -> dict[str, Any]:
     """Boosted load beyond the node's capacity; an unboosted CPU-bound task must still run (>= 10%)."""
     ncpu = os.cpu_count() or 1
@@ -493,6 +536,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "tid-tgid-share": tid_tgid_share,
     "slice-only": slice_only,
     "no-leak": no_leak,
+    "no-leak-agent": no_leak_agent,
     "starvation": starvation,
     "affinity": affinity,
     "cpu-max": cpu_max,

@@ -89,6 +89,15 @@ def test_no_leak_with_10000_short_lived_matched_threads(lab: Any) -> None:
     assert out["after_exit"] == {"live_tid_entries": 0, "live_tgid_entries": 0, "exit_deleted_tgid": 1}
 
 
+def test_no_leak_through_the_agents_engine(lab: Any) -> None:
+    out = scenario(lab, "no-leak-agent", "--threads", "10000", timeout=900)
+    assert len(out["live_matched"]) == 4
+    assert out["held"] == out["live_matched"], out["reconciler"]
+    assert out["live_tid_entries"] == 4
+    assert out["tid_hits"] > 0
+    assert out["after_exit"] == 0
+
+
 def test_no_starvation_and_the_watchdog_never_fires(lab: Any) -> None:
     out = scenario(lab, "starvation", "--seconds", "10", timeout=600)
     for case in ("cpu_bound", "sixty_percent"):
