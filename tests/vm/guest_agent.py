@@ -227,7 +227,9 @@ def main() -> int:
     port = Port(find_port(time.monotonic() + 60))
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot_id = f.read().strip()
-    port.send({"event": "hello", "boot_id": boot_id, "release": os.uname().release})
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    port.send({"event": "hello", "boot_id": boot_id, "release": os.uname().release, "uptime": uptime})
     for request in port.frames():
         threading.Thread(target=serve, args=(port, request, boot_id), daemon=True).start()
     return 0

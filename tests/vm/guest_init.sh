@@ -9,7 +9,7 @@
 #                      folder that gets a tmpfs here (/tmp, /var/tmp)
 #   lab.scratch=PATH   the per-boot scratch folder, shared read-write (tag "scratch"), same path as on the host
 #   lab.kroot=PATH     the unpacked lab kernel in the host's cache (kept visible across the /var/cache tmpfs);
-#                      its usr/lib/modules becomes /lib/modules (build and source links to its headers)
+#                      /lib/modules/$(uname -r)/{build,source} link to its headers
 #   lab.rows=N lab.cols=N  terminal size for the interactive shell
 set -u
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -72,10 +72,15 @@ if grep -q " /run/lab/kroot " /proc/mounts; then
     mount --move /run/lab/kroot "$kroot"
 fi
 
-# /lib/modules/<release>/{build,source}: the unpacked kernel package's own folder, whose relative links
-# point at its header trees (where BCC and kbuild look for them).
-if [ -d /usr/lib/modules ] && [ -d "$kroot/usr/lib/modules" ]; then
-    mount --bind "$kroot/usr/lib/modules" /usr/lib/modules
+# /lib/modules/<release>/{build,source} -> the lab kernel's header trees (where BCC and kbuild look).
+# The package's own links are relative to its unpack folder, so they are resolved there.
+if [ -d /usr/lib/modules ] && [ -n "$kroot" ]; then
+    mount -t tmpfs -o mode=0755 tmpfs /usr/lib/modules
+    release=$(uname -r)
+    mkdir -p "/usr/lib/modules/$release"
+    for link in build source; do
+        target=$(readlink -f "$kroot/usr/lib/modules/$release/$link") && ln -s "$target" "/usr/lib/modules/$release/$link"
+    done
 fi
 
 if [ -n "$repo" ]; then
@@ -92,7 +97,7 @@ ip link set lo up 2>/dev/null
 # Info-level kernel messages to the console (the boot itself ran with `quiet`): sched_ext explains
 # there why it ejected a scheduler, and the harness keeps the console.
 echo 6 >/proc/sys/kernel/printk
-say "mounts ready, mode=$mode"
+say "mounts ready at uptime $(cut -d" " -f1 /proc/uptime) s, mode=$mode"
 
 agent="$repo/tests/vm/guest_agent.py"
 case "$mode" in
@@ -105,7 +110,8 @@ case "$mode" in
         ;;
     systemd)
         /bin/bash "$repo/tests/vm/guest_systemd.sh" "$repo" "$agent"
-        exec /lib/systemd/systemd
+        # Empty $container: this is a VM, although the host's / carries a /.dockerenv.
+        exec env container= /lib/systemd/systemd
         ;;
     *)
         cd /
