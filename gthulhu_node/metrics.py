@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -366,6 +366,8 @@ class Metrics:
     """The registry, the per-event histograms and the HTTP endpoint."""
 
     def __init__(self) -> None:
+        # node_exporter style: no `_created` series (they double the output and nobody graphs them)
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
         self.reaction_latency = Histogram(
             "reaction_latency_seconds", "From a task event (fork, comm, exec) to its entry being written.",

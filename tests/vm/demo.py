@@ -67,7 +67,8 @@ def main() -> int:
     started = time.monotonic()
     say("gthulhu-node demo: a vLLM-like engine under CPU contention, in the sched_ext lab VM")
     say("booting the lab VM (qemu, 2 vCPUs, TCG emulation: everything runs ~10x slower than on hardware)...")
-    with Lab("plain") as lab:
+    # A generous boot timeout: the machine may be busy (a quiet one boots the lab in ~10 s).
+    with Lab("plain", boot_timeout=600) as lab:
         say(f"  booted in {lab.boot_seconds or 0:.0f} s")
         kernel = guest(lab, "uname -r").strip()
         state = guest(lab, "cat /sys/kernel/sched_ext/state").strip()
