@@ -2,7 +2,7 @@
 own userland, for tests and for people.
 
 The guest's root is this machine's / shared read-only over virtiofs, and every place the guest writes
-gets a tmpfs (tests/vm/guest_init.sh), so a guest can never change the machine's files: the virtiofs
+gets a tmpfs (tests/vm/guest_init.py), so a guest can never change the machine's files: the virtiofs
 daemons even serve read-only bind mounts, so a guest that remounted its root read-write still could not
 write. The repository is shared a second time (read-only) and mounted at its own path, because it may
 live under a folder that gets a tmpfs in the guest; a per-boot scratch folder is shared read-write at the
@@ -52,7 +52,7 @@ RUNTIME = Path(os.environ.get("GTHULHU_LAB_RUNTIME", "/var/tmp/gthulhu-node-lab"
 LOGS = RUNTIME / "logs"
 QEMU = "qemu-system-x86_64"
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
-GUEST_INIT = "tests/vm/guest_init.sh"
+GUEST_INIT = "tests/vm/guest_init.py"
 HEADER = struct.Struct(">I")
 REPLY_GRACE = 30.0  # beyond a command's own timeout, for the agent's kill, the transfer and a slow TCG guest
 KEEP_LOGS = 40
@@ -522,7 +522,8 @@ class Lab:
             f"lab.scratch={run_dir / 'scratch'}", f"lab.kroot={self.kernel.root}",
         ]
         if mode == "systemd":
-            words += ["fstab=no", "systemd.getty_auto=0", "systemd.show_status=error"]
+            words += ["systemd.unit=multi-user.target", "fstab=no", "systemd.getty_auto=0",
+                      "systemd.show_status=error"]
         return " ".join(words + self.append)
 
     def _qemu_argv(self, run_dir: Path, cmdline: str, *, serial: str = "stdio") -> list[str]:
@@ -727,7 +728,9 @@ class Lab:
             try:
                 self._start_shares(run_dir)
                 size = shutil.get_terminal_size()
-                cmdline = self._cmdline(run_dir, "shell") + f" lab.rows={size.lines} lab.cols={size.columns}"
+                term = os.environ.get("TERM", "linux")
+                cmdline = f"{self._cmdline(run_dir, 'shell')} lab.rows={size.lines} lab.cols={size.columns}"
+                cmdline += f" lab.term={term}"
                 argv = self._qemu_argv(run_dir, cmdline, serial="mon:stdio")
                 qemu = subprocess.Popen(argv, preexec_fn=_die_with(os.getpid()))
                 self._qemu = qemu
