@@ -25,6 +25,11 @@ def test_reaction_latency_in_the_lab_vm(lab: Lab) -> None:
         "--prio=--nice=0",
         "--count=1000",
         "--interval-ms=8",
+        # emulated CPUs: a map walk from Python costs ~1 ms, so the reader polls every 1 ms (a tighter
+        # loop takes a vCPU from the agent); spawned threads live 0.5 s, so a slow reaction is measured
+        # instead of lost
+        "--poll-us=1000",
+        "--life-ms=500",
         timeout=3000,
     )
     print("\n" + r.stdout + r.stderr)

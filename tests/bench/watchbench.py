@@ -396,11 +396,11 @@ def run_latency(args: argparse.Namespace) -> int:
         agent = Role(*agent_args)
         roles.append(agent)
         source = ["--source=bpf"] if args.backend == "sched_ext" else [f"--record={record}"]
-        reader = Role("reader", *source, f"--out={tmp / 'reader.json'}", *prio)
+        reader = Role("reader", *source, f"--out={tmp / 'reader.json'}", f"--poll-us={args.poll_us}", *prio)
         roles.append(reader)
         rename = workload("rename", tmp / "rename.json", count=args.count, interval_ms=args.interval_ms)
         spawn = workload(
-            "spawn", tmp / "spawn.json", count=args.count, interval_ms=args.interval_ms, life_ms=50
+            "spawn", tmp / "spawn.json", count=args.count, interval_ms=args.interval_ms, life_ms=args.life_ms
         )
         time.sleep(0.5)
         reader.terminate()
@@ -475,6 +475,8 @@ def main() -> int:
     lat.add_argument("--prio", default="", help="passed to agent, reader and floor: --fifo=10, --nice=-10")
     lat.add_argument("--count", type=int, default=1000)
     lat.add_argument("--interval-ms", type=float, default=4.0)
+    lat.add_argument("--life-ms", type=float, default=50.0, help="how long each spawned thread lives")
+    lat.add_argument("--poll-us", type=float, default=100.0, help="the reader's poll interval")
     h = sub.add_parser("hold")
     h.add_argument("--count", type=int, default=20_000)
     for name in ("rename", "spawn", "storm"):
