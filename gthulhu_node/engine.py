@@ -148,7 +148,7 @@ class Engine:
     def submit(self, fn: Callable[[Reconciler], T]) -> concurrent.futures.Future[T]:
         """Run fn(reconciler) on the engine thread; its result (or exception) lands in the Future."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stopping.is_set():
+        if self._stopping.is_set() or (self._thread is not None and not self._thread.is_alive()):
             fut.set_exception(EngineStopped("engine is stopped"))
             return fut
         self._work.append((fn, fut))
