@@ -196,7 +196,7 @@ static u32 effective_prio(struct task_ctx *tctx, u32 prio, u64 now)
 /* Whether the boosted run in progress has crossed the task's budget for its window. */
 static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
 {
-	u64 used = now - tctx->started_at;
+	u64 used = tctx->started_at ? now - tctx->started_at : 0;
 
 	if (now - tctx->window_start < settings.boost_window_ns)
 		used += tctx->window_used;
@@ -423,7 +423,9 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	set_prio_on(scx_bpf_task_cpu(p), 0);
 	if (!tctx)
 		return;
-	used = now - tctx->started_at;
+	/* A task already running when the scheduler was enabled has no start: charge nothing for that run. */
+	used = tctx->started_at ? now - tctx->started_at : 0;
+	tctx->started_at = 0;
 	/*
 	 * Boosted time is paid for by the guard, not by vtime: charging it too would leave a demoted task so
 	 * far behind that it never ran in its fair turn, and stayed stuck there after its window passed.

@@ -65,7 +65,7 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
             f" {statistics.median(steps) / med(BASE, 'steps_per_s'):8.2f}"
             f" {med(case, 'p99_ms') / med(FIFO, 'p99_ms'):8.2f} {hogs_ratio:9.2f}"
         )
-    boosted = runs["ours, boosted via agent"]
+    boosted = runs["ours boosted (agent)"]
     print(
         "boosted runs: preemptions "
         + ", ".join(f"{x.get('preemptions', 0):.0f}" for x in boosted)

@@ -5,7 +5,7 @@ time, never as less work), then sleeps 5 ms (the GPU's turn), like vLLM's decode
 `stress-ng --cpu 8` (4 hogs per CPU on the 2-CPU guest) and cyclictest (a light periodic SCHED_OTHER
 thread, 5 ms period). Cases run interleaved, round by round. Prints one JSON object with every run.
 
-`boosted via agent` goes through the agent's own path: an intent matching the engine thread by name,
+`ours boosted (agent)` goes through the agent's own path: an intent matching the engine thread by name,
 compiled into a PolicySet, the reconciler's full /proc scan and diff, and SchedExtBackend's map write.
 """
 
@@ -49,8 +49,8 @@ SLEEP_S = 0.005
 CASES: dict[str, dict[str, Any]] = {
     "no contention": {"hogs": False},
     "EEVDF": {"hogs": True},
-    "ours, no policy": {"hogs": True, "sched": True},
-    "ours, boosted via agent": {"hogs": True, "sched": True, "intent": {"priority": 20}},
+    "ours no policy": {"hogs": True, "sched": True},
+    "ours boosted (agent)": {"hogs": True, "sched": True, "intent": {"priority": 20}},
     "nice -n -20": {"hogs": True, "prefix": ["nice", "-n", "-20"]},
     "chrt -f 50": {"hogs": True, "prefix": ["chrt", "-f", "50"]},
 }
