@@ -80,12 +80,12 @@ class Port:
                 data = data[n:]
 
     def frames(self) -> Any:
-        buf = b""
+        buf = bytearray()
         while True:
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:
                 # The host side is not connected: anything half-read belongs to a dead connection.
-                buf = b""
+                buf.clear()
                 time.sleep(0.1)
                 continue
             buf += chunk
@@ -93,7 +93,8 @@ class Port:
                 (size,) = HEADER.unpack_from(buf)
                 if len(buf) < HEADER.size + size:
                     break
-                body, buf = buf[HEADER.size : HEADER.size + size], buf[HEADER.size + size :]
+                body = bytes(buf[HEADER.size : HEADER.size + size])
+                del buf[: HEADER.size + size]
                 try:
                     yield json.loads(body)
                 except ValueError:

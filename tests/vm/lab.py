@@ -623,7 +623,7 @@ class Lab:
         self._die(f"qemu exited (status {status}){' after a kernel panic' if panic_seen else ''}", boot)
 
     def _read_serial(self, sock: socket.socket, qemu: subprocess.Popen[bytes], boot: int) -> None:
-        buf = b""
+        buf = bytearray()  # appended in small chunks: bytes concatenation would be quadratic for MBs
         while True:
             try:
                 chunk = sock.recv(1 << 20)
@@ -636,7 +636,8 @@ class Lab:
                 (size,) = HEADER.unpack_from(buf)
                 if len(buf) < HEADER.size + size:
                     break
-                body, buf = buf[HEADER.size : HEADER.size + size], buf[HEADER.size + size :]
+                body = bytes(buf[HEADER.size : HEADER.size + size])
+                del buf[: HEADER.size + size]
                 self._dispatch(json.loads(body))
         if boot == self.boots:
             self._wait_console(qemu)
