@@ -157,7 +157,7 @@ class Reconciler:
         # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
         # written; `resync` writes everything once the backend is back.
         self.hold_writes = False
-        self._pending_logs: list[dict[str, object]] = []
+        self._pending_logs: list[tuple[str, dict[str, object]]] = []
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -341,15 +341,18 @@ class Reconciler:
     def flush(self) -> ApplyResult:
         """Write every dirty key whose desired value differs from what the backend holds, as one batch.
 
-        Log lines about matched tasks are emitted after the write, so rendering them never delays it.
+        Log lines about (un)matched tasks are emitted after the write, so rendering them never delays it.
         """
         try:
             return self._flush()
         finally:
             if self._pending_logs:
                 logs, self._pending_logs = self._pending_logs, []
-                for fields in logs:
-                    log.info("task_matched", **fields)
+                for event, fields in logs:
+                    if event == "task_matched":
+                        log.info(event, **fields)
+                    else:
+                        log.debug(event, **fields)
 
     def _flush(self) -> ApplyResult:
         if not self._dirty or self.hold_writes:
@@ -587,14 +590,15 @@ class Reconciler:
         if w is None:
             if prev is not None:
                 del self._winner[tid]
-                log.debug("task_unmatched", tid=tid, tgid=task.tgid, comm=task.comm, intent_id=prev.key)
+                fields: dict[str, object] = {"intent_id": prev.key, "tid": tid, "tgid": task.tgid}
+                self._pending_logs.append(("task_unmatched", {**fields, "comm": task.comm}))
             self._set_desired(key, None, "", ts)
             return
         self._winner[tid] = w
         if prev is not w:
             self._pending_logs.append(
-                {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
-                 "priority": w.priority, "slice_ns": w.slice_ns, "scope": w.scope.value}
+                ("task_matched", {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
+                                  "priority": w.priority, "slice_ns": w.slice_ns, "scope": w.scope.value})
             )
         covered_by_tgid = (
             pw is not None
