@@ -1,6 +1,6 @@
 """Guest side of `make demo` (tests/vm/demo.py): one measurement phase, run inside the lab guest.
 
-  guest_demo.py phase SECONDS OUT.json [--matches]
+  python -m tests.vm.guest_demo phase SECONDS OUT.json [--matches]
 
 Starts CPU contention (`stress-ng --cpu 8`, from /tmp: it refuses a read-only working directory), runs the
 vLLM-like engine (tests/vm/vllm_engine.py: EngineCore_DP0/1 doing 2 ms CPU steps and 5 ms sleeps) for

@@ -54,7 +54,7 @@ def status_json() -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
-def wait_applied(key: str, tasks: int, timeout: float = 120.0) -> int:
+def wait_applied(key: str, tasks: int, timeout: float = 500.0) -> int:
     deadline = time.monotonic() + timeout
     last: dict[str, Any] = {}
     while time.monotonic() < deadline:
