@@ -238,7 +238,8 @@ def tid_tgid_share(args: argparse.Namespace) -> dict[str, Any]:
         out["apply"] = {"upserted": res.upserted, "failed": {str(k): str(e) for k, e in res.failed.items()}}
         out["shares"] = cpu_shares({"by_tid": by_tid, "by_tgid": by_tgid, "twin": twin}, args.seconds)
         after = backend.counters()
-        out["delta"] = {k: after[k] - before[k] for k in ("tid_hits", "tgid_hits", "boosted_dispatches")}
+        keys = ("tid_hits", "tgid_hits", "boosted_dispatches", "agent_boosts")
+        out["delta"] = {k: after[k] - before[k] for k in keys}
         out["health"] = backend.health().state.value
     return out
 

@@ -63,6 +63,8 @@ def test_tid_entry_and_tgid_fallback_get_a_larger_share(lab: Any) -> None:
     assert out["apply"] == {"upserted": 2, "failed": {}}
     assert out["delta"]["tid_hits"] > 0 and out["delta"]["tgid_hits"] > 0
     assert out["delta"]["boosted_dispatches"] > 0
+    # the driver plays the agent: its own threads ran boosted (settings.agent_tgid)
+    assert out["delta"]["agent_boosts"] > 0
     shares = out["shares"]
     assert shares["by_tid"] > 1.5 * shares["twin"], shares
     assert shares["by_tgid"] > 1.5 * shares["twin"], shares
