@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gthulhu_node.probe.histogram import WaitHistogram
-from gthulhu_node.probe.session import METHOD, ProbeResult
+from gthulhu_node.probe.session import ProbeResult
 
 _COLUMNS = ("count", "p50_us", "p90_us", "p99_us", "max_us", "mean_us")
 
@@ -24,7 +24,8 @@ def _render(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def table(result: ProbeResult) -> str:
-    lines = [f"run-queue wait over {result.duration_s:.1f} s ({METHOD})", ""]
+    lines = [f"run-queue wait over {result.duration_s:.1f} s, in microseconds (percentiles interpolated "
+             "within power-of-two buckets: exact to a factor of two; max and mean are exact)", ""]
     intent_rows = [
         _row([key, str(sum(1 for r, _ in result.threads if r.target.intent == key))], hist)
         for key, hist in sorted(result.intents.items())

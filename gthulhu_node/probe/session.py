@@ -6,6 +6,7 @@ filter (when each thread was added and removed) live here.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,48 @@ def open_source(
     return AgentTargets(socket_path, intent)
 
 
+class BackgroundProbe:
+    """A measurement that runs while the caller does something else (the demo runs its workload):
+    compiles and attaches in the constructor (seconds; raises ProbeUnavailable), then follows the
+    target source from a thread until `stop()`, which returns the result and frees everything."""
+
+    def __init__(
+        self,
+        *,
+        regex: str | None = None,
+        intent: str | None = None,
+        socket_path: Any = None,
+        poll_s: float = 0.5,
+        per_thread: bool = True,
+    ) -> None:
+        self._probe = RunqueueProbe(per_thread=per_thread)
+        try:
+            self._source = open_source(regex=regex, intent=intent, socket_path=socket_path)
+        except BaseException:
+            self._probe.close()
+            raise
+        self.session = Session(self._probe, self._source)
+        self.session.sync()
+        self._poll = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="gthulhu-probe", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self._poll):
+            self.session.sync()
+
+    def stop(self) -> ProbeResult:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.session.sync()
+            return self.session.result()
+        finally:
+            self._source.close()
+            self._probe.close()
+
+
 def measure(
     duration_s: float,
     *,
@@ -172,18 +215,7 @@ def measure(
     """Measure run-queue waits for `duration_s` seconds (after compiling and attaching, which takes
     seconds) and return per-intent and per-thread histograms. Raises ProbeUnavailable with a one-line
     message when the probe cannot run here. This is the entry point for tools (the demo, tests)."""
-    probe = RunqueueProbe(per_thread=per_thread)
-    try:
-        source = open_source(regex=regex, intent=intent, socket_path=socket_path)
-        try:
-            session = Session(probe, source)
-            session.sync()
-            deadline = session.started + duration_s
-            while (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(poll_s, left))
-                session.sync()
-            return session.result()
-        finally:
-            source.close()
-    finally:
-        probe.close()
+    background = BackgroundProbe(regex=regex, intent=intent, socket_path=socket_path, poll_s=poll_s,
+                                 per_thread=per_thread)
+    time.sleep(max(0.0, background.session.started + duration_s - time.monotonic()))
+    return background.stop()
