@@ -52,7 +52,7 @@ MASKED = [
     "systemd-random-seed.service", "systemd-machine-id-commit.service", "systemd-pcrphase.service",
     "systemd-pcrphase-sysinit.service", "systemd-modules-load.service", "kmod-static-nodes.service",
     "modprobe@.service", "systemd-ask-password-console.path", "systemd-ask-password-wall.path",
-    "systemd-journald-audit.socket", "systemd-initctl.socket",
+    "systemd-journald-audit.socket", "systemd-initctl.socket", "systemd-journal-flush.service",
     "sys-kernel-config.mount", "dev-hugepages.mount", "dev-mqueue.mount", "remote-fs.target",
 ]
 
@@ -114,7 +114,7 @@ def setup(conf: dict[str, str]) -> None:
         mount("tmpfs", path, "tmpfs", nosuid_nodev, "mode=1777")
     for path in ("/var/log", "/var/cache", "/var/lib", "/root"):
         mount("tmpfs", path, "tmpfs", 0, "mode=0755")
-    for path in ("/var/lib/systemd", "/var/lib/dbus", "/var/lib/misc", "/var/log/journal"):
+    for path in ("/var/lib/systemd", "/var/lib/dbus", "/var/lib/misc"):
         os.makedirs(path, exist_ok=True)
 
     try_mount("bpf", "/sys/fs/bpf", "bpf", 0, "mode=0700")
@@ -178,6 +178,14 @@ def prepare_systemd(repo: str) -> None:
         if os.path.lexists(path):
             os.unlink(path)
         os.symlink("/dev/null", path)
+    # Generators (fstab, getty, sysv, cryptsetup, ...) have nothing to find here, and each costs an exec:
+    # mask them in /run's generator folder, which systemd searches first.
+    generators = "/run/systemd/system-generators"
+    os.makedirs(generators, exist_ok=True)
+    for folder in ("/usr/lib/systemd/system-generators", "/usr/local/lib/systemd/system-generators"):
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if name != "systemd-debug-generator" and not os.path.lexists(f"{generators}/{name}"):
+                os.symlink("/dev/null", f"{generators}/{name}")
 
 
 def _copy_tree(src: str, dst: str) -> None:
