@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from typing import Any
 
 import pytest
 
@@ -31,17 +32,11 @@ def _med(values: list[float], fmt: str = ".1f") -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
-def test_engine_step_under_gthulhu(lab: Lab) -> None:
-    budget = ROUNDS * 6 * (SECONDS + 60) + 120
-    r = lab.python(
-        "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS), timeout=budget
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+def print_table(data: dict[str, Any]) -> None:
     runs: dict[str, list[dict[str, float]]] = data["runs"]
 
     def med(case: str, field: str) -> float:
-        vals = [run[field] for run in runs[case] if field in run]
+        vals = [run[field] for run in runs.get(case, []) if field in run]
         return statistics.median(vals) if vals else float("nan")
 
     print(
@@ -51,8 +46,8 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
         " median [min-max]"
     )
     print(
-        f"{'case':26} {'steps/s':>20} {'p50 ms':>16} {'p99 ms':>18} {'cyclictest avg/max us':>24}"
-        f" {'hogs bogo-ops/s':>24} {'vs base':>8} {'p99/FIFO':>8} {'hogs/FIFO':>9}"
+        f"{'case':22} {'steps/s':>20} {'p50 ms':>18} {'p99 ms':>20} {'cyclictest avg/max us':>22}"
+        f" {'hogs bogo-ops/s':>16} {'vs base':>8} {'p99/FIFO':>8} {'hogs/FIFO':>9}"
     )
     for case, results in runs.items():
         steps = [x["steps_per_s"] for x in results]
@@ -60,18 +55,33 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
         cyc = f"{med(case, 'cyclic_avg_us'):.0f}/{med(case, 'cyclic_max_us'):.0f}"
         hogs_ratio = statistics.median(bogo) / med(FIFO, "bogo_ops_per_s") if bogo else float("nan")
         print(
-            f"{case:26} {_med(steps):>20} {_med([x['p50_ms'] for x in results], '.2f'):>16}"
-            f" {_med([x['p99_ms'] for x in results], '.2f'):>18} {cyc:>24} {_med(bogo, '.0f'):>24}"
+            f"{case:22} {_med(steps):>20} {_med([x['p50_ms'] for x in results], '.2f'):>18}"
+            f" {_med([x['p99_ms'] for x in results], '.2f'):>20} {cyc:>22} {_med(bogo, '.0f'):>16}"
             f" {statistics.median(steps) / med(BASE, 'steps_per_s'):8.2f}"
             f" {med(case, 'p99_ms') / med(FIFO, 'p99_ms'):8.2f} {hogs_ratio:9.2f}"
         )
-    boosted = runs["ours boosted (agent)"]
+    boosted = runs.get("ours boosted (agent)", [])
     print(
         "boosted runs: preemptions "
         + ", ".join(f"{x.get('preemptions', 0):.0f}" for x in boosted)
         + "; demotions "
         + ", ".join(f"{x.get('demotions', 0):.0f}" for x in boosted)
     )
+
+
+# Each case costs its measurement plus up to a few minutes of set-up under TCG on a busy host.
+BUDGET_S = ROUNDS * 6 * (SECONDS + 300) + 300
+
+
+@pytest.mark.timeout(BUDGET_S + 120)
+def test_engine_step_under_gthulhu(lab: Lab) -> None:
+    r = lab.python(
+        "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS), timeout=BUDGET_S
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    print_table(data)
+    runs: dict[str, list[dict[str, float]]] = data["runs"]
     # the scheduler stayed loaded through every run of ours
     assert all(x.get("health_ok") == 1.0 for case in runs if case.startswith("ours") for x in runs[case])
     assert all(x["steps_per_s"] > 0 for results in runs.values() for x in results)
