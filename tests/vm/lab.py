@@ -55,7 +55,7 @@ VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 GUEST_INIT = "tests/vm/guest_init.py"
 HEADER = struct.Struct(">I")
 REPLY_GRACE = 30.0  # beyond a command's own timeout, for the agent's kill, the transfer and a slow TCG guest
-KEEP_LOGS = 40
+KEEP_LOGS = 200  # console logs kept (a few KB each), across everyone using this machine
 
 Init = Literal["plain", "systemd"]
 
