@@ -149,7 +149,7 @@ def setup(conf: dict[str, str]) -> None:
     # Info-level kernel messages on the console (the boot itself ran `quiet`): sched_ext says there why
     # it ejected a scheduler, and the harness keeps the console.
     with open("/proc/sys/kernel/printk", "w") as f:
-        f.write("6")
+        f.write("7")  # console_loglevel 7: levels 0-6 (KERN_INFO included) reach the console
 
 
 def prepare_systemd(repo: str) -> None:

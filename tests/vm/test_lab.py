@@ -116,6 +116,16 @@ def test_bpffs_tracefs_debugfs_and_cgroup2_are_mounted(lab: Lab) -> None:
     assert mounts["/sys/fs/cgroup"] == "cgroup2"
 
 
+def test_kernel_info_messages_reach_the_kept_console(lab: Lab) -> None:
+    # sched_ext reports enabling and ejecting a scheduler at info/error level: people need those lines.
+    lab.run("echo '<6>lab-console-marker' > /dev/kmsg").check()
+    deadline = time.monotonic() + 30  # the console is a slow emulated UART: wait for the line, no speed claim
+    while "lab-console-marker" not in lab.console_tail() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "lab-console-marker" in lab.console_tail()
+    assert lab.console_log is not None and "lab-console-marker" in lab.console_log.read_text(errors="replace")
+
+
 def test_a_crashed_guest_is_noticed_and_replaced(lab: Lab) -> None:
     before = lab.boot_id
     with pytest.raises(LabDied) as died:
