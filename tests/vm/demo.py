@@ -94,11 +94,14 @@ def main() -> int:
         ops = guest(lab, "cat /sys/kernel/sched_ext/state /sys/kernel/sched_ext/root/ops").split()
         say(f"  scheduler loaded: /sys/kernel/sched_ext/state: {ops[0]}, /sys/kernel/sched_ext/root/ops: "
             f"{ops[1] if len(ops) > 1 else '?'}")
-        say(f"  running the workload ({SECONDS} s); `gthulhu-node matches` while it runs:")
+        say(f"  running the workload ({SECONDS} s); the scheduler's TID map in the kernel meanwhile "
+            "(bpftool map dump name tid_map):")
         policy = phase(lab, "policy", matches=True)
-        say(indent(policy["matches"] or "(nothing matched)"))
+        say(indent(policy["matches"] or "(empty)"))
         tids = {name: e["tid"] for name, e in policy["engine"].items()}
-        say(f"  the engine threads were: {', '.join(f'{n}={t}' for n, t in tids.items())}")
+        say(f"  the engine threads were: {', '.join(f'{n}={t}' for n, t in tids.items())}; "
+            "the agent's log says:")
+        say(indent(guest(lab, f"grep -h '\"task_matched\"' {DIR}/agent.log | cut -c1-150 || true")))
         say("  `gthulhu-node status` (the workload has exited by now, so the intent matches no task):")
         say(indent(guest(lab, f"{CLI} status")))
 

@@ -2,7 +2,7 @@
 # Measures which capabilities gthulhu-node needs (run in the systemd lab guest by tests/vm/measure_caps.py,
 # after tests/vm/guest_service.py install DIR). For each bounding set: start the unit, then report whether
 # it became active, which backend it chose, whether sched_ext runs our ops, whether proc events work, and
-# the agent's error if it failed. Usage: guest_caps.sh DIR
+# the agent's error if it failed. Usage: guest_caps.sh DIR [--narrow-only]
 set -u
 dir=$1
 full="CAP_SYS_ADMIN CAP_BPF CAP_PERFMON CAP_NET_ADMIN CAP_SYS_NICE"
@@ -26,9 +26,17 @@ try() {
     systemctl stop gthulhu-node 2>/dev/null
     journalctl --rotate >/dev/null 2>&1; journalctl --vacuum-time=1s >/dev/null 2>&1
 }
+[ "${2:-}" = --narrow-only ] || {
 try "all five" "$full"
 for cap in $full; do
     try "without $cap" "$(echo $full | tr ' ' '\n' | grep -vx "$cap" | tr '\n' ' ')"
 done
+}
+# CAP_SYS_ADMIN covers CAP_BPF and CAP_PERFMON in the kernel's checks: try the narrower sets on their own
+try "CAP_BPF CAP_PERFMON CAP_SYS_NICE" "CAP_BPF CAP_PERFMON CAP_SYS_NICE"
+try "CAP_BPF CAP_PERFMON" "CAP_BPF CAP_PERFMON"
+try "CAP_BPF only" "CAP_BPF"
+try "CAP_PERFMON only" "CAP_PERFMON"
+try "none" ""
 rm -f "$dropin"
 systemctl daemon-reload
