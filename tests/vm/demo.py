@@ -124,6 +124,16 @@ def main() -> int:
             f"{s['p99_ms']:6.1f} ms")
     say("  (rq wait: time runnable but waiting for a CPU, from /proc/<pid>/task/<tid>/schedstat; "
         "no contention: ~130 steps/s)")
+    probed = [(name, report.get("probe")) for (name, _), report in
+              zip(rows, (eevdf, policy, nopolicy), strict=True)]
+    if all(waits and waits["intents"] for _, waits in probed):  # BCC ran in the guest (docs/probe.md)
+        say("\nEach run-queue wait of the engine threads, from the BCC probe (gthulhu_node.probe; "
+            "percentiles within log2 buckets):")
+        say(f"  {'':24} {'waits':>7} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}")
+        for name, waits in probed:
+            w = waits["intents"][0]
+            say(f"  {name:24} {w['count']:7d} " + " ".join(f"{w[k] / 1000:6.2f} ms" for k in
+                                                       ("p50_us", "p90_us", "p99_us", "max_us")))
     say(f"\ndemo done in {time.monotonic() - started:.0f} s")
     return 0
 

@@ -15,12 +15,25 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 PY = REPO / ".venv" / "bin" / "python"
 
 
+def start_probe() -> Any:
+    """The BCC run-queue probe on the engine threads (docs/probe.md), or None where it cannot run."""
+    from gthulhu_node.probe import BackgroundProbe, ProbeUnavailable
+
+    try:
+        return BackgroundProbe(regex="^EngineCore")
+    except ProbeUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return None
+
+
 def phase(seconds: float, out: Path, matches: bool) -> int:
+    probe = start_probe()  # before the contention: compiling next to 8 hogs takes minutes under TCG
     stress = subprocess.Popen(["stress-ng", "--cpu", "8", "--timeout", f"{int(seconds) + 5}s", "--quiet"],
                               cwd="/tmp", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -41,7 +54,8 @@ def phase(seconds: float, out: Path, matches: bool) -> int:
         stress.terminate()
         stress.wait()
     report = json.loads(out.read_text())
-    out.write_text(json.dumps({"engine": report, "matches": shown}))
+    waits = probe.stop().to_json() if probe is not None else None
+    out.write_text(json.dumps({"engine": report, "matches": shown, "probe": waits}))
     return 0 if engine.returncode == 0 else 1
 
 
