@@ -133,7 +133,7 @@ class AgentTargets:
     `intent`: one "source/id", or None for every intent.
     """
 
-    def __init__(self, socket_path: Path, intent: str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, socket_path: Path, intent: str | None = None, timeout_s: float = 15.0) -> None:
         import grpc
 
         from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2, agent_pb2_grpc
