@@ -5,6 +5,7 @@
 # the agent's error if it failed. Usage: guest_caps.sh DIR [--narrow-only]
 set -u
 dir=$1
+# the set the unit had before this measurement, and the candidates for it
 full="CAP_SYS_ADMIN CAP_BPF CAP_PERFMON CAP_NET_ADMIN CAP_SYS_NICE"
 dropin=/etc/systemd/system/gthulhu-node.service.d/caps.conf
 try() {

@@ -72,6 +72,9 @@ def test_start_returns_once_the_scheduler_is_loaded(shared: Shared) -> None:
     assert props["Restart"] == "on-failure"
     assert props["StatusText"].startswith("backend sched_ext (running)"), props
     shared.main_pid = int(props["MainPID"])
+    # ...and it did so with only the capabilities the unit grants (docs/service.md: measured)
+    bounding = run(lab, f"grep CapBnd /proc/{shared.main_pid}/status").split()[1]
+    assert int(bounding, 16) == (1 << 39) | (1 << 38) | (1 << 23)  # CAP_BPF, CAP_PERFMON, CAP_SYS_NICE
 
 
 def test_vllm_intent_applied_and_in_the_kernel(shared: Shared) -> None:
