@@ -56,6 +56,17 @@ def wait_agent(lab: Lab, what: str) -> None:
     guest(lab, f"for i in $(seq 1200); do {check} && exit 0; sleep 0.5; done; exit 1", timeout=660)
 
 
+def kernel_map(dump: str) -> str:
+    """bpftool's JSON dump of tid_map as one line per entry."""
+    try:
+        rows = json.loads(dump)
+    except ValueError:
+        return dump.strip() or "(empty)"
+    lines = [f"tid {r['key']}: priority {r['value']['priority']}, slice {r['value']['slice_ns']} ns"
+             for r in rows]
+    return "\n".join(lines) or "(empty)"
+
+
 def summarise(report: dict[str, Any]) -> dict[str, float]:
     engines = list(report["engine"].values())
     n = len(engines)
@@ -97,7 +108,7 @@ def main() -> int:
         say(f"  running the workload ({SECONDS} s); the scheduler's TID map in the kernel meanwhile "
             "(bpftool map dump name tid_map):")
         policy = phase(lab, "policy", matches=True)
-        say(indent(policy["matches"] or "(empty)"))
+        say(indent(kernel_map(policy["matches"])))
         tids = {name: e["tid"] for name, e in policy["engine"].items()}
         say(f"  the engine threads were: {', '.join(f'{n}={t}' for n, t in tids.items())}; "
             "the agent's log says:")
