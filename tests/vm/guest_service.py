@@ -37,9 +37,12 @@ def install(directory: Path) -> int:
     dropin = UNIT_DIR / "gthulhu-node.service.d"
     dropin.mkdir(exist_ok=True)
     # The guest's root is the host's, read-only: the agent runs from this repository, configured from DIR.
+    # The unit's PrivateTmp=/ProtectHome= would hide a checkout under /tmp or /root (CI clones anywhere):
+    # bind the repository back in, read-only, at its own path.
     (dropin / "lab.conf").write_text(
         "[Service]\nExecStart=\n"
         f"ExecStart={EXE} run --config {directory / 'config.yaml'}\n"
+        f"BindReadOnlyPaths={REPO}\n"
     )
     # (`systemd-analyze verify` of the unit runs on the host: tests/host/test_install.py; here it takes
     # minutes under emulation.)
