@@ -120,6 +120,7 @@ class Session:
                 self.removed += 1
         for tid, target in want.items():
             if tid in self.records:
+                self.records[tid].target = target  # a rename keeps its place in the filter
                 continue
             idx = self._index(target.intent)
             if idx is None:
