@@ -67,6 +67,7 @@ class AgentStats:
     api: ApiStats = field(default_factory=ApiStats)
     policy_updates: int = 0
     policy_errors: int = 0
+    rest: Any = None  # gthulhu_node.rest.app.RestStats while the REST listener runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +409,7 @@ class Agent:
             api=self.api.service.stats() if self.api is not None else ApiStats(),
             policy_updates=self._policy_updates,
             policy_errors=self._policy_errors,
+            rest=self.rest.stats() if self.rest is not None else None,
         )
 
 

@@ -229,10 +229,30 @@ class AgentCollector(Collector):
             yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
                             api.get("errors") or {})
             yield _gauge("api_watch_streams", "Open WatchStatus streams.", float(api.get("watch_streams", 0)))
+        yield from self._rest_metrics(_fields(stats.get("rest")))
         yield _counter("policy_updates_total", "Policy sets handed to the reconciler.",
                        stats.get("policy_updates", 0))
         yield _counter("policy_build_errors_total", "Intent sets that could not be compiled into a policy.",
                        stats.get("policy_errors", 0))
+
+    def _rest_metrics(self, rest: dict[str, Any]) -> Iterator[Metric]:
+        """The upstream Decision Maker listener, when enabled: refusals are bad input worth alerting on."""
+        if not rest:
+            return
+        yield _gauge("rest_insecure", "1 when the REST listener serves plain HTTP (insecure setting on).",
+                     1.0 if rest.get("insecure") else 0.0)
+        codes = {str(k): v for k, v in (rest.get("requests") or {}).items()}
+        yield _labelled(CounterMetricFamily, "rest_requests_total", "REST requests, by HTTP status code.",
+                        "code", codes)
+        tokens = {"issued": rest.get("tokens_issued", 0), "refused": rest.get("tokens_refused", 0)}
+        yield _labelled(CounterMetricFamily, "rest_tokens_total", "Token requests, by outcome.", "outcome",
+                        tokens)
+        yield _counter("rest_auth_refused_total", "REST requests refused: missing, forged or expired token.",
+                       rest.get("auth_refused", 0))
+        pushes = {"accepted": rest.get("pushes_accepted", 0), "refused": rest.get("pushes_refused", 0)}
+        yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
+                        "outcome", pushes)
+        yield _counter("rest_deletes_total", "Manager intent deletions.", rest.get("deletes", 0))
 
     # -- task watching and the reconciler ---------------------------------------------------------------
 

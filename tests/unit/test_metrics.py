@@ -14,6 +14,7 @@ import pytest
 
 from gthulhu_node.backends.base import BackendHealth, BackendState
 from gthulhu_node.metrics import Metrics, RunqueueWaitTracker, parse_listen
+from gthulhu_node.rest.app import RestStats
 from tests.prom import Samples, scrape
 
 
@@ -120,6 +121,8 @@ class FakeAgentStats:
     store: FakeStoreStats = field(default_factory=FakeStoreStats)
     intents_by_state: dict[str, int] = field(default_factory=lambda: {"applied": 1})
     local_files: FakeLocalStats = field(default_factory=FakeLocalStats)
+    rest: RestStats = field(default_factory=lambda: RestStats(
+        insecure=True, requests={"200": 3, "401": 2}, tokens_issued=1, auth_refused=2, pushes_refused=1))
 
 
 class FakeBackend:
@@ -209,6 +212,10 @@ def test_scrape_over_http_shows_component_stats() -> None:
     assert got["gthulhu_node_reaction_latency_seconds_bucket"][(("le", "0.001"),)] == 0
     assert (("intent", "local/vllm"),) in got["gthulhu_node_matched_runqueue_wait_seconds_total"]
     assert got["gthulhu_node_ready"][()] == 1
+    assert got["gthulhu_node_rest_insecure"][()] == 1
+    assert got["gthulhu_node_rest_requests_total"][(("code", "401"),)] == 2
+    assert got["gthulhu_node_rest_auth_refused_total"][()] == 2
+    assert got["gthulhu_node_rest_pushes_total"][(("outcome", "refused"),)] == 1
 
 
 class BrokenAgent(FakeAgent):
