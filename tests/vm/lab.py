@@ -56,6 +56,7 @@ GUEST_INIT = "tests/vm/guest_init.py"
 HEADER = struct.Struct(">I")
 REPLY_GRACE = 30.0  # beyond a command's own timeout, for the agent's kill, the transfer and a slow TCG guest
 KEEP_LOGS = 200  # console logs kept (a few KB each), across everyone using this machine
+BOOT_ATTEMPTS = 3  # a boot that panics (an emulator hazard, docs/lab.md) is tried again
 
 Init = Literal["plain", "systemd"]
 
@@ -324,10 +325,20 @@ class Lab:
                 if wait and self._hello is None:
                     self._await_agent()
                 return
-            self._teardown()
-            self._launch()
-            if wait:
-                self._await_agent()
+            for attempt in range(1, BOOT_ATTEMPTS + 1):
+                self._teardown()
+                self._launch()
+                if not wait:
+                    return
+                try:
+                    self._await_agent()
+                    return
+                except LabBootError as exc:
+                    # A panic while booting is the emulator's hazard (docs/lab.md: an int3 oops while
+                    # the kernel live-patches its text under multi-threaded TCG), not the code under test.
+                    if "kernel panic" not in exc.reason or attempt == BOOT_ATTEMPTS:
+                        raise
+                    sys.stderr.write(f"lab: boot {attempt} died ({exc.reason}); booting again\n")
 
     def run(
         self,
