@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 PORT_NAME = "lab"
@@ -89,16 +90,23 @@ class Port:
                 time.sleep(0.1)
                 continue
             buf += chunk
-            while len(buf) >= HEADER.size:
-                (size,) = HEADER.unpack_from(buf)
-                if len(buf) < HEADER.size + size:
-                    break
-                body = bytes(buf[HEADER.size : HEADER.size + size])
-                del buf[: HEADER.size + size]
+            for body in take_frames(buf):
                 try:
                     yield json.loads(body)
                 except ValueError:
-                    print(f"lab agent: dropped a malformed frame of {size} bytes", file=sys.stderr)
+                    print(f"lab agent: dropped a malformed frame of {len(body)} bytes", file=sys.stderr)
+
+
+def take_frames(buf: bytearray) -> Iterator[bytes]:
+    """Cut every complete frame (4-byte big-endian length, then the body) off the front of buf; a partial
+    frame stays for the next read. Both ends of the serial link use this, so the framing is defined once."""
+    while len(buf) >= HEADER.size:
+        (size,) = HEADER.unpack_from(buf)
+        if len(buf) < HEADER.size + size:
+            return
+        body = bytes(buf[HEADER.size : HEADER.size + size])
+        del buf[: HEADER.size + size]
+        yield body
 
 
 def pump(proc: subprocess.Popen[bytes], data: bytes | None, timeout: float) -> tuple[bytes, bytes, bool]:

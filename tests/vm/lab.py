@@ -33,7 +33,6 @@ import queue
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tests.vm.guest_agent import HEADER, take_frames
 from tests.vm.kernel import LabKernel, obtain
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +53,6 @@ LOGS = RUNTIME / "logs"
 QEMU = "qemu-system-x86_64"
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 GUEST_INIT = "tests/vm/guest_init.py"
-HEADER = struct.Struct(">I")
 REPLY_GRACE = 30.0  # beyond a command's own timeout, for the agent's kill, the transfer and a slow TCG guest
 KEEP_LOGS = 200  # console logs kept (a few KB each), across everyone using this machine
 BOOT_ATTEMPTS = 3  # a boot that panics (an emulator hazard, docs/lab.md) is tried again
@@ -643,12 +642,7 @@ class Lab:
             if not chunk:
                 break
             buf += chunk
-            while len(buf) >= HEADER.size:
-                (size,) = HEADER.unpack_from(buf)
-                if len(buf) < HEADER.size + size:
-                    break
-                body = bytes(buf[HEADER.size : HEADER.size + size])
-                del buf[: HEADER.size + size]
+            for body in take_frames(buf):
                 self._dispatch(json.loads(body))
         if boot == self.boots:
             self._wait_console(qemu)
