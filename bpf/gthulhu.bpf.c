@@ -55,6 +55,7 @@ u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
 #define MAX_CPUS 512
 #define USER_HZ 100
 #define PF_EXITING 0x00000004
+#define PF_KTHREAD 0x00200000
 /* The agent's own threads rank above every intent's priority. */
 #define AGENT_PRIORITY (GTHULHU_PRIORITY_MAX + 1)
 
@@ -389,6 +390,20 @@ void OP(gthulhu_running, struct task_struct *p)
 	}
 }
 
+/*
+ * Kernel threads are charged at most like a nice 0 task. khugepaged runs at nice 19 (weight 1 here, so
+ * 100x the vtime per run) and holds a process's mmap_lock while it collapses huge pages: starved behind
+ * CPU hogs, it stalled every page fault of that process for seconds (docs/scheduler.md).
+ */
+static __always_inline u64 fair_weight(struct task_struct *p)
+{
+	u64 weight = p->scx.weight ? p->scx.weight : 100;
+
+	if ((p->flags & PF_KTHREAD) && weight < 100)
+		weight = 100;
+	return weight;
+}
+
 /* Charge boosted run time to the task's window and to the node's; start the guard when over budget. */
 static void charge_boost(struct task_ctx *tctx, u64 used, u64 now)
 {
@@ -433,7 +448,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	if (tctx->prio)
 		charge_boost(tctx, used, now);
 	else
-		tctx->vtime += used * 100 / (p->scx.weight ? p->scx.weight : 100);
+		tctx->vtime += used * 100 / fair_weight(p);
 }
 
 /*

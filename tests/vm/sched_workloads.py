@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -438,6 +439,79 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+KHUGEPAGED_SLEEP = Path("/sys/kernel/mm/transparent_hugepage/khugepaged/scan_sleep_millisecs")
+
+
+def _fresh_small_pages(size: int) -> mmap.mmap:
+    """An anonymous mapping faulted in as small pages, then marked for huge pages: work for khugepaged,
+    which takes this process's mmap_lock for write to collapse each 2 MiB of it."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    for off in range(0, size, 4096):
+        m[off] = 1
+    m.madvise(mmap.MADV_HUGEPAGE)
+    return m
+
+
+def _heartbeat(seconds: float, out_fd: int) -> Callable[[], None]:
+    """A light periodic task (10 ms sleeps) whose memory khugepaged keeps collapsing; each wakeup it
+    faults in a new page. Writes its largest gap between wakeups and how many it had to out_fd."""
+
+    def body() -> None:
+        gaps: list[float] = []
+        region = _fresh_small_pages(32 << 20)
+        renewed = t = time.monotonic()
+        end = t + seconds
+        while t < end:
+            time.sleep(0.01)
+            page = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            page[0] = 1
+            page.close()
+            now = time.monotonic()
+            gaps.append(now - t)
+            t = now
+            if now - renewed > 1.0:
+                region.close()
+                region = _fresh_small_pages(32 << 20)
+                renewed = time.monotonic()
+                t = renewed  # building the region is this task's own work, not a wait
+        os.write(out_fd, json.dumps({"max_gap_s": max(gaps), "wakeups": len(gaps)}).encode())
+
+    return body
+
+
+def _collapses() -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_collapse_alloc "):
+            return int(line.split()[1])
+    return 0
+
+
+def kthread_lock_holder(args: argparse.Namespace) -> dict[str, Any]:
+    """khugepaged (a nice 19 kernel thread) holds a process's mmap_lock while it collapses huge pages.
+    With 4 CPU hogs per CPU, a light task that faults in memory must not wait for it for long: kernel
+    threads are charged like nice 0 tasks at most. khugepaged scans every 100 ms here (10 s by default)."""
+    ncpu = os.cpu_count() or 1
+    saved = KHUGEPAGED_SLEEP.read_text().strip()
+    out: dict[str, Any] = {}
+    try:
+        KHUGEPAGED_SLEEP.write_text("100")
+        with scheduler() as backend, workers() as pids:
+            pids += [fork_worker(spin, f"hog{i}") for i in range(4 * ncpu)]
+            r, w = os.pipe()
+            collapses = _collapses()
+            pids.append(fork_worker(_heartbeat(args.seconds, w), "heartbeat"))
+            os.close(w)
+            with os.fdopen(r) as f:
+                out.update(json.loads(f.read() or "{}"))
+            out["khugepaged_collapses"] = _collapses() - collapses
+            out["health"] = backend.health().state.value
+            out["state"] = state()
+    finally:
+        KHUGEPAGED_SLEEP.write_text(saved)
+    return out
+
+
 def _cgroup_share(seconds: float, quota: str) -> float:
     cg = Path("/sys/fs/cgroup/gthulhu-test")
     root = Path("/sys/fs/cgroup/cgroup.subtree_control")
@@ -540,6 +614,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "no-leak-agent": no_leak_agent,
     "starvation": starvation,
     "affinity": affinity,
+    "kthread-lock-holder": kthread_lock_holder,
     "cpu-max": cpu_max,
     "bad-input": bad_input,
     "ejection": ejection,
