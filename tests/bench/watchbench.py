@@ -73,7 +73,7 @@ def run_agent(args: argparse.Namespace) -> int:
     else:
         from gthulhu_node.scheduler.backend import SchedExtBackend
 
-        backend = SchedExtBackend()
+        backend = SchedExtBackend(protect_agent=not args.unprotected)
     backend.start()
     intent = Intent.model_validate(
         {
@@ -87,10 +87,12 @@ def run_agent(args: argparse.Namespace) -> int:
     policy = PolicySet.build([("local/vllm", intent)])
     engine = Engine(Reconciler(backend, policy=policy), rescan_interval_s=args.rescan)
     engine.start()
+    sched_before = backend.counters() if hasattr(backend, "counters") else {}
     print("ready", flush=True)
     sys.stdin.read()
     st = engine.call(lambda r: r.stats())
     es = engine.stats()
+    sched_after = backend.counters() if hasattr(backend, "counters") else {}
     engine.close()
     backend.stop()
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -110,6 +112,7 @@ def run_agent(args: argparse.Namespace) -> int:
         "latency_p99_ms_last4096": st.latency_p99_s * 1000,
         "write_failures": st.write_failures,
         "latency_count": st.latency_count,
+        "scheduler": {k: v - sched_before.get(k, 0) for k, v in sched_after.items()},
     }
     print(json.dumps(out), flush=True)
     return 0
@@ -380,23 +383,40 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
 
 
+def _start_hogs(count: int, cwd: Path) -> subprocess.Popen[bytes]:
+    """`stress-ng --cpu count` for the whole measurement: the load of the engine-step benchmark."""
+    return subprocess.Popen(
+        ["stress-ng", "--cpu", str(count), "--timeout", "3600s"],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its workers are killed with it, as a group
+    )
+
+
 def run_latency(args: argparse.Namespace) -> int:
     """The whole reaction-latency measurement: floor, agent, reader, both workloads; prints a report
     and, last, one JSON line with the figures."""
     tmp = Path(tempfile.mkdtemp(prefix="gthulhu-latency-"))
     record = tmp / "record"
     prio = [args.prio] if args.prio else []
+    observer = [args.observer_prio] if args.observer_prio else prio
     roles: list[Role] = []
+    hogs = _start_hogs(args.hogs, tmp) if args.hogs else None
     try:
-        floor = Role("floor", f"--out={tmp / 'floor.json'}", *prio)
+        floor = Role("floor", f"--out={tmp / 'floor.json'}", *observer)
         roles.append(floor)
         agent_args = ["agent", f"--backend={args.backend}", *prio]
         if args.backend == "dry-run":
             agent_args.append(f"--record={record}")
+        if args.unprotected:
+            agent_args.append("--unprotected")
         agent = Role(*agent_args)
         roles.append(agent)
         source = ["--source=bpf"] if args.backend == "sched_ext" else [f"--record={record}"]
-        reader = Role("reader", *source, f"--out={tmp / 'reader.json'}", f"--poll-us={args.poll_us}", *prio)
+        reader = Role(
+            "reader", *source, f"--out={tmp / 'reader.json'}", f"--poll-us={args.poll_us}", *observer
+        )
         roles.append(reader)
         rename = workload("rename", tmp / "rename.json", count=args.count, interval_ms=args.interval_ms)
         spawn = workload(
@@ -409,6 +429,9 @@ def run_latency(args: argparse.Namespace) -> int:
     finally:
         for r in roles:
             r.kill()
+        if hogs is not None:
+            os.killpg(hogs.pid, signal.SIGKILL)
+            hogs.wait()
     seen = {k: sorted(v) for k, v in json.loads((tmp / "reader.json").read_text()).items()}
     fl = json.loads((tmp / "floor.json").read_text())
     rows: dict[str, list[float]] = {
@@ -438,7 +461,12 @@ def run_latency(args: argparse.Namespace) -> int:
             rows["spawn agent"].append((a - t0) / 1e6)
         if f is not None:
             rows["spawn floor"].append((f - t0) / 1e6)
-    print(f"reaction latency, workload timestamp -> entry seen by an independent reader ({args.backend})")
+    load = f", beside stress-ng --cpu {args.hogs}" if args.hogs else ""
+    guard = ", agent NOT protected by the scheduler" if args.unprotected else ""
+    print(
+        "reaction latency, workload timestamp -> entry seen by an independent reader"
+        f" ({args.backend}{load}{guard})"
+    )
     for name, ms in rows.items():
         print(
             f"  {name:<14} n={len(ms):5d}  p50={pct(ms, 0.5):8.3f} ms  p99={pct(ms, 0.99):8.3f} ms  "
@@ -463,6 +491,7 @@ def main() -> int:
     a.add_argument("--record", default="")
     a.add_argument("--scope", default="thread")
     a.add_argument("--rescan", type=float, default=30.0)
+    a.add_argument("--unprotected", action="store_true", help="sched_ext: no boost for the agent itself")
     r = sub.add_parser("reader")
     r.add_argument("--record", default="")
     r.add_argument("--source", default="record", choices=["record", "bpf"])
@@ -477,6 +506,9 @@ def main() -> int:
     lat.add_argument("--interval-ms", type=float, default=4.0)
     lat.add_argument("--life-ms", type=float, default=50.0, help="how long each spawned thread lives")
     lat.add_argument("--poll-us", type=float, default=100.0, help="the reader's poll interval")
+    lat.add_argument("--observer-prio", default="", help="for floor and reader only (default: --prio)")
+    lat.add_argument("--hogs", type=int, default=0, help="run stress-ng --cpu N during the measurement")
+    lat.add_argument("--unprotected", action="store_true", help="sched_ext: no boost for the agent itself")
     h = sub.add_parser("hold")
     h.add_argument("--count", type=int, default=20_000)
     for name in ("rename", "spawn", "storm"):
