@@ -56,12 +56,18 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def _run_delay_ns() -> int:
+    """This thread's total run-queue wait so far (schedstat field 2)."""
+    return int(Path("/proc/thread-self/schedstat").read_text().split()[1])
+
+
 def engine(seconds: float) -> None:
     """The engine process: name the thread, say its tid, wait for go, run, print the figures."""
     ctypes.CDLL(None).prctl(15, COMM.encode()[:15], 0, 0, 0)
     print(threading.get_native_id(), flush=True)
     sys.stdin.readline()
     walls: list[float] = []
+    waited_before = _run_delay_ns()
     started = time.monotonic()
     deadline = started + seconds
     while time.monotonic() < deadline:
@@ -73,7 +79,8 @@ def engine(seconds: float) -> None:
         time.sleep(SLEEP_S)
     elapsed = time.monotonic() - started
     cuts = statistics.quantiles(walls, n=100)
-    result = {"steps_per_s": len(walls) / elapsed, "p50_ms": statistics.median(walls), "p99_ms": cuts[98]}
+    result = {"steps_per_s": len(walls) / elapsed, "p50_ms": statistics.median(walls), "p99_ms": cuts[98],
+              "runq_wait_ms_per_step": (_run_delay_ns() - waited_before) / 1e6 / len(walls)}
     print(json.dumps(result), flush=True)
 
 
@@ -163,7 +170,8 @@ def run_case(name: str, seconds: float) -> dict[str, float]:
             out.update(parse_cyclictest(cyc_out))
             if sched is not None:
                 after = sched.counters()
-                for key in ("preemptions", "boosted_dispatches", "demotions", "throttled_windows"):
+                for key in ("preemptions", "boosted_dispatches", "demotions", "throttled_windows",
+                            "fair_preemptions", "fair_dispatches"):
                     out[key] = after[key] - counters_before[key]
                 out["health_ok"] = float(sched.health().state.value == "running")
             proc.wait(timeout=30)

@@ -1,11 +1,11 @@
 """The run-queue probe in the sched_ext lab VM, where BCC compiles against the lab kernel's headers.
 
-One measurement (tests/vm/guest_probe.py run, ~10 s under `stress-ng --cpu 8`, the filter following the
-regex `^probe_` through /proc and proc events) serves the schedstat and filter tests. Then the CLI runs
-once against an ad-hoc regex, as people would before writing a policy, beside a SCHED_FIFO twin and an
-ordinary one: the probe must show the difference. The same measurement through the agent's intents
-(`run --agent`) is in docs/probe.md: not a test here, because in our runs the sched_ext scheduler beside
-8 hogs stalled threads for seconds or was ejected, which the probe then measured faithfully.
+One measurement (tests/vm/guest_probe.py run --agent, ~10 s under `stress-ng --cpu 8`) serves three
+tests: the real agent runs with the sched_ext backend and local intents (the `probe_boost` twin boosted
+at priority 10, its `probe_plain` twin and the spawner's threads unboosted), and the probe's filter follows
+the agent's matches (ListMatches over its gRPC socket) as threads appear and exit. Then the CLI runs once
+against an ad-hoc regex with no agent and no intent, as people would before writing a policy, beside a
+SCHED_FIFO twin (what people do instead of a policy) and an ordinary one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def headers_visible(lab: Lab) -> None:
 def measured(lab_session: Lab) -> dict[str, Any]:
     lab_session.ensure_alive()
     headers_visible(lab_session)
-    cmd = [lab_session.venv_python, "tests/vm/guest_probe.py", "run", "--duration", str(DURATION),
+    cmd = [lab_session.venv_python, "tests/vm/guest_probe.py", "run", "--agent", "--duration", str(DURATION),
            "--hogs", "8"]
     r = lab_session.run(cmd, timeout=2000)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -55,6 +55,19 @@ def _tid(out: dict[str, Any], tid: int) -> dict[str, Any]:
     rows = [t for t in out["probe"]["threads"] if t["tid"] == tid]
     assert len(rows) == 1, (tid, out["probe"]["threads"])
     return rows[0]
+
+
+def test_the_agents_boost_shows_as_a_far_lower_p99_wait(measured: dict[str, Any]) -> None:
+    """The boosted twin (priority 10 through the agent's intent and the sched_ext scheduler) against its
+    unboosted twin, both engine-step loops beside 8 CPU hogs: the probe must show the boost working."""
+    boost, plain = _thread(measured, "probe_boost"), _thread(measured, "probe_plain")
+    print(f"p99 wait: boosted {boost['p99_us']:.0f} us, plain {plain['p99_us']:.0f} us")
+    assert boost["count"] > 50 and plain["count"] > 50, (boost, plain)
+    assert boost["p99_us"] * 4 < plain["p99_us"], (boost, plain)
+    # the same per intent, as the probe's table and the agent's histogram metric show it
+    by_intent = {row["intent"]: row for row in measured["probe"]["intents"]}
+    assert boost["intent"] != plain["intent"], (boost, plain)
+    assert by_intent[boost["intent"]]["p99_us"] * 4 < by_intent[plain["intent"]]["p99_us"], by_intent
 
 
 def test_summed_waits_agree_with_schedstat(measured: dict[str, Any]) -> None:
