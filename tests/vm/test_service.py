@@ -101,10 +101,10 @@ def test_start_returns_once_the_scheduler_is_loaded(shared: Shared) -> None:
     assert props["Restart"] == "on-failure"
     assert props["StatusText"].startswith("backend sched_ext (running)"), props
     shared.main_pid = int(props["MainPID"])
-    # ...and it did so with only the capabilities the unit grants (docs/service.md: measured)
     # every thread of the agent runs at the unit's nice value (field 19 of stat)
     nices = run(lab, f"cat /proc/{shared.main_pid}/task/*/stat | sed 's/.*) //' | cut -d' ' -f17 | sort -u")
     assert nices.split() == ["-5"], nices
+    # ...and it did so with only the capabilities the unit grants (docs/service.md: measured)
     bounding = run(lab, f"grep CapBnd /proc/{shared.main_pid}/status").split()[1]
     # CAP_SYS_ADMIN (21), CAP_SYS_NICE (23), CAP_PERFMON (38), CAP_BPF (39)
     assert int(bounding, 16) == (1 << 21) | (1 << 23) | (1 << 38) | (1 << 39)
