@@ -44,31 +44,20 @@ from gthulhu_node.scheduler.loader import (
     sched_ext_state,
     wait_state,
 )
+from gthulhu_node.tasks.procfs import parse_stat, read_stat
 
 log = structlog.get_logger(__name__)
 
 
 def task_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """Field 22 of the task's own stat, or None when it is gone or a zombie (its exit already ran).
-
-    /proc/<pid>/task/<pid>/stat, not /proc/<pid>/stat: the latter sums the times of every thread of the
-    process, which costs O(threads) per read and made this check the slowest step of a write."""
+    """Field 22 of the task's own stat, or None when it is gone or a zombie (its exit already ran)."""
     try:
-        fd = os.open(b"%s/%d/task/%d/stat" % (os.fsencode(proc), pid, pid), os.O_RDONLY | os.O_CLOEXEC)
+        data = read_stat(pid, pid, proc)
     except OSError:
         return None
-    try:
-        data = os.read(fd, 1024)
-    except OSError:
+    if data is None or data[data.rindex(b")") + 2 :][:1] in (b"Z", b"X"):
         return None
-    finally:
-        os.close(fd)
-    if not data:
-        return None
-    rest = data[data.rindex(b")") + 2 :].split()
-    if rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
+    return parse_stat(data)[1]
 
 
 class SchedExtBackend(Backend):

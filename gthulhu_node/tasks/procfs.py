@@ -76,6 +76,16 @@ def parse_stat(data: bytes) -> tuple[str, int]:
 
 def read_task(tgid: int, tid: int, proc_root: Path = Path("/proc")) -> Task | None:
     """Read one thread's stat. None when the task is gone; OSError for any other failure."""
+    data = read_stat(tgid, tid, proc_root)
+    if data is None:
+        return None
+    comm, start_time = parse_stat(data)
+    return Task(tgid, tid, comm, start_time)
+
+
+def read_stat(tgid: int, tid: int, proc_root: Path = Path("/proc")) -> bytes | None:
+    """The raw contents of one thread's own stat (`<tgid>/task/<tid>/stat`: O(1), unlike `<pid>/stat`,
+    which sums every thread of the process). None when the task is gone; OSError for any other failure."""
     path = b"%s/%d/task/%d/stat" % (os.fsencode(proc_root), tgid, tid)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -91,10 +101,7 @@ def read_task(tgid: int, tid: int, proc_root: Path = Path("/proc")) -> Task | No
         raise
     finally:
         os.close(fd)
-    if not data:
-        return None
-    comm, start_time = parse_stat(data)
-    return Task(tgid, tid, comm, start_time)
+    return data or None
 
 
 def snapshot(proc_root: Path = Path("/proc")) -> Snapshot:

@@ -87,12 +87,12 @@ def run_agent(args: argparse.Namespace) -> int:
     policy = PolicySet.build([("local/vllm", intent)])
     engine = Engine(Reconciler(backend, policy=policy), rescan_interval_s=args.rescan)
     engine.start()
-    sched_before = backend.counters() if hasattr(backend, "counters") else {}
+    sched_before = backend.counters()
     print("ready", flush=True)
     sys.stdin.read()
     st = engine.call(lambda r: r.stats())
     es = engine.stats()
-    sched_after = backend.counters() if hasattr(backend, "counters") else {}
+    sched_after = backend.counters()
     engine.close()
     backend.stop()
     ru = resource.getrusage(resource.RUSAGE_SELF)
