@@ -9,7 +9,9 @@
  *  - priority > 0 (boosted): queued in BOOST_DSQ ahead of everything else, higher priority first; a waking
  *    boosted task preempts an unboosted one on its CPU.
  *  - priority 0 with a slice: fair, with its own slice.
- *  - no entry: fair (weighted vtime) with the default slice, in FAIR_DSQ.
+ *  - no entry: fair (weighted vtime) with the default slice, in FAIR_DSQ. Like the kernel's fair class,
+ *    the share is split between task groups (cgroups, or sessions through autogroup) first, then between
+ *    the group's runnable tasks.
  *  - starvation guard: a boosted task that used more than boost_share_percent of one CPU in the current
  *    window, or all boosted tasks together more than that share of the node, run unboosted until the
  *    window ends.
@@ -19,6 +21,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 #include "gthulhu.h"
 
 char _license[] SEC("license") = "GPL";
@@ -97,6 +100,9 @@ struct task_ctx {
 	u64 window_start; /* start of this task's boost accounting window */
 	u64 window_used;  /* boosted run time inside it */
 	u64 demoted_until;
+	u64 group;        /* task group counted in group_weights while runnable, 0 none */
+	u32 group_weight; /* what this task added to that group's sum */
+	u32 group_share;  /* the group's weight (cpu.weight, autogroup nice), 100 for the default */
 	u32 prio;         /* effective priority of the current/queued run: 0 fair */
 };
 
@@ -106,6 +112,18 @@ struct {
 	__type(key, int);
 	__type(value, struct task_ctx);
 } task_ctxs SEC(".maps");
+
+/*
+ * Runnable weight of each task group (key: its struct task_group), so a task is charged as one of the
+ * group's tasks: the group gets one share, whatever number of threads it runs. LRU: a group lost to
+ * eviction only means its tasks are charged as individuals until they next wake.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, u64);
+	__type(value, s64);
+} group_weights SEC(".maps");
 
 struct cpu_ctx {
 	u64 last_fair; /* when this CPU last took a task from FAIR_DSQ */
@@ -404,6 +422,77 @@ static __always_inline u64 fair_weight(struct task_struct *p)
 	return weight;
 }
 
+/*
+ * The task's group for fair sharing: its cgroup's, or its session's when autogroup applies (the kernel
+ * resolves that into sched_task_group). Tasks of the root group (kernel threads, and everything when
+ * neither applies) are charged as individuals.
+ */
+static __always_inline struct task_group *group_of(struct task_struct *p)
+{
+	struct task_group *tg;
+
+	if (!bpf_core_field_exists(p->sched_task_group))
+		return NULL;
+	tg = p->sched_task_group;
+	if (!tg || !tg->parent)
+		return NULL;
+	return tg;
+}
+
+void OP(gthulhu_runnable, struct task_struct *p, u64 enq_flags)
+{
+	struct task_ctx *tctx = ctx_of(p);
+	struct task_group *tg = group_of(p);
+	s64 zero = 0, *sum;
+	u64 key = (u64)tg;
+
+	if (!tctx || !tg || tctx->group)
+		return;
+	sum = bpf_map_lookup_elem(&group_weights, &key);
+	if (!sum) {
+		bpf_map_update_elem(&group_weights, &key, &zero, BPF_NOEXIST);
+		sum = bpf_map_lookup_elem(&group_weights, &key);
+		if (!sum)
+			return;
+	}
+	tctx->group = key;
+	tctx->group_weight = fair_weight(p);
+	/* shares are in the kernel's fixed point (nice 0 = 1024 << 10 on 64-bit); ours: nice 0 = 100 */
+	tctx->group_share = (tg->shares >> 10) * 100 / 1024 ?: 1;
+	__sync_fetch_and_add(sum, (s64)tctx->group_weight);
+}
+
+void OP(gthulhu_quiescent, struct task_struct *p, u64 deq_flags)
+{
+	struct task_ctx *tctx = ctx_of(p);
+	s64 *sum;
+
+	if (!tctx || !tctx->group)
+		return;
+	sum = bpf_map_lookup_elem(&group_weights, &tctx->group);
+	if (sum)
+		__sync_fetch_and_add(sum, -(s64)tctx->group_weight);
+	tctx->group = 0;
+}
+
+/*
+ * The vtime an unboosted run of `used` ns costs: used / weight, where a grouped task's weight is its part
+ * of the group's share (task weight / runnable weight of the group x group share). Eight hogs in one
+ * session then cost eight times what a lone thread in another session pays, as under EEVDF.
+ */
+static u64 fair_charge(struct task_struct *p, struct task_ctx *tctx, u64 used)
+{
+	u64 weight = fair_weight(p);
+	s64 *sum;
+
+	if (!tctx->group)
+		return used * 100 / weight;
+	sum = bpf_map_lookup_elem(&group_weights, &tctx->group);
+	if (!sum || *sum < (s64)tctx->group_weight)
+		return used * 100 / weight;
+	return used * 100 * (u64)*sum / ((u64)tctx->group_weight * tctx->group_share);
+}
+
 /* Charge boosted run time to the task's window and to the node's; start the guard when over budget. */
 static void charge_boost(struct task_ctx *tctx, u64 used, u64 now)
 {
@@ -448,7 +537,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	if (tctx->prio)
 		charge_boost(tctx, used, now);
 	else
-		tctx->vtime += used * 100 / fair_weight(p);
+		tctx->vtime += fair_charge(p, tctx, used);
 }
 
 /*
@@ -544,6 +633,8 @@ struct sched_ext_ops gthulhu_ops = {
 	.enqueue = (void *)gthulhu_enqueue,
 	.dispatch = (void *)gthulhu_dispatch,
 	.running = (void *)gthulhu_running,
+	.runnable = (void *)gthulhu_runnable,
+	.quiescent = (void *)gthulhu_quiescent,
 	.stopping = (void *)gthulhu_stopping,
 	.tick = (void *)gthulhu_tick,
 	.init_task = (void *)gthulhu_init_task,

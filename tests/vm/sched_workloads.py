@@ -540,6 +540,99 @@ def cpu_max(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _session(body: Callable[[], None], name: str, count: int) -> int:
+    """A new session (so its own autogroup) running `count` forked copies of body; returns the leader."""
+
+    def leader() -> None:
+        os.setsid()
+        kids = [fork_worker(body, name) for _ in range(count)]
+        for kid in kids:
+            os.waitpid(kid, 0)
+
+    return fork_worker(leader, f"{name}-lead")
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+GroupSetup = Callable[[list[int]], dict[str, list[int]]]
+
+
+def _group_shares(seconds: float, setup: GroupSetup) -> dict[str, list[float]]:
+    """Per-task CPU shares of the groups `setup` starts (it returns name -> pids)."""
+    with workers() as pids:
+        groups = setup(pids)
+        time.sleep(0.5)
+        flat = {f"{name}/{pid}": pid for name, members in groups.items() for pid in members}
+        shares = cpu_shares(flat, seconds)
+    return {name: sorted(shares[f"{name}/{pid}"] for pid in members) for name, members in groups.items()}
+
+
+def _cgroup(name: str, weight: int) -> Path:
+    root = Path("/sys/fs/cgroup")
+    if "cpu" not in (root / "cgroup.subtree_control").read_text():
+        (root / "cgroup.subtree_control").write_text("+cpu")
+    cg = root / name
+    cg.mkdir(exist_ok=True)
+    (cg / "cpu.weight").write_text(str(weight))
+    return cg
+
+
+def _in_cgroups(spec: dict[str, tuple[int, int]]) -> GroupSetup:
+    """name -> (cpu.weight, hogs): each group a cgroup of its own with that many spinning processes."""
+
+    def setup(pids: list[int]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for name, (weight, count) in spec.items():
+            cg = _cgroup(f"gthulhu-{name}", weight)
+            groups[name] = []
+            for _ in range(count):
+                pid = fork_worker(spin, name)
+                pids.append(pid)
+                (cg / "cgroup.procs").write_text(str(pid))
+                groups[name].append(pid)
+        return groups
+
+    return setup
+
+
+def _in_sessions(pids: list[int]) -> dict[str, list[int]]:
+    """Six hogs in one new session, one hog alone in another (autogroup: one group per session)."""
+    many = _session(spin, "many", 6)
+    one = _session(spin, "one", 1)
+    pids += [many, one]
+    time.sleep(0.3)
+    kids = {"many": _children(many), "one": _children(one)}
+    pids += kids["many"] + kids["one"]
+    return kids
+
+
+def group_share(args: argparse.Namespace) -> dict[str, Any]:
+    """Fair sharing between task groups, under EEVDF and under ours in the same boot: six hogs in one group
+    and one hog alone in another (cgroups, then sessions through autogroup), and two groups of two hogs
+    with cpu.weight 300 and 100."""
+    cases: dict[str, GroupSetup] = {
+        "cgroups": _in_cgroups({"many": (100, 6), "one": (100, 1)}),
+        "sessions": _in_sessions,
+        "weights": _in_cgroups({"heavy": (300, 2), "light": (100, 2)}),
+    }
+    out: dict[str, Any] = {"autogroup": Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()}
+    try:
+        for name, setup in cases.items():
+            out[f"eevdf_{name}"] = _group_shares(args.seconds, setup)
+        with scheduler() as backend:
+            for name, setup in cases.items():
+                out[f"ours_{name}"] = _group_shares(args.seconds, setup)
+            out["health"] = backend.health().state.value
+    finally:
+        time.sleep(0.2)
+        for name in ("many", "one", "heavy", "light"):
+            with contextlib.suppress(OSError):
+                Path(f"/sys/fs/cgroup/gthulhu-{name}").rmdir()
+    return out
+
+
 def bad_input(_: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     me = os.getpid()
@@ -616,6 +709,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "affinity": affinity,
     "kthread-lock-holder": kthread_lock_holder,
     "cpu-max": cpu_max,
+    "group-share": group_share,
     "bad-input": bad_input,
     "ejection": ejection,
 }
