@@ -56,8 +56,8 @@ CASES: dict[str, dict[str, Any]] = {
     "nice -n -20": {"hogs": True, "prefix": ["nice", "-n", "-20"]},
     # stress-ng runs in a session of its own, so EEVDF (autogroup) and ours share the CPU between the
     # hogs' group and the engine's first; these two show per-task sharing, everything in one group
-    "EEVDF, no autogroup": {"hogs": True, "autogroup": False},
-    "ours, no autogroup": {"hogs": True, "sched": True, "autogroup": False},
+    "EEVDF no autogroup": {"hogs": True, "autogroup": False},
+    "ours no autogroup": {"hogs": True, "sched": True, "autogroup": False},
     "chrt -f 50": {"hogs": True, "prefix": ["chrt", "-f", "50"]},
 }
 
