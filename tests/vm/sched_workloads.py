@@ -552,8 +552,15 @@ def _session(body: Callable[[], None], name: str, count: int) -> int:
     return fork_worker(leader, f"{name}-lead")
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+def _children(pid: int, count: int, timeout: float = 10.0) -> list[int]:
+    """The `count` children of pid, waiting for it to fork them all (slow under TCG)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        if len(kids) >= count or time.monotonic() > deadline:
+            assert len(kids) == count, f"{pid} forked {len(kids)} of {count} children"
+            return kids
+        time.sleep(0.05)
 
 
 GroupSetup = Callable[[list[int]], dict[str, list[int]]]
@@ -602,8 +609,7 @@ def _in_sessions(pids: list[int]) -> dict[str, list[int]]:
     many = _session(spin, "many", 6)
     one = _session(spin, "one", 1)
     pids += [many, one]
-    time.sleep(0.3)
-    kids = {"many": _children(many), "one": _children(one)}
+    kids = {"many": _children(many, 6), "one": _children(one, 1)}
     pids += kids["many"] + kids["one"]
     return kids
 

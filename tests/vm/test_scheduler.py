@@ -8,6 +8,7 @@ never with an absolute time.
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 import pytest
@@ -121,10 +122,6 @@ def test_a_nice_19_kernel_thread_holding_mmap_lock_does_not_stall_a_process(lab:
     assert out["khugepaged_collapses"] > 0, out  # the lock holder was really at work
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 def test_cpu_is_shared_between_task_groups_first_as_under_eevdf(lab: Any) -> None:
     """Six hogs in one group and one hog alone in another, on 2 CPUs: shared per task, the lone hog would
     get 2/7 of a CPU; shared per group first (EEVDF with cgroups or autogroup, and ours), much more.
@@ -133,13 +130,13 @@ def test_cpu_is_shared_between_task_groups_first_as_under_eevdf(lab: Any) -> Non
     assert out["health"] == "running", out
     for grouping in ("cgroups", "sessions"):
         eevdf, ours = out[f"eevdf_{grouping}"], out[f"ours_{grouping}"]
-        assert eevdf["one"][0] > 2 * _median(eevdf["many"]), out  # the groups are real
+        assert eevdf["one"][0] > 2 * statistics.median(eevdf["many"]), out  # the groups are real
         assert ours["one"][0] > 0.45, out  # per-task sharing: about 0.29
-        assert ours["one"][0] > 2 * _median(ours["many"]), out
+        assert ours["one"][0] > 2 * statistics.median(ours["many"]), out
         assert min(ours["many"]) > 0.15, out  # the crowded group still runs: 1.4 CPUs among six
     # cpu.weight 300 against 100, two hogs each: per-task sharing would be even
     weights = out["ours_weights"]
-    assert _median(weights["heavy"]) > 1.4 * _median(weights["light"]), out
+    assert statistics.median(weights["heavy"]) > 1.4 * statistics.median(weights["light"]), out
 
 
 def test_pinned_tasks_run_only_where_allowed(lab: Any) -> None:
