@@ -25,6 +25,7 @@ are told "source X changed" after the change is stored and persisted; they read 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -324,7 +325,10 @@ class IntentStore:
         the store starts empty; the reason is logged. Missing file: empty store.
         """
         target = self.state_file
-        if target is None or not target.exists():
+        if target is None:
+            return 0
+        remove_stale_temps(target)
+        if not target.exists():
             return 0
         try:
             sources = _parse_state(target.read_bytes())
@@ -384,10 +388,29 @@ def _parse_state(blob: bytes) -> dict[str, SourceSet]:
     return out
 
 
+def _temp_name(target: Path, pid: int, thread: int) -> Path:
+    return target.with_name(f".{target.name}.tmp-{pid}-{thread}")
+
+
+def remove_stale_temps(target: Path) -> int:
+    """Delete temp files of `target` that an earlier process left behind (killed between writing and
+    renaming): each holds a state that was never acknowledged. Returns how many went."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for stray in target.parent.glob(f".{target.name}.tmp-*"):
+            if stray.name.startswith(f".{target.name}.tmp-{os.getpid()}-"):
+                continue  # this process's own write in progress
+            with contextlib.suppress(FileNotFoundError):
+                stray.unlink()
+                removed += 1
+                log.warning("intents_state_stale_temp_removed", path=str(stray))
+    return removed
+
+
 def atomic_write(target: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `data` to `target` so that a crash leaves the old or the new content, never a mix."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp = _temp_name(target, os.getpid(), threading.get_ident())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)

@@ -170,6 +170,20 @@ def test_corrupt_state_moved_aside_and_start_empty(tmp_path: Path, content: byte
     assert IntentStore(tmp_path).load() == 1
 
 
+@pytest.mark.parametrize("with_state", [True, False])
+def test_temp_files_left_by_a_killed_agent_are_removed_on_load(tmp_path: Path, with_state: bool) -> None:
+    """SIGKILL between writing the temp file and renaming it leaves `.intents.json.tmp-<pid>-<thread>`;
+    its content was never acknowledged, and without cleanup every such crash would leave one more."""
+    if with_state:
+        IntentStore(tmp_path).apply("a", 1, [intent("x")])
+    stray = tmp_path / f".{STATE_FILE}.tmp-999999-1"
+    stray.write_bytes(b'{"half": ')
+    store = IntentStore(tmp_path)
+    assert store.load() == (1 if with_state else 0)
+    assert not stray.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([STATE_FILE] if with_state else [])
+
+
 def test_persist_failure_changes_nothing(tmp_path: Path) -> None:
     target = tmp_path / "state"
     store = IntentStore(target)
