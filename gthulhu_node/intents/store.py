@@ -388,29 +388,28 @@ def _parse_state(blob: bytes) -> dict[str, SourceSet]:
     return out
 
 
-def _temp_name(target: Path, pid: int, thread: int) -> Path:
-    return target.with_name(f".{target.name}.tmp-{pid}-{thread}")
+def _temp_prefix(target: Path, pid: int | None = None) -> str:
+    """Name of atomic_write's temp files for target: `.<name>.tmp-<pid>-<thread>`."""
+    return f".{target.name}.tmp-" + ("" if pid is None else f"{pid}-")
 
 
-def remove_stale_temps(target: Path) -> int:
+def remove_stale_temps(target: Path) -> None:
     """Delete temp files of `target` that an earlier process left behind (killed between writing and
-    renaming): each holds a state that was never acknowledged. Returns how many went."""
-    removed = 0
+    renaming): each holds a state that was never acknowledged."""
+    own = _temp_prefix(target, os.getpid())
     with contextlib.suppress(FileNotFoundError):
-        for stray in target.parent.glob(f".{target.name}.tmp-*"):
-            if stray.name.startswith(f".{target.name}.tmp-{os.getpid()}-"):
+        for stray in target.parent.glob(_temp_prefix(target) + "*"):
+            if stray.name.startswith(own):
                 continue  # this process's own write in progress
             with contextlib.suppress(FileNotFoundError):
                 stray.unlink()
-                removed += 1
                 log.warning("intents_state_stale_temp_removed", path=str(stray))
-    return removed
 
 
 def atomic_write(target: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `data` to `target` so that a crash leaves the old or the new content, never a mix."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = _temp_name(target, os.getpid(), threading.get_ident())
+    tmp = target.with_name(f"{_temp_prefix(target, os.getpid())}{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)

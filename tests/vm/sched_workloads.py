@@ -512,13 +512,20 @@ def kthread_lock_holder(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _cgroup_share(seconds: float, quota: str) -> float:
-    cg = Path("/sys/fs/cgroup/gthulhu-test")
-    root = Path("/sys/fs/cgroup/cgroup.subtree_control")
-    if "cpu" not in root.read_text():
-        root.write_text("+cpu")
+def _cgroup(name: str, controls: dict[str, str]) -> Path:
+    """A cgroup under the root with the cpu controller and these control files written."""
+    root = Path("/sys/fs/cgroup")
+    if "cpu" not in (root / "cgroup.subtree_control").read_text():
+        (root / "cgroup.subtree_control").write_text("+cpu")
+    cg = root / name
     cg.mkdir(exist_ok=True)
-    (cg / "cpu.max").write_text(quota)
+    for control, value in controls.items():
+        (cg / control).write_text(value)
+    return cg
+
+
+def _cgroup_share(seconds: float, quota: str) -> float:
+    cg = _cgroup("gthulhu-test", {"cpu.max": quota})
     with workers() as pids:
         pid = fork_worker(spin, "capped")
         pids.append(pid)
@@ -576,14 +583,6 @@ def _group_shares(seconds: float, setup: GroupSetup) -> dict[str, list[float]]:
     return {name: sorted(shares[f"{name}/{pid}"] for pid in members) for name, members in groups.items()}
 
 
-def _cgroup(name: str, weight: int) -> Path:
-    root = Path("/sys/fs/cgroup")
-    if "cpu" not in (root / "cgroup.subtree_control").read_text():
-        (root / "cgroup.subtree_control").write_text("+cpu")
-    cg = root / name
-    cg.mkdir(exist_ok=True)
-    (cg / "cpu.weight").write_text(str(weight))
-    return cg
 
 
 def _in_cgroups(spec: dict[str, tuple[int, int]]) -> GroupSetup:
@@ -592,7 +591,7 @@ def _in_cgroups(spec: dict[str, tuple[int, int]]) -> GroupSetup:
     def setup(pids: list[int]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
         for name, (weight, count) in spec.items():
-            cg = _cgroup(f"gthulhu-{name}", weight)
+            cg = _cgroup(f"gthulhu-{name}", {"cpu.weight": str(weight)})
             groups[name] = []
             for _ in range(count):
                 pid = fork_worker(spin, name)

@@ -125,9 +125,7 @@ def apply_vllm_intent(shared: Shared) -> None:
 
 @pytest.mark.timeout(1800)
 def test_vllm_intent_applied_and_in_the_kernel(shared: Shared) -> None:
-    lab = shared.started()
-    if not shared.is_applied:
-        apply_vllm_intent(shared)
+    lab = shared.applied()
     engine_tids = {shared.tids["EngineCore_DP0"], shared.tids["EngineCore_DP1"]}
     # The kernel's map holds exactly the engine threads (not the python3.12 leader), with the strategy.
     held = kernel_tids(lab)
