@@ -25,8 +25,8 @@ import structlog
 
 from gthulhu_node import __version__
 from gthulhu_node.api.server import ApiServer, ApiStats
-from gthulhu_node.backends.base import Backend, BackendState, MapFullError
-from gthulhu_node.backends.select import select_backend
+from gthulhu_node.backends.base import Backend, BackendState, MapFullError, SchedulerRefused
+from gthulhu_node.backends.select import fallback_after_refusal, select_backend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
@@ -95,6 +95,7 @@ class Agent:
         )
         self.backend: Backend | None = backend
         self.backend_reason = "given by the caller" if backend is not None else ""
+        self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
@@ -134,11 +135,28 @@ class Agent:
         self._kick.set()
         log.info("agent_ready", summary=self.summary())
 
+    def _fall_back(self, refusal: SchedulerRefused) -> None:
+        """`backend: auto` on a kernel that refused our scheduler: run the next best backend instead of
+        dying (systemd would only restart us into the same refusal), and say so everywhere."""
+        log.error("sched_ext_refused", error=str(refusal), libbpf=list(refusal.details),
+                  action="falling back (backend.kind auto); set backend.kind: sched_ext to fail instead")
+        self.sched_ext_refused = str(refusal)
+        self.backend, self.backend_reason = fallback_after_refusal(self.config, str(refusal))
+        log.warning("backend_selected", backend=self.backend.name, reason=self.backend_reason,
+                    fallback=True)
+        self.backend.start()
+
     def _start(self) -> None:
+        chosen = self.backend is None
         if self.backend is None:
             self.backend, self.backend_reason = select_backend(self.config)
         log.info("backend_selected", backend=self.backend.name, reason=self.backend_reason)
-        self.backend.start()
+        try:
+            self.backend.start()
+        except SchedulerRefused as exc:
+            if not chosen or self.config.backend.kind != "auto":
+                raise
+            self._fall_back(exc)
         self.store.load()
         self.local.reload(force=True)
         effect, policy = self._build_policy()

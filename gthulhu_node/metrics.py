@@ -331,6 +331,11 @@ class AgentCollector(Collector):
         info.add_metric([str(getattr(backend, "name", "")), str(getattr(self.agent, "backend_reason", ""))],
                         {})
         yield info
+        refused = str(getattr(self.agent, "sched_ext_refused", ""))
+        yield GaugeMetricFamily(PREFIX + "sched_ext_refused",
+                                "1 when the kernel refused our sched_ext scheduler and backend auto fell "
+                                "back to another backend (the reason is in gthulhu_node_backend_info).",
+                                value=1.0 if refused else 0.0)
         state = str(snap.engine.get("backend_state") or "")
         reason = str(snap.engine.get("last_ejection_reason") or "")
         if snap.health is not None:
