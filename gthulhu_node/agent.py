@@ -282,9 +282,13 @@ class Agent:
         backend_state, backend_reason = self._backend_state()
         out: list[IntentStatus] = []
         for name, ss in sources.items():
+            out.extend(_failed_entries(name, ss, node.name))
+            sender_warnings = {e.intent_id: e.warnings for e in ss.entries if e.intent_id and e.warnings}
             for intent in ss.intents:
                 key = intent_key(name, intent.id)
-                warnings: list[str] = [NOOP_WARNING] if intent.is_noop else []
+                warnings: list[str] = list(sender_warnings.get(intent.id, ()))
+                if intent.is_noop:
+                    warnings.append(NOOP_WARNING)
                 base = (name, intent)
                 if not intent.selects_node(node.name, node.labels):
                     reason = NOT_FOR_THIS_NODE_REASON.format(node=_describe_node(node.name, node.labels))
@@ -411,6 +415,40 @@ class Agent:
             policy_errors=self._policy_errors,
             rest=self.rest.stats() if self.rest is not None else None,
         )
+
+
+def _failed_entries(source: str, ss: SourceSet, node_name: str) -> list[IntentStatus]:
+    """Status rows for pushed entries that became no intent (a lenient sender's, docs/rest.md).
+
+    Their `intent` carries the sender's values unvalidated (model_construct), for display only: it is
+    never stored as an intent nor handed to the reconciler. An entry meant for another node is reported
+    as such rather than as a failure of this node.
+    """
+    out: list[IntentStatus] = []
+    for entry in ss.entries:
+        if not entry.failed:
+            continue
+        shown = Intent.model_construct(
+            id=entry.key,
+            command_regex=_record_text(entry.record.get("commandRegex")),
+            priority=_record_int(entry.record.get("priority")),
+            execution_time=_record_int(entry.record.get("executionTime")),
+            node_names=(target,) if (target := _record_text(entry.record.get("nodeID"))) else (),
+        )
+        if target and target != node_name:
+            state, reason = IntentState.NOT_FOR_THIS_NODE, f"for node {target!r}; also: {entry.failed}"
+        else:
+            state, reason = IntentState.FAILED, entry.failed
+        out.append(IntentStatus(source, shown, state, reason, 0, 0.0, (), ss.generation))
+    return out
+
+
+def _record_text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _record_int(value: object) -> int:
+    return value if isinstance(value, int) else 0
 
 
 def _describe_node(name: str, labels: dict[str, str]) -> str:

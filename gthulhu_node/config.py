@@ -120,6 +120,10 @@ class RestConfig(_Section):
     # key here and tokens are issued only against such assertions (optionally only for this client id).
     trusted_client_public_key: Path | None = None
     expected_client_id: str = ""
+    # Node policies held from the Manager are dropped when it keeps checking pod intents for this long
+    # without once looking at node policies: it then holds no node intent anywhere (docs/rest.md,
+    # "After a restart"). 2.5 of its 30 s reconcile cycles; 0 keeps them until it says otherwise.
+    node_policy_silence_s: float = Field(default=75.0, ge=0)
 
 
 class ProbeConfig(_Section):

@@ -241,7 +241,8 @@ def _running_intents(args: argparse.Namespace, exclude_source: str) -> tuple[lis
         return [], False
     out = []
     for st in resp.intents:
-        if st.source != exclude_source:
+        # a Manager entry that became no intent (failed) is listed in status but governs nothing
+        if st.source != exclude_source and st.state != pb.INTENT_STATE_FAILED:
             out.append((intent_key(st.source, st.intent.id), convert.intent_from_pb(st.intent)))
     return out, True
 

@@ -138,7 +138,9 @@ class RestServer:
             stats=self._stats,
             status=self._status,
             metrics_text=self._metrics_text,
+            node_silence_s=self._config.node_policy_silence_s,
         )
+        api.check_state()
         self._thread = threading.Thread(
             target=self._run, args=(api.app(), host, port, ssl_ctx), name="gthulhu-rest", daemon=True
         )
