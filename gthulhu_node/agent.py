@@ -51,6 +51,8 @@ from gthulhu_node.reconciler import IntentStats, Reconciler
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
+MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
 SYNC_TIMEOUT_S = 5.0
 
 
@@ -135,6 +137,8 @@ class Agent:
         log.info("agent_ready", summary=self.summary())
 
     def _start(self) -> None:
+        if self.config.rest.enabled and self.config.rest.runtime_config_allow:
+            self._apply_runtime_config()
         if self.backend is None:
             self.backend, self.backend_reason = select_backend(self.config)
         log.info("backend_selected", backend=self.backend.name, reason=self.backend_reason)
@@ -157,9 +161,39 @@ class Agent:
             from gthulhu_node.rest.server import RestServer
 
             self.rest = RestServer(
-                self.config.rest, self.store, node_name=self.config.node.name, status=self.status
+                self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
+                metrics_text=self._pod_metrics_text,
             )
             self.rest.start()
+
+    def _apply_runtime_config(self) -> None:
+        """Load-time settings the Manager set through runtime-config (only the allowed ones), before
+        the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
+        from gthulhu_node.rest.runtime_config import load_applied
+
+        applied = load_applied(self.config.state.directory, frozenset(self.config.rest.runtime_config_allow))
+        slice_ns = applied.get("sliceNsDefault")
+        if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
+            log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
+                        configured=self.config.scheduler.default_slice_ns,
+                        source="the Manager's runtime-config")
+            scheduler = self.config.scheduler.model_copy(update={"default_slice_ns": slice_ns})
+            self.config = self.config.model_copy(update={"scheduler": scheduler})
+
+    def _pod_metrics_text(self) -> bytes:
+        """Upstream's gthulhu_pod_* metrics for the Manager's scrape of the REST listener's /metrics."""
+        from gthulhu_node.rest.podmetrics import PodTarget, render
+        from gthulhu_node.rest.translate import pod_record_of
+
+        current = self.store.get(MANAGER_PODS)
+        targets: dict[str, PodTarget] = {}
+        for entry in current.entries if current is not None else ():
+            if entry.intent_id:
+                rec = pod_record_of(entry)
+                targets[intent_key(MANAGER_PODS, entry.intent_id)] = PodTarget(
+                    rec.pod_name, rec.pod_id, rec.namespace, rec.node_id or self.config.node.name
+                )
+        return render(targets, self.matches() if targets else (), self.config.watch.proc_root)
 
     def stop(self) -> None:
         """Stop the API (ending watch streams), the file watcher, the engine, then the backend. Idempotent."""
@@ -350,9 +384,11 @@ class Agent:
         intents = [s for s in self.board.intents() if not source or s.source == source]
         sources = self.store.snapshot()
         local_errors = tuple(f"{path}: {err}" for path, err in sorted(self.local.errors().items()))
-        local_notes = tuple(self.local.notes())
+        notes = {LOCAL_SOURCE: tuple(self.local.notes()),
+                 MANAGER: tuple(self.rest.notes()) if self.rest is not None else ()}
         rows: list[SourceStatus] = []
-        names = set(sources) | ({LOCAL_SOURCE} if local_errors or local_notes else set())
+        names = set(sources) | ({LOCAL_SOURCE} if local_errors else set())
+        names |= {name for name, lines in notes.items() if lines}
         for name in sorted(names):
             if source and name != source:
                 continue
@@ -364,7 +400,7 @@ class Agent:
                     len(ss.intents) if ss else 0,
                     ss.updated if ss else 0.0,
                     local_errors if name == LOCAL_SOURCE else (),
-                    local_notes if name == LOCAL_SOURCE else (),
+                    notes.get(name, ()),
                 )
             )
         return StatusSnapshot(self._summary(), tuple(rows), tuple(intents))

@@ -124,6 +124,9 @@ class RestConfig(_Section):
     # without once looking at node policies: it then holds no node intent anywhere (docs/rest.md,
     # "After a restart"). 2.5 of its 30 s reconcile cycles; 0 keeps them until it says otherwise.
     node_policy_silence_s: float = Field(default=75.0, ge=0)
+    # runtime-config fields the Manager may set on this node (gthulhu_node/rest/runtime_config.py);
+    # none by default
+    runtime_config_allow: list[Literal["sliceNsDefault"]] = []
 
 
 class ProbeConfig(_Section):

@@ -151,6 +151,10 @@ class IntentStore:
         return self._max_intents
 
     @property
+    def state_dir(self) -> Path | None:
+        return self._state_dir
+
+    @property
     def state_file(self) -> Path | None:
         return self._state_dir / STATE_FILE if self._state_dir is not None else None
 

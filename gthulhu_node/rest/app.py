@@ -18,17 +18,21 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from gthulhu_node import __version__
 from gthulhu_node.intents.model import SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import IntentState, IntentStatus, StatusSnapshot
 from gthulhu_node.intents.store import IntentStore, StoreError
 from gthulhu_node.rest.auth import CLIENT_ID_MAX, TokenAuthority, TokenError
 from gthulhu_node.rest.merkle import EMPTY_ROOT, records_root
+from gthulhu_node.rest.pods import pods_on_node
+from gthulhu_node.rest.runtime_config import RuntimeConfig, RuntimeConfigState, parse_body
 from gthulhu_node.rest.translate import (
     BodyError,
     Push,
@@ -45,6 +49,8 @@ NODE_SOURCE = "manager"
 POD_SOURCE = "manager-pods"
 SERVICE_NAME = "gthulhu-node Decision Maker API"
 TOKEN_PATH = "/api/v1/auth/token"
+ENDPOINTS = ("/health, /version, /metrics, POST_/api/v1/node-intents, POST_/api/v1/intents, "
+             "GET_/api/v1/pods/pids, POST_/api/v1/runtime-config")
 CLIENT_ID = web.RequestKey("client_id", str)  # who the bearer token was issued to, for log lines
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -111,8 +117,12 @@ class DecisionMakerApi:
         status: StatusFn | None = None,
         metrics_text: Callable[[], bytes] | None = None,
         node_silence_s: float = 0.0,
+        runtime_config: RuntimeConfig | None = None,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         self._store = store
+        self._runtime = runtime_config if runtime_config is not None else RuntimeConfig(None, frozenset())
+        self._proc_root = proc_root
         self._auth = authority
         self._node_name = node_name
         self._max_body = max_body_bytes
@@ -143,6 +153,7 @@ class DecisionMakerApi:
             client_max_size=self._max_body, middlewares=[self._envelope_errors, self._require_token]
         )
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
         if self._metrics_text is not None:
             app.router.add_get("/metrics", self.metrics)
         app.router.add_post(TOKEN_PATH, self.token)
@@ -153,6 +164,9 @@ class DecisionMakerApi:
         app.router.add_post("/api/v1/intents", self.push_pod_intents)
         app.router.add_delete("/api/v1/intents", self.delete_pod_intents)
         app.router.add_get("/api/v1/intents/merkle", self.pod_merkle)
+        app.router.add_get("/api/v1/pods/pids", self.pods_pids)
+        app.router.add_post("/api/v1/runtime-config", self.apply_runtime_config)
+        app.router.add_get("/api/v1/runtime-config", self.get_runtime_config)
         return app
 
     @web.middleware
@@ -210,6 +224,10 @@ class DecisionMakerApi:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "healthy", "timestamp": now_rfc3339(), "service": SERVICE_NAME})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """Upstream's shape, not enveloped (api/decisionmaker/rest/handler.go Version)."""
+        return web.json_response({"message": SERVICE_NAME, "version": __version__, "endpoints": ENDPOINTS})
 
     async def metrics(self, request: web.Request) -> web.Response:
         assert self._metrics_text is not None
@@ -361,6 +379,53 @@ class DecisionMakerApi:
         )
         self._stats.node_policies_expired += 1
         await self._apply(request, NODE_SOURCE, lambda: Push([], []), deleting=True)
+
+    # -- pods and runtime config ------------------------------------------------------------------
+
+    async def pods_pids(self, request: web.Request) -> web.Response:
+        """Every pod on this node and its processes, for the Manager's UI (upstream's field names)."""
+        pods = await asyncio.to_thread(pods_on_node, self._proc_root)
+        return success({
+            "pods": [{"pod_uid": p.pod_uid, "processes": [
+                {"pid": q.pid, "command": q.command, "ppid": q.ppid, "container_id": q.container_id}
+                for q in p.processes]} for p in pods],
+            "timestamp": now_rfc3339(),
+            "node_name": self._node_name,
+        })
+
+    async def apply_runtime_config(self, request: web.Request) -> web.Response:
+        try:
+            fields = parse_body(await self._json(request))
+        except BodyError as exc:
+            return failure(400, str(exc))
+        try:
+            state = await asyncio.to_thread(self._runtime.apply, fields)
+        except OSError as exc:
+            return failure(500, f"Failed to persist the runtime config: {exc}")
+        return success(self._runtime_view(state))
+
+    async def get_runtime_config(self, request: web.Request) -> web.Response:
+        return success(self._runtime_view(self._runtime.state))
+
+    def runtime_notes(self) -> list[str]:
+        return self._runtime.state.notes()
+
+    @staticmethod
+    def _runtime_view(state: RuntimeConfigState) -> dict[str, Any]:
+        """Upstream's status fields (configVersion, applied, appliedAt, configAvailable, the values)
+        plus ours: what is in effect, what waits for a scheduler reload, and why the rest is not."""
+        version = state.received.get("configVersion", "")
+        return {
+            **{k: v for k, v in state.received.items() if k != "configVersion"},
+            "configVersion": version,
+            "configAvailable": bool(state.received),
+            "applied": bool(state.applied) and not state.pending_reload,
+            "appliedAt": datetime.fromtimestamp(state.applied_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            if state.applied_at else "",
+            "inEffect": {k: v for k, v in state.applied.items() if k not in state.pending_reload},
+            "pendingReload": list(state.pending_reload),
+            "notApplicable": dict(state.not_applicable),
+        }
 
     # -- shared ----------------------------------------------------------------------------------
 
