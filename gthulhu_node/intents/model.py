@@ -148,14 +148,13 @@ class Intent(BaseModel):
         return self.priority == 0 and self.execution_time == 0
 
     def selects_node(self, node_name: str, labels: dict[str, str]) -> bool:
-        """Empty nodeNames and nodeSelectors mean this node; otherwise either list may select it."""
-        if not self.node_names and not self.node_selectors:
-            return True
-        if node_name in self.node_names:
-            return True
-        return bool(self.node_selectors) and all(
-            labels.get(sel.key) == sel.value for sel in self.node_selectors
-        )
+        """Empty nodeNames and nodeSelectors mean this node (an intent given to this node's agent is for
+        it). Otherwise both must hold, as upstream's Manager resolves a policy's nodes (the intersection
+        of nodeNames and the label query; Gthulhu/Gthulhu@c969a96b api/manager/service/node_policy_svc.go
+        resolveNodesForPolicy, k8s_adapter/adapter.go QueryNodesBySelectors)."""
+        if self.node_names and node_name not in self.node_names:
+            return False
+        return all(labels.get(sel.key) == sel.value for sel in self.node_selectors)
 
 
 RecordValue = str | int | dict[str, str]
