@@ -62,7 +62,8 @@ def test_node_names_and_selectors_combine_as_upstream(
 ) -> None:
     """Upstream's Manager intersects nodeNames with the label query (node_policy_svc.go
     resolveNodesForPolicy, Gthulhu/Gthulhu@c969a96b); the OR read here before applied this policy to
-    every gb10 node whatever its name (the third case failed before the fix)."""
+    every gb10 node whatever its name, and to a named node without the label (the second and third cases
+    failed before the fix)."""
     (i,) = read_file(write(tmp_path / "policy.json", json.dumps(UPSTREAM_BODY))).intents
     assert i.selects_node(node, labels) is selected
 
