@@ -164,6 +164,7 @@ class DecisionMakerApi:
         app.router.add_post("/api/v1/intents", self.push_pod_intents)
         app.router.add_delete("/api/v1/intents", self.delete_pod_intents)
         app.router.add_get("/api/v1/intents/merkle", self.pod_merkle)
+        app.router.add_get("/api/v1/intents", self.list_pod_intents)
         app.router.add_get("/api/v1/pods/pids", self.pods_pids)
         app.router.add_post("/api/v1/runtime-config", self.apply_runtime_config)
         app.router.add_get("/api/v1/runtime-config", self.get_runtime_config)
@@ -350,11 +351,23 @@ class DecisionMakerApi:
         )
 
     async def pod_merkle(self, request: web.Request) -> web.Response:
-        current = self._store.get(POD_SOURCE)
-        entries = current.entries if current is not None else ()
-        root = records_root(pod_record_of(e) for e in entries)
+        root = self._pod_root()
         await self._pod_contact(request)
         return success({"rootHash": root})
+
+    def _pod_root(self) -> str:
+        current = self._store.get(POD_SOURCE)
+        return records_root(pod_record_of(e) for e in (current.entries if current is not None else ()))
+
+    async def list_pod_intents(self, request: web.Request) -> web.Response:
+        """Not upstream's: every pod intent entry the Manager pushed, and what became of it."""
+        current = self._store.get(POD_SOURCE)
+        rows = await self._entry_rows(POD_SOURCE, current.entries if current is not None else ())
+        return success({
+            "generation": current.generation if current is not None else 0,
+            "rootHash": self._pod_root(),
+            "intents": rows,
+        })
 
     async def _pod_contact(self, request: web.Request) -> None:
         """The Manager checks every node's pod-intent root on each reconcile cycle, and the node-policy

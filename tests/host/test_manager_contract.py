@@ -173,6 +173,13 @@ def test_ui_defaults_are_accepted_reported_and_later_policies_flow(lab: Lab) -> 
             shown = cli_status(agent)
             assert f"manager/{p25}#2" in shown and "priority 25 is above 20" in shown
             assert f"manager/{blank}#1" in shown and "commandRegex is empty" in shown
+            # `apply --dry-run` compares a file with the running agent's intents: the failed entries
+            # (unvalidated values) are shown in status but must not break it
+            plan = lab.base / "plan.yaml"
+            plan.write_text("id: plan\ncommandRegex: '^nothing$'\npriority: 1\n")
+            dry = subprocess.run([str(GNODE), "apply", "-f", str(plan), "--dry-run", "--socket",
+                                  str(agent.config.api.socket)], capture_output=True, text=True, timeout=60)
+            assert dry.returncode == 0, dry.stderr
             assert agent.rest.stats().entries_failed == 4
             assert agent.stats().intents_by_state.get("failed", 0) >= 3
             assert any(e["event"] == "rest_entries_not_honoured" for e in logs)
@@ -253,10 +260,14 @@ def test_restart_keeps_pod_intents_reported_and_a_missed_delete_is_cleaned_up(la
                 wait_for("the pod's worker governed", lambda: worker in tids(agent, key))
                 expected = shell_merkle(pod_intent_rows(intents))
                 assert manager("GET", "/api/v1/intents/merkle")["rootHash"] == expected
+                listed = manager("GET", "/api/v1/intents")
 
-            # restarted: the same root (it was sha256("") before), and the intent is applied again
+            # restarted: the same root (it was sha256("") before), the same entries, applied again
             with lab.agent() as (agent, manager):
                 assert manager("GET", "/api/v1/intents/merkle")["rootHash"] == expected
+                again = manager("GET", "/api/v1/intents")
+                assert again["rootHash"] == expected and again["intents"][0]["podID"] == uid_a
+                assert [r["podName"] for r in again["intents"]] == [r["podName"] for r in listed["intents"]]
                 wait_for("governed after the restart", lambda: worker in tids(agent, key))
 
             # while the agent is down the strategy is deleted; the DELETE never arrives. After the restart
