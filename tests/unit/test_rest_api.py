@@ -395,6 +395,30 @@ def test_push_is_persisted(tmp_path: Path) -> None:
         env2.server.stop()
 
 
+def test_state_from_before_entries_were_kept(tmp_path: Path) -> None:
+    """A state file of the previous version: `manager` intents without entries still answer the root the
+    Manager expects; `manager-pods` intents without entries cannot be hashed as it does, so they are
+    forgotten at start (counted, logged) rather than hidden behind sha256("")."""
+    old = IntentStore(tmp_path / "state")
+    old.apply("manager", 0, [Intent(id="a" * 24, commandRegex="^worker$", priority=5, nodeNames=[NODE])],
+              allow_reserved=True)
+    old.apply("manager-pods", 0, [Intent(id=f"{POD_A}.0123456789ab", commandRegex="x", podUID=POD_A)],
+              allow_reserved=True)
+    store = IntentStore(tmp_path / "state")
+    store.load()
+    env = start(tmp_path, insecure=True, store=store)
+    try:
+        token = env.token()
+        root = env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+        assert root == shell_merkle(node_policy_rows([policy("a" * 24, slice_ns=0)]))
+        assert env.call("GET", "/api/v1/node-intents", token=token).body["data"]["policies"][0]["policyID"] \
+            == "a" * 24
+        assert held(store, "manager-pods") == {}
+        assert env.server.stats().pod_intents_forgotten == 1
+    finally:
+        env.server.stop()
+
+
 def test_other_node_intents_are_recorded_and_reported(plain: Env) -> None:
     token = plain.token()
     reply = plain.call("POST", "/api/v1/node-intents",
