@@ -51,6 +51,8 @@ from gthulhu_node.reconciler import IntentStats, Reconciler
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
+MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
 SYNC_TIMEOUT_S = 5.0
 
 
@@ -147,6 +149,8 @@ class Agent:
         self.backend.start()
 
     def _start(self) -> None:
+        if self.config.rest.enabled and self.config.rest.runtime_config_allow:
+            self._apply_runtime_config()
         chosen = self.backend is None
         if self.backend is None:
             self.backend, self.backend_reason = select_backend(self.config)
@@ -175,9 +179,39 @@ class Agent:
             from gthulhu_node.rest.server import RestServer
 
             self.rest = RestServer(
-                self.config.rest, self.store, node_name=self.config.node.name, status=self.status
+                self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
+                metrics_text=self._pod_metrics_text,
             )
             self.rest.start()
+
+    def _apply_runtime_config(self) -> None:
+        """Load-time settings the Manager set through runtime-config (only the allowed ones), before
+        the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
+        from gthulhu_node.rest.runtime_config import load_applied
+
+        applied = load_applied(self.config.state.directory, frozenset(self.config.rest.runtime_config_allow))
+        slice_ns = applied.get("sliceNsDefault")
+        if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
+            log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
+                        configured=self.config.scheduler.default_slice_ns,
+                        source="the Manager's runtime-config")
+            scheduler = self.config.scheduler.model_copy(update={"default_slice_ns": slice_ns})
+            self.config = self.config.model_copy(update={"scheduler": scheduler})
+
+    def _pod_metrics_text(self) -> bytes:
+        """Upstream's gthulhu_pod_* metrics for the Manager's scrape of the REST listener's /metrics."""
+        from gthulhu_node.rest.podmetrics import PodTarget, render
+        from gthulhu_node.rest.translate import pod_record_of
+
+        current = self.store.get(MANAGER_PODS)
+        targets: dict[str, PodTarget] = {}
+        for entry in current.entries if current is not None else ():
+            if entry.intent_id:
+                rec = pod_record_of(entry)
+                targets[intent_key(MANAGER_PODS, entry.intent_id)] = PodTarget(
+                    rec.pod_name, rec.pod_id, rec.namespace, rec.node_id or self.config.node.name
+                )
+        return render(targets, self.matches() if targets else (), self.config.watch.proc_root)
 
     def stop(self) -> None:
         """Stop the API (ending watch streams), the file watcher, the engine, then the backend. Idempotent."""
@@ -300,9 +334,13 @@ class Agent:
         backend_state, backend_reason = self._backend_state()
         out: list[IntentStatus] = []
         for name, ss in sources.items():
+            out.extend(_failed_entries(name, ss, node.name))
+            sender_warnings = {e.intent_id: e.warnings for e in ss.entries if e.intent_id and e.warnings}
             for intent in ss.intents:
                 key = intent_key(name, intent.id)
-                warnings: list[str] = [NOOP_WARNING] if intent.is_noop else []
+                warnings: list[str] = list(sender_warnings.get(intent.id, ()))
+                if intent.is_noop:
+                    warnings.append(NOOP_WARNING)
                 base = (name, intent)
                 if not intent.selects_node(node.name, node.labels):
                     reason = NOT_FOR_THIS_NODE_REASON.format(node=_describe_node(node.name, node.labels))
@@ -364,9 +402,11 @@ class Agent:
         intents = [s for s in self.board.intents() if not source or s.source == source]
         sources = self.store.snapshot()
         local_errors = tuple(f"{path}: {err}" for path, err in sorted(self.local.errors().items()))
-        local_notes = tuple(self.local.notes())
+        notes = {LOCAL_SOURCE: tuple(self.local.notes()),
+                 MANAGER: tuple(self.rest.notes()) if self.rest is not None else ()}
         rows: list[SourceStatus] = []
-        names = set(sources) | ({LOCAL_SOURCE} if local_errors or local_notes else set())
+        names = set(sources) | ({LOCAL_SOURCE} if local_errors else set())
+        names |= {name for name, lines in notes.items() if lines}
         for name in sorted(names):
             if source and name != source:
                 continue
@@ -378,7 +418,7 @@ class Agent:
                     len(ss.intents) if ss else 0,
                     ss.updated if ss else 0.0,
                     local_errors if name == LOCAL_SOURCE else (),
-                    local_notes if name == LOCAL_SOURCE else (),
+                    notes.get(name, ()),
                 )
             )
         return StatusSnapshot(self._summary(), tuple(rows), tuple(intents))
@@ -429,6 +469,40 @@ class Agent:
             policy_errors=self._policy_errors,
             rest=self.rest.stats() if self.rest is not None else None,
         )
+
+
+def _failed_entries(source: str, ss: SourceSet, node_name: str) -> list[IntentStatus]:
+    """Status rows for pushed entries that became no intent (a lenient sender's, docs/rest.md).
+
+    Their `intent` carries the sender's values unvalidated (model_construct), for display only: it is
+    never stored as an intent nor handed to the reconciler. An entry meant for another node is reported
+    as such rather than as a failure of this node.
+    """
+    out: list[IntentStatus] = []
+    for entry in ss.entries:
+        if not entry.failed:
+            continue
+        shown = Intent.model_construct(
+            id=entry.key,
+            command_regex=_record_text(entry.record.get("commandRegex")),
+            priority=_record_int(entry.record.get("priority")),
+            execution_time=_record_int(entry.record.get("executionTime")),
+            node_names=(target,) if (target := _record_text(entry.record.get("nodeID"))) else (),
+        )
+        if target and target != node_name:
+            state, reason = IntentState.NOT_FOR_THIS_NODE, f"for node {target!r}; also: {entry.failed}"
+        else:
+            state, reason = IntentState.FAILED, entry.failed
+        out.append(IntentStatus(source, shown, state, reason, 0, 0.0, (), ss.generation))
+    return out
+
+
+def _record_text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _record_int(value: object) -> int:
+    return value if isinstance(value, int) else 0
 
 
 def _describe_node(name: str, labels: dict[str, str]) -> str:

@@ -144,7 +144,9 @@ class PolicySet:
     @classmethod
     def build(cls, intents: Iterable[tuple[str, Intent]]) -> PolicySet:
         return cls(
-            CompiledIntent(key, intent, compile_pattern(intent.command_regex), precedence_rank(key, intent))
+            CompiledIntent(
+                key, intent, compile_pattern(intent.matching_pattern), precedence_rank(key, intent)
+            )
             for key, intent in intents
         )
 

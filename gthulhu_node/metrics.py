@@ -253,6 +253,12 @@ class AgentCollector(Collector):
         yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
                         "outcome", pushes)
         yield _counter("rest_deletes_total", "Manager intent deletions.", rest.get("deletes", 0))
+        yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "
+                       "see status), per changed push.", rest.get("entries_failed", 0))
+        yield _counter("rest_node_policies_expired_total", "Times node policies were dropped because the "
+                       "Manager stopped checking them (it holds none).", rest.get("node_policies_expired", 0))
+        yield _counter("rest_pod_intents_forgotten_total", "Pod intents of an old state file dropped at "
+                       "start (the Manager re-pushes them).", rest.get("pod_intents_forgotten", 0))
 
     # -- task watching and the reconciler ---------------------------------------------------------------
 

@@ -28,6 +28,11 @@ PATTERN_MAX_BYTES = 256
 COMM_MAX_BYTES = 15
 # RE2 refuses programs above this size; it keeps a valid-but-enormous pattern (a{1000}{1000}) out.
 RE2_MAX_MEM = 8 << 20
+# A pod intent without a pattern selects every task of the pod but its pause container, as upstream's
+# Decision Maker does (it skips processes whose comm is exactly "pause"). RE2 has no negative lookahead,
+# so "anything but exactly `pause`" is spelled out prefix by prefix.
+PAUSE_COMM = "pause"
+ALL_BUT_PAUSE = r"^(?:$|[^p]|p$|p[^a]|pa$|pa[^u]|pau$|pau[^s]|paus$|paus[^e]|pause.)"
 
 
 class Scope(enum.StrEnum):
@@ -99,7 +104,8 @@ class Intent(BaseModel):
     @field_validator("command_regex")
     @classmethod
     def _check_regex(cls, v: str) -> str:
-        compile_pattern(v)
+        if v:  # empty: allowed for pod intents only, checked with the whole intent below
+            compile_pattern(v)
         return v
 
     @field_validator("priority", mode="before")
@@ -123,11 +129,18 @@ class Intent(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check_node_names(self) -> Intent:
+    def _check_whole(self) -> Intent:
+        if not self.command_regex and self.pod_uid is None:
+            raise ValueError("commandRegex is empty (only a pod intent may leave it empty)")
         for name in self.node_names:
             if not name or len(name) > 253:
                 raise ValueError("nodeNames entries must be 1-253 characters")
         return self
+
+    @property
+    def matching_pattern(self) -> str:
+        """The pattern tasks are matched with: the pod-wide one when a pod intent has none."""
+        return self.command_regex or ALL_BUT_PAUSE
 
     @property
     def is_noop(self) -> bool:
@@ -135,14 +148,36 @@ class Intent(BaseModel):
         return self.priority == 0 and self.execution_time == 0
 
     def selects_node(self, node_name: str, labels: dict[str, str]) -> bool:
-        """Empty nodeNames and nodeSelectors mean this node; otherwise either list may select it."""
-        if not self.node_names and not self.node_selectors:
-            return True
-        if node_name in self.node_names:
-            return True
-        return bool(self.node_selectors) and all(
-            labels.get(sel.key) == sel.value for sel in self.node_selectors
-        )
+        """Empty nodeNames and nodeSelectors mean this node (an intent given to this node's agent is for
+        it). Otherwise both must hold, as upstream's Manager resolves a policy's nodes (the intersection
+        of nodeNames and the label query; Gthulhu/Gthulhu@c969a96b api/manager/service/node_policy_svc.go
+        resolveNodesForPolicy, k8s_adapter/adapter.go QueryNodesBySelectors)."""
+        if self.node_names and node_name not in self.node_names:
+            return False
+        return all(labels.get(sel.key) == sel.value for sel in self.node_selectors)
+
+
+RecordValue = str | int | dict[str, str]
+
+
+class SenderEntry(BaseModel):
+    """One entry of a push as its sender wrote it, and what became of it.
+
+    Why: a lenient sender (upstream's Manager) hashes what it sent, not what we made of it, and expects
+    every entry to be kept, including the ones we cannot honour. The store keeps these next to the
+    intents (persisted in the same atomic write), so the merkle root and the status describe the same
+    push after a restart. `intent_id` names the intent the entry became ("" when it became none);
+    `failed` says why it could not be honoured; `warnings` what was changed to honour it (a clamped
+    value); `key` is how status names it (the intent id, or `<id>#<index>` for an entry that is not one).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    record: dict[str, RecordValue]
+    key: str
+    intent_id: str = ""
+    failed: str = ""
+    warnings: tuple[str, ...] = ()
 
 
 def intent_key(source: str, intent_id: str) -> str:
