@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from tests.vm.lab import Lab, LabDied
+from tests.vm.lab import Lab
 
 SECONDS = 10
 DIR = "/tmp/demo"
@@ -149,17 +149,5 @@ def main() -> int:
     return 0
 
 
-def main_with_one_retry() -> int:
-    """A guest can die under TCG emulation for reasons of the emulator's own (docs/lab.md: an int3 oops
-    while the kernel live-patches its text as sched_ext is enabled, seen on a heavily loaded host); the
-    demo says so and starts over once with a fresh guest rather than leave a newcomer with a traceback."""
-    try:
-        return main()
-    except LabDied as exc:
-        say(f"\nthe lab guest died: {exc.reason}; console tail:\n{indent(exc.console[-1500:])}")
-        say("starting the demo over once with a fresh guest\n")
-        return main()
-
-
 if __name__ == "__main__":
-    sys.exit(main_with_one_retry())
+    sys.exit(main())
