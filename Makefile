@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 CMD ?= uname -a
 
-.PHONY: help deps build bpf proto lint test test-unit bench demo lab-shell lab-run install clean
+.PHONY: help deps build bpf proto lint lab-kernels test test-unit bench demo lab-shell lab-run install clean
 
 help:
 	@echo "make demo       the agent scheduling a vLLM-like workload in the sched_ext lab VM"
@@ -29,7 +29,14 @@ lint: build
 	$(VENV)/bin/ruff check gthulhu_node tests
 	$(VENV)/bin/mypy
 
-test: build lint
+# Every kernel of the lab matrix, and the newer libbpf, before any test asks for one: the first run builds
+# the 6.12 LTS kernel from Debian's source (docs/lab.md has the time); later runs find all in the cache.
+lab-kernels: deps
+	@$(PY) -m tests.vm.kernel --kernel 7.3 >/dev/null
+	@$(PY) -m tests.vm.kernel --kernel 6.12 >/dev/null
+	@$(PY) -m tests.vm.libbpf_build >/dev/null
+
+test: build lint lab-kernels
 	$(PYTEST) -m "not bench" tests
 
 test-unit: build

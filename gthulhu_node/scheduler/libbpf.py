@@ -35,6 +35,10 @@ class LibbpfError(OSError):
 
 
 def _load() -> ctypes.CDLL:
+    # GTHULHU_LIBBPF names another libbpf.so (the lab loads the scheduler with a newer one as well).
+    override = os.environ.get("GTHULHU_LIBBPF")
+    if override:
+        return ctypes.CDLL(override, use_errno=True)
     name = ctypes.util.find_library("bpf") or "libbpf.so.1"
     try:
         return ctypes.CDLL("libbpf.so.1", use_errno=True)

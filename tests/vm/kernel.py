@@ -66,7 +66,8 @@ def _mirror_uri() -> str:
     raise RuntimeError(f"no Debian URIs: entry in {DEBIAN_SOURCES}")
 
 
-def _apt_opts(base: Path) -> list[str]:
+def apt_opts(base: Path) -> list[str]:
+    """apt options that use only the private source list and package lists under `base`."""
     return [
         "-o", "Dir::Etc::SourceList=/dev/null",
         "-o", f"Dir::Etc::SourceParts={base / 'parts'}",
@@ -74,25 +75,27 @@ def _apt_opts(base: Path) -> list[str]:
         "-o", "Dir::Cache::pkgcache=",
         "-o", "Dir::Cache::srcpkgcache=",
         "-o", "Debug::NoLocking=1",
+        "-o", "APT::Sandbox::User=root",
     ]
 
 
-def _apt_setup(base: Path) -> None:
+def apt_setup(base: Path, suite: str = SUITE) -> None:
+    """A private apt configuration for one suite of the machine's own mirror, updated."""
     (base / "parts").mkdir(parents=True, exist_ok=True)
     (base / "lists" / "partial").mkdir(parents=True, exist_ok=True)
     (base / "parts" / "lab.sources").write_text(
         "Types: deb\n"
         f"URIs: {_mirror_uri()}\n"
-        f"Suites: {SUITE}\n"
+        f"Suites: {suite}\n"
         "Components: main\n"
         "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
     )
-    subprocess.run(["apt-get", *_apt_opts(base), "update"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["apt-get", *apt_opts(base), "update"], check=True, stdout=subprocess.DEVNULL)
 
 
 def _newest_cloud_kernel(base: Path) -> str:
     out = subprocess.run(
-        ["apt-cache", *_apt_opts(base), "pkgnames", "linux-binary-unsigned-"],
+        ["apt-cache", *apt_opts(base), "pkgnames", "linux-binary-unsigned-"],
         check=True, capture_output=True, text=True,
     ).stdout
     versions = [m.group(1) for name in out.split() if (m := _BINARY_RE.match(name))]
@@ -114,7 +117,11 @@ def check_config(config: Path) -> None:
 
 
 def _current(cache: Path) -> LabKernel | None:
-    meta = cache / "current.json"
+    return from_meta(cache / "current.json")
+
+
+def from_meta(meta: Path) -> LabKernel | None:
+    """The kernel a cache record ({"version", "root"}) names, if all of it is still there."""
     if not meta.exists():
         return None
     data = json.loads(meta.read_text())
@@ -124,15 +131,24 @@ def _current(cache: Path) -> LabKernel | None:
     return None
 
 
-def obtain(cache: Path = CACHE) -> LabKernel:
-    """Return the cached lab kernel, downloading and unpacking it the first time."""
-    found = _current(cache)
-    if found is not None:
-        check_config(found.config)
-        return found
+def obtain(cache: Path = CACHE, version: str | None = None) -> LabKernel:
+    """Return the cached lab kernel, downloading and unpacking it the first time.
+
+    `version` (e.g. "7.2.9+deb13") asks for one particular cloud kernel of the suite instead of the newest,
+    to check the scheduler on a kernel between the lab's two."""
+    if version is not None:
+        full = f"{version}-cloud-amd64"
+        pinned = LabKernel(version=full, root=cache / full)
+        if pinned.vmlinuz.exists() and pinned.vmlinux.exists():
+            return pinned
+    else:
+        found = _current(cache)
+        if found is not None:
+            check_config(found.config)
+            return found
     apt_base = cache / "apt"
-    _apt_setup(apt_base)
-    ver = _newest_cloud_kernel(apt_base)
+    apt_setup(apt_base)
+    ver = version or _newest_cloud_kernel(apt_base)
     full = f"{ver}-cloud-amd64"
     pkgs = [
         f"linux-binary-unsigned-{full}",
@@ -141,7 +157,7 @@ def obtain(cache: Path = CACHE) -> LabKernel:
     ]
     dl = cache / "debs"
     dl.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["apt-get", *_apt_opts(apt_base), "download", *pkgs], check=True, cwd=dl,
+    subprocess.run(["apt-get", *apt_opts(apt_base), "download", *pkgs], check=True, cwd=dl,
                    stdout=subprocess.DEVNULL)
     root = cache / full
     tmp = cache / f".{full}.partial"
@@ -155,7 +171,8 @@ def obtain(cache: Path = CACHE) -> LabKernel:
     kernel = LabKernel(version=full, root=root)
     check_config(kernel.config)
     _fix_header_links(kernel)
-    (cache / "current.json").write_text(json.dumps({"version": full, "root": str(root)}))
+    if version is None:
+        (cache / "current.json").write_text(json.dumps({"version": full, "root": str(root)}))
     return kernel
 
 
@@ -170,12 +187,63 @@ def _fix_header_links(kernel: LabKernel) -> None:
                 path.symlink_to(kernel.root / target.lstrip("/"))
 
 
+# The lab's kernel matrix: the name a test asks for -> how to get it. "7.3" is Debian's newest
+# trixie-backports cloud kernel (7.3.4 on 2026-12-01), "6.12" the LTS built from Debian's source.
+KERNELS = ("7.3", "6.12")
+DEFAULT_KERNEL = "7.3"
+
+
+def lab_kernel(name: str = DEFAULT_KERNEL, cache: Path = CACHE) -> LabKernel:
+    """The lab kernel of that name, obtained (downloaded or built) the first time."""
+    if name == "7.3":
+        return obtain(cache)
+    if name == "6.12":
+        from tests.vm.kernel_build import build
+
+        return build(cache)
+    raise ValueError(f"unknown lab kernel {name!r} (known: {', '.join(KERNELS)})")
+
+
+def other_btfs(cache: Path = CACHE) -> dict[str, Path]:
+    """BTF of every other amd64 cloud kernel the suite offers (version -> an ELF with .BTF), fetched once.
+
+    Only the headers package is needed (about 1.5 MB: its vmlinux carries just the BTF). The compatibility
+    check of the scheduler object runs against each, covering kernels the lab does not boot."""
+    apt_base = cache / "apt"
+    if not (apt_base / "parts" / "lab.sources").exists():
+        apt_setup(apt_base)
+    out = subprocess.run(["apt-cache", *apt_opts(apt_base), "pkgnames", "linux-headers-"],
+                         check=True, capture_output=True, text=True).stdout
+    found: dict[str, Path] = {}
+    for name in sorted(out.split()):
+        m = re.match(r"^linux-headers-(\d+\.\d+\.\d+\+deb\d+-cloud-amd64)$", name)
+        if not m:
+            continue
+        full = m.group(1)
+        target = cache / "btf" / f"{full}.vmlinux"
+        if not target.exists():
+            debs = cache / "btf" / ".debs"
+            debs.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["apt-get", *apt_opts(apt_base), "download", name], check=True, cwd=debs,
+                           stdout=subprocess.DEVNULL)
+            deb = next(debs.glob(f"{name}_*.deb"))
+            tmp = cache / "btf" / f".{full}.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp)], check=True)
+            shutil.move(str(tmp / "usr/src" / f"linux-headers-{full}" / "vmlinux"), target)
+            shutil.rmtree(tmp, ignore_errors=True)
+            deb.unlink()
+        found[full] = target
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--print", choices=["version", "vmlinuz", "vmlinux", "headers", "root"],
                         default="version")
+    parser.add_argument("--kernel", choices=KERNELS, default=DEFAULT_KERNEL)
     args = parser.parse_args(argv)
-    kernel = obtain()
+    kernel = lab_kernel(args.kernel)
     print(getattr(kernel, args.print))
     return 0
 

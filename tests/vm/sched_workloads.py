@@ -439,6 +439,51 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _node_cpus(node: int) -> set[int]:
+    cpus: set[int] = set()
+    for part in Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def numa(args: argparse.Namespace) -> dict[str, Any]:
+    """Tasks bound to one NUMA node's CPUs (as `numactl --cpunodebind` or a cpuset does), boosted and not,
+    beside hogs everywhere: they run only on that node, and the kernel keeps the scheduler."""
+    nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    out: dict[str, Any] = {"nodes": {n: sorted(_node_cpus(n)) for n in nodes}}
+    node = nodes[-1]
+    allowed = _node_cpus(node)
+    ncpu = os.cpu_count() or 1
+    with scheduler(watchdog_timeout_ms=2000) as backend, workers() as pids:
+        for i in range(2 * ncpu):
+            pids.append(fork_worker(spin, f"hog{i}"))
+        bound = {f"boosted{i}": fork_worker(busy_fraction(2, 3), f"boosted{i}", allowed) for i in range(3)}
+        bound.update({f"plain{i}": fork_worker(spin, f"plain{i}", allowed) for i in range(3)})
+        pids += bound.values()
+        time.sleep(0.2)
+        upserts = {}
+        for name, pid in bound.items():
+            if name.startswith("boosted"):
+                k, st = key_for(KeyKind.TID, pid)
+                upserts[k] = Entry(10, 0, st)
+        backend.apply(upserts, [])
+        seen: set[int] = set()
+        ran = {name: run_ns(pid) for name, pid in bound.items()}
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            for pid in bound.values():
+                seen.add(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36]))
+            time.sleep(0.01)
+        out.update(
+            node=node, allowed=sorted(allowed), cpus_seen=sorted(seen),
+            ran_ns={name: run_ns(pid) - ran[name] for name, pid in bound.items()},
+            boosted_dispatches=backend.counters()["boosted_dispatches"],
+            health=backend.health().state.value, state=state(),
+        )
+    return out
+
+
 KHUGEPAGED_SLEEP = Path("/sys/kernel/mm/transparent_hugepage/khugepaged/scan_sleep_millisecs")
 
 
@@ -712,6 +757,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "no-leak-agent": no_leak_agent,
     "starvation": starvation,
     "affinity": affinity,
+    "numa": numa,
     "kthread-lock-holder": kthread_lock_holder,
     "cpu-max": cpu_max,
     "group-share": group_share,

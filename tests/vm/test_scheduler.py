@@ -1,4 +1,4 @@
-"""The gthulhu scheduler on the real sched_ext kernel of the lab VM (one boot for every check).
+"""The gthulhu scheduler on the real sched_ext kernels of the lab VM (one boot per kernel for every check).
 
 Each test runs one scenario of tests/vm/sched_workloads.py in the guest; the scenario loads the scheduler,
 runs real tasks under it and reports what it measured. Shares are compared with a twin in the same run,
@@ -13,7 +13,10 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.vm
+from tests.vm import matrix
+
+# Every check on both kernels of the matrix (6.12 LTS and 7.3), each in one boot of its own.
+pytestmark = [pytest.mark.vm, pytest.mark.parametrize("lab", matrix.BOTH_KERNELS, indirect=True)]
 
 SCRIPT = "tests/vm/sched_workloads.py"
 

@@ -1,0 +1,52 @@
+"""A newer libbpf for the lab, built from tools/lib/bpf of the kernel source the 6.12 lab kernel comes from.
+
+The agent is tested with Debian 12's libbpf 1.1.2; hosts run newer ones (1.5 in Debian 13 and the 6.12
+tree, 1.6+ elsewhere), which check struct_ops and kfuncs differently. The lab loads the scheduler with this
+one too (`GTHULHU_LIBBPF=<path>`, read by gthulhu_node/scheduler/libbpf.py). Built once into the lab cache
+from the linux-source-6.12 package kernel_build.py already downloaded (only tools/ is unpacked).
+
+    python -m tests.vm.libbpf_build        # prints the path of libbpf.so
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.vm.kernel import CACHE
+from tests.vm.kernel_build import source_tarball
+
+
+def obtain(cache: Path = CACHE) -> Path:
+    meta = cache / "libbpf.json"
+    if meta.exists():
+        path = Path(json.loads(meta.read_text())["path"])
+        if path.exists():
+            return path
+    tarball = source_tarball(cache)
+    work = cache / "libbpf-build"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    top = subprocess.run(["tar", "-tJf", str(tarball)], check=True, capture_output=True,
+                         text=True).stdout.split("\n", 1)[0].strip("/")
+    subprocess.run(["tar", "-xJf", str(tarball), "-C", str(work), f"{top}/tools", f"{top}/include/uapi",
+                    f"{top}/scripts"], check=True)
+    src = work / top / "tools/lib/bpf"
+    out = cache / "libbpf"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    subprocess.run(["make", "-s", f"-j{os.cpu_count() or 2}", f"OUTPUT={out}/"], check=True,
+                   cwd=src, stdout=subprocess.DEVNULL)
+    path = next(p for p in sorted(out.glob("libbpf.so.*")) if not p.is_symlink())
+    meta.write_text(json.dumps({"path": str(path), "from": top}))
+    shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    print(obtain())
+    sys.exit(0)
