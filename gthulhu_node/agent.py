@@ -31,7 +31,7 @@ from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
-from gthulhu_node.intents.model import Intent, intent_key
+from gthulhu_node.intents.model import Intent, intent_key, pattern_warnings
 from gthulhu_node.intents.status import (
     NO_MATCH_WARNING,
     NOOP_WARNING,
@@ -285,6 +285,7 @@ class Agent:
             for intent in ss.intents:
                 key = intent_key(name, intent.id)
                 warnings: list[str] = [NOOP_WARNING] if intent.is_noop else []
+                warnings.extend(pattern_warnings(intent.command_regex))
                 base = (name, intent)
                 if not intent.selects_node(node.name, node.labels):
                     reason = NOT_FOR_THIS_NODE_REASON.format(node=_describe_node(node.name, node.labels))

@@ -222,6 +222,12 @@ class AgentCollector(Collector):
                            local.get("load_errors", 0))
             yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
                            local.get("reloads", 0))
+            yield _counter("policy_dir_errors_total", "Looks at the policy directory that failed "
+                           "(unreadable or untrusted); its last good content was kept.",
+                           local.get("dir_errors", 0))
+            yield _gauge("policy_dir_unreadable", "1 while the policy directory cannot be read or is not "
+                         "trusted (its last good content stays in effect).",
+                         float(bool(local.get("dir_unreadable", False))))
         api = _fields(stats.get("api"))
         if api:
             yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",

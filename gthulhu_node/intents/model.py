@@ -7,7 +7,10 @@ reasons with the same words. Nothing is clamped: a value outside its bounds is a
 from __future__ import annotations
 
 import enum
+import functools
 import re
+import re._parser as re_parser  # type: ignore[import-not-found]  # the stdlib's regex parser: min width
+from collections.abc import Sized
 from typing import Annotated, Any
 
 import re2
@@ -28,6 +31,14 @@ PATTERN_MAX_BYTES = 256
 COMM_MAX_BYTES = 15
 # RE2 refuses programs above this size; it keeps a valid-but-enormous pattern (a{1000}{1000}) out.
 RE2_MAX_MEM = 8 << 20
+# Caps on every list, so one intent (or one push) costs bounded memory whatever its source. A node name
+# list names the nodes of a cluster (1,024 is more than one Manager push needs per policy); a node's
+# labels are a few dozen at most. Per source, all intents' list entries together are capped too: 10,000
+# intents of 1,024 names each would still be gigabytes.
+NODE_NAMES_MAX = 1024
+NODE_SELECTORS_MAX = 64
+LIST_ENTRIES_PER_SOURCE_MAX = 50_000
+_NUL_ESCAPE = re.compile(r"\\(x00|x\{0+\}|0(?![0-7]))")
 
 
 class Scope(enum.StrEnum):
@@ -61,7 +72,34 @@ def compile_pattern(pattern: str) -> Any:
     try:
         return re2.compile(pattern, options)
     except re2.error as exc:
-        raise ValueError(f"commandRegex {pattern!r} is not valid RE2 syntax: {exc}") from None
+        why = exc.args[0] if exc.args else ""
+        if isinstance(why, bytes):
+            why = why.decode("utf-8", "replace")
+        raise ValueError(f"commandRegex {pattern!r} is not valid RE2 syntax: {why}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def pattern_warnings(pattern: str) -> tuple[str, ...]:
+    """What makes a valid pattern unable to match any thread name (comm: at most 15 bytes, no NUL)."""
+    out: list[str] = []
+    if "\x00" in pattern or _NUL_ESCAPE.search(pattern):
+        out.append("commandRegex contains NUL, which no thread name (comm) contains")
+    try:
+        shortest = re_parser.parse(pattern).getwidth()[0]
+    except (re.error, RecursionError, OverflowError):
+        shortest = 0  # RE2-only syntax: no opinion
+    if shortest > COMM_MAX_BYTES:
+        out.append(
+            f"commandRegex needs at least {shortest} characters, but a thread name (comm) has at most "
+            f"{COMM_MAX_BYTES} bytes: it can never match"
+        )
+    return tuple(out)
+
+
+def _check_count(value: Any, name: str, limit: int) -> Any:
+    if isinstance(value, Sized) and not isinstance(value, str | bytes) and len(value) > limit:
+        raise ValueError(f"{name} has {len(value)} entries, at most {limit} are allowed")
+    return value
 
 
 class Intent(BaseModel):
@@ -96,6 +134,16 @@ class Intent(BaseModel):
             raise ValueError("podUID must be a pod UID: 1-64 hex digits and '-'")
         return v.lower()
 
+    @field_validator("node_names", mode="before")
+    @classmethod
+    def _cap_node_names(cls, v: Any) -> Any:
+        return _check_count(v, "nodeNames", NODE_NAMES_MAX)
+
+    @field_validator("node_selectors", mode="before")
+    @classmethod
+    def _cap_node_selectors(cls, v: Any) -> Any:
+        return _check_count(v, "nodeSelectors", NODE_SELECTORS_MAX)
+
     @field_validator("command_regex")
     @classmethod
     def _check_regex(cls, v: str) -> str:
@@ -128,6 +176,11 @@ class Intent(BaseModel):
             if not name or len(name) > 253:
                 raise ValueError("nodeNames entries must be 1-253 characters")
         return self
+
+    @property
+    def list_entries(self) -> int:
+        """Entries of its lists, counted against LIST_ENTRIES_PER_SOURCE_MAX."""
+        return len(self.node_names) + len(self.node_selectors)
 
     @property
     def is_noop(self) -> bool:
