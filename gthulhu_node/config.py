@@ -69,6 +69,11 @@ class ApiConfig(_Section):
     max_intents_per_source: int = Field(default=10_000, ge=1)
     max_sources: int = Field(default=64, ge=1)  # distinct gRPC client sources (local, manager not counted)
     workers: int = Field(default=8, ge=1, le=256)  # gRPC handler threads (each watch stream holds one)
+    # TCP listener only (the unix socket is root's): connections open at once, TLS handshake time,
+    # and how long an idle connection is kept (docs/security.md)
+    tcp_max_connections: int = Field(default=64, ge=1, le=4096)
+    tcp_handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    tcp_idle_timeout_s: float = Field(default=300.0, gt=0)
 
 
 class PoliciesConfig(_Section):
@@ -116,6 +121,11 @@ class RestConfig(_Section):
     insecure_allow_plain_http: bool = False
     insecure_warning_interval_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # Per-peer bounds (docs/security.md): connections open at once (past it, a new one is closed at once),
+    # the time a peer gets to finish the TLS handshake, and how long an idle keep-alive connection stays.
+    max_connections: int = Field(default=64, ge=1, le=4096)
+    handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    keepalive_timeout_s: float = Field(default=15.0, gt=0, le=3600)
     # Newer Managers sign a client assertion with their own RSA key instead of showing ours: set its public
     # key here and tokens are issued only against such assertions (optionally only for this client id).
     trusted_client_public_key: Path | None = None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -31,6 +31,8 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+
+from gthulhu_node import metrics_server
 
 log = structlog.get_logger(__name__)
 
@@ -259,6 +261,12 @@ class AgentCollector(Collector):
         yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
                         "outcome", pushes)
         yield _counter("rest_deletes_total", "Manager intent deletions.", rest.get("deletes", 0))
+        yield _counter("rest_connections_refused_total", "Connections closed at once: rest.max_connections "
+                       "were open.", rest.get("connections_refused", 0))
+        yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
+                       "completed (timeout, no or bad certificate).", rest.get("handshakes_failed", 0))
+        yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
+                       rest.get("accept_errors", 0))
 
     # -- task watching and the reconciler ---------------------------------------------------------------
 
@@ -408,13 +416,14 @@ class Metrics:
 
     def attach(self, agent: Any, log_stats: Callable[[], Any] | None = None) -> None:
         self.registry.register(AgentCollector(agent, self.runqueue, log_stats))
+        self.registry.register(_EndpointCollector(self))
 
     def serve(self, listen: str) -> tuple[str, int] | None:
         """Start the HTTP endpoint on "host:port" ("[::1]:9812" for IPv6); empty means no endpoint."""
         if not listen:
             return None
         host, port = parse_listen(listen)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = metrics_server.serve(host, port, self.registry)
         self.address = (host, int(self._server.server_address[1]))
         return self.address
 
@@ -423,6 +432,20 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _EndpointCollector(Collector):
+    """The endpoint's own refusals (metrics_server.py: connections past its cap)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._metrics._server
+        if server is not None:
+            yield _counter("metrics_connections_refused_total",
+                           "Connections to this endpoint closed at once: more than its cap were open.",
+                           server.refused)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

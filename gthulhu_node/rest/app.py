@@ -54,6 +54,10 @@ class RestStats:
     pushes_accepted: int = 0
     pushes_refused: int = 0
     deletes: int = 0
+    # the listener's (rest/listener.py), copied in by RestServer.stats()
+    connections_refused: int = 0
+    handshakes_failed: int = 0
+    accept_errors: int = 0
 
 
 def now_rfc3339() -> str:
