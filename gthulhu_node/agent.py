@@ -51,6 +51,11 @@ from gthulhu_node.reconciler import IntentStats, Reconciler
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+INSECURE_REST_WARNING = (
+    "the REST API on {listen} serves plain HTTP without client certificates "
+    "(rest.insecure_allow_plain_http): anyone who can reach it and has the public key can change this "
+    "node's scheduling"
+)
 SYNC_TIMEOUT_S = 5.0
 
 
@@ -340,7 +345,13 @@ class Agent:
             ready=self.ready,
             matched_tasks=self._matched_tasks,
             version=__version__,
+            warnings=self._agent_warnings(),
         )
+
+    def _agent_warnings(self) -> tuple[str, ...]:
+        if self.config.rest.enabled and self.config.rest.insecure_allow_plain_http:
+            return (INSECURE_REST_WARNING.format(listen=self.config.rest.listen),)
+        return ()
 
     def status(self, source: str = "") -> StatusSnapshot:
         """Per-intent status (of one source, or all) and the agent summary."""

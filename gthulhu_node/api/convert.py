@@ -101,6 +101,7 @@ def summary_to_pb(a: AgentSummary) -> pb.AgentSummary:
         ready=a.ready,
         matched_tasks=a.matched_tasks,
         version=a.version,
+        warnings=list(a.warnings),
     )
 
 

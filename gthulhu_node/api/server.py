@@ -24,7 +24,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gthulhu_node.api import convert
+from gthulhu_node.api import convert, decoding
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.config import ApiConfig
@@ -121,6 +121,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self._stats.errors[code.name] = self._stats.errors.get(code.name, 0) + 1
         log.info("api_request_refused", method=method, code=code.name, error=msg[:500])
         context.abort(code, msg)
+
+    def refuse_invalid(self, method: str, context: grpc.ServicerContext, message: str) -> None:
+        """A request that could not even be decoded (api/decoding.py): counted and refused like the rest."""
+        with self._lock:
+            self._stats.requests[method] = self._stats.requests.get(method, 0) + 1
+        self._fail(method, context, grpc.StatusCode.INVALID_ARGUMENT, message)
 
     @staticmethod
     def _client_source(source: str) -> str:
@@ -234,7 +240,8 @@ class ApiServer:
             options=options,
             maximum_concurrent_rpcs=workers * 8,
         )
-        pb_grpc.add_NodeAgentServicer_to_server(self.service, self._server)
+        decoding.add_servicer(pb_grpc.add_NodeAgentServicer_to_server, self.service, self._server,
+                              self.service.refuse_invalid)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._set_health(False)
         self.socket_path: Path | None = config.socket

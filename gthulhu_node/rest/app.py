@@ -12,7 +12,6 @@ their patterns and fsyncs the state file, and `/health` must keep answering mean
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from gthulhu_node.intents.documents import DocumentError, load_json
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import StatusSnapshot
@@ -179,8 +179,8 @@ class DecisionMakerApi:
         if not blob:
             raise BodyError("Invalid request payload: empty body")
         try:
-            return json.loads(blob)
-        except (ValueError, UnicodeDecodeError) as exc:
+            return load_json(blob)  # nesting capped: deep bodies are a 400 naming the limit, not a 500
+        except DocumentError as exc:
             raise BodyError(f"Invalid request payload: {exc}") from None
 
     # -- unauthenticated -------------------------------------------------------------------------
