@@ -40,7 +40,9 @@ exec(compile(args[0], "<as-user>", "exec"), {"__name__": "__main__"})
 
 # Modules the CLI imports lazily (per command) that must be loaded before the drop.
 CLI_MODULES = ("gthulhu_node.commands.client", "gthulhu_node.commands.run", "gthulhu_node.commands.probe",
-               "gthulhu_node.api.client")
+               "gthulhu_node.api.client", "gthulhu_node.probe", "gthulhu_node.probe.report",
+               "gthulhu_node.probe.preflight", "gthulhu_node.probe.session", "gthulhu_node.probe.targets",
+               "gthulhu_node.probe.histogram", "gthulhu_node.probe.loader")
 
 
 def command(user: str, target: str, *args: str, preload: tuple[str, ...] = ()) -> list[str]:
