@@ -93,6 +93,7 @@ class Agent:
             config.state.directory,
             max_intents_per_source=config.api.max_intents_per_source,
             max_sources=config.api.max_sources,
+            max_client_intents=config.api.max_client_intents,
         )
         self.board = StatusBoard()
         self.local = LocalPolicies(

@@ -68,6 +68,9 @@ class ApiConfig(_Section):
     max_message_bytes: int = Field(default=4 << 20, ge=1024)
     max_intents_per_source: int = Field(default=10_000, ge=1)
     max_sources: int = Field(default=64, ge=1)  # distinct gRPC client sources (local, manager not counted)
+    # intents of all gRPC client sources together: ~4 KB each in memory, so the default bounds them to ~200 MB
+    # (the unit's MemoryHigh is 512M; docs/security.md)
+    max_client_intents: int = Field(default=50_000, ge=1)
     workers: int = Field(default=8, ge=1, le=256)  # gRPC handler threads (each watch stream holds one)
     # TCP listener only (the unix socket is root's): connections open at once, TLS handshake time,
     # and how long an idle connection is kept (docs/security.md)

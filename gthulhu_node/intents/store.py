@@ -133,11 +133,13 @@ class IntentStore:
         *,
         max_intents_per_source: int = 10_000,
         max_sources: int = 64,
+        max_client_intents: int = 50_000,
     ) -> None:
         """`state_dir` None keeps everything in memory (tests, dry runs)."""
         self._state_dir = state_dir
         self._max_intents = max_intents_per_source
         self._max_sources = max_sources
+        self._max_client_intents = max_client_intents
         self._lock = threading.RLock()
         self._sources: dict[str, SourceSet] = {}
         self._listeners: list[Callable[[str], None]] = []
@@ -239,6 +241,14 @@ class IntentStore:
                 clients = sum(1 for name in self._sources if name not in RESERVED_SOURCES)
                 if clients >= self._max_sources:
                     raise LimitError(f"at most {self._max_sources} sources; {source!r} would be one more")
+            if source not in RESERVED_SOURCES:
+                others = sum(len(ss.intents) for name, ss in self._sources.items()
+                             if name not in RESERVED_SOURCES and name != source)
+                if others + len(intents) > self._max_client_intents:
+                    raise LimitError(
+                        f"{others + len(intents)} intents in all client sources, at most "
+                        f"{self._max_client_intents} (api.max_client_intents)"
+                    )
             changed = new_digest != cur_content
             new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time())
             self._commit(source, new)

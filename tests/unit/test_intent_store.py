@@ -271,3 +271,14 @@ def test_state_file_that_cannot_be_read_stays_and_the_load_fails(
         IntentStore(tmp_path).load()
     monkeypatch.undo()
     assert (tmp_path / STATE_FILE).exists() and IntentStore(tmp_path).load() == 1
+
+
+def test_client_sources_together_are_capped_and_reserved_sources_are_not_counted() -> None:
+    """64 sources of 10,000 intents each (~2.5 GB) fitted within the per-source limits."""
+    store = IntentStore(None, max_client_intents=5)
+    store.apply("a", 0, [intent(f"a{n}") for n in range(3)])
+    with pytest.raises(LimitError, match="6 intents in all client sources, at most 5"):
+        store.apply("b", 0, [intent(f"b{n}") for n in range(3)])
+    store.apply("a", 0, [intent(f"a{n}") for n in range(5)])  # replacing its own set counts only once
+    store.apply("local", 0, [intent(f"l{n}") for n in range(5)], allow_reserved=True)
+    assert set(store.snapshot()) == {"a", "local"}
