@@ -143,6 +143,19 @@ class ProbeConfig(_Section):
     poll_interval_s: float = Field(default=1.0, ge=0.1, le=60.0)
 
 
+class SecurityConfig(_Section):
+    """Who may be boosted (docs/security.md).
+
+    `unprivileged_tasks`: what tasks of users other than root may get.
+    - `allowed` (default): any intent whose pattern matches. Any local user can then take a name-only
+      intent's boost by naming a thread to match; kept as the default because the common case (vLLM run
+      as an ordinary user, the README's example) needs it and an upgrade must not silently drop boosts.
+    - `named_only`: only intents that name their user (`users`) or their cgroup (`cgroupRegex`, `podUID`).
+    """
+
+    unprivileged_tasks: Literal["allowed", "named_only"] = "allowed"
+
+
 class AgentConfig(_Section):
     node: NodeConfig = NodeConfig()
     backend: BackendConfig = BackendConfig()
@@ -155,6 +168,7 @@ class AgentConfig(_Section):
     log: LogConfig = LogConfig()
     rest: RestConfig = RestConfig()
     probe: ProbeConfig = ProbeConfig()
+    security: SecurityConfig = SecurityConfig()
 
 
 class ConfigError(Exception):

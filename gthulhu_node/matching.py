@@ -17,6 +17,7 @@ new one and the reconciler recomputes everything against it.
 from __future__ import annotations
 
 import os
+import pwd
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,52 @@ from gthulhu_node.intents.model import Intent, Scope, compile_pattern
 COMM_CACHE_MAX = 65_536
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who a process is, for the owner selectors (users, cgroupRegex, executableRegex)."""
+
+    uid: int  # the real uid: the user who started it (a setuid program keeps its caller's)
+    cgroup: str  # the cgroup v2 path ("/system.slice/x.service"), or the whole file on cgroup v1
+    exe: str  # the executable's path ("" for kernel threads)
+
+
+def read_owner(tgid: int, proc_root: Path = Path("/proc")) -> Owner | None:
+    """The owner of a process; None when it is gone or cannot be read (then owner selectors fail
+    closed: an intent that asks who the process is does not match it)."""
+    base = b"%s/%d" % (os.fsencode(proc_root), tgid)
+    try:
+        with open(base + b"/status", "rb") as f:
+            status = f.read(4096)
+        with open(base + b"/cgroup", "rb") as f:
+            cgroup_text = f.read(8192).decode("utf-8", "replace")
+    except OSError:
+        return None
+    uid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith(b"Uid:")), None)
+    if uid is None:
+        return None
+    v2 = [line[3:] for line in cgroup_text.splitlines() if line.startswith("0::")]
+    try:
+        exe = os.fsdecode(os.readlink(base + b"/exe"))
+    except OSError:
+        exe = ""
+    return Owner(uid, v2[0] if v2 else cgroup_text, exe)
+
+
+def resolve_users(names: Iterable[str]) -> tuple[frozenset[int], tuple[str, ...]]:
+    """uids of `users` entries, and the names that are no user here (they match nothing)."""
+    uids: set[int] = set()
+    unknown: list[str] = []
+    for name in names:
+        if name.isdigit():
+            uids.add(int(name))
+            continue
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            unknown.append(name)
+    return frozenset(uids), tuple(unknown)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class CompiledIntent:
     """One intent, ready to match. `rank` orders precedence: the smallest rank wins."""
@@ -38,6 +85,26 @@ class CompiledIntent:
     intent: Intent
     pattern: Any  # re2._Regexp
     rank: tuple[int, int, str]
+    # owner selectors, compiled: None when the intent has none
+    uids: frozenset[int] | None = None
+    cgroup: Any = None
+    exe: Any = None
+
+    @property
+    def needs_owner(self) -> bool:
+        return self.uids is not None or self.cgroup is not None or self.exe is not None
+
+    def admits(self, owner: Owner | None, named_only: bool) -> bool:
+        """Whether a process with this owner may get this intent (docs/security.md)."""
+        if owner is None:
+            return not self.needs_owner and not named_only
+        if self.uids is not None and owner.uid not in self.uids:
+            return False
+        if self.cgroup is not None and self.cgroup.search(owner.cgroup) is None:
+            return False
+        if self.exe is not None and self.exe.search(owner.exe) is None:
+            return False
+        return not named_only or owner.uid == 0 or self.intent.names_owner
 
     @property
     def priority(self) -> int:
@@ -114,6 +181,18 @@ def read_pod_uid(tgid: int, proc_root: Path = Path("/proc")) -> str | None:
     return pod_uid_of(text)
 
 
+def _compile(key: str, intent: Intent) -> CompiledIntent:
+    return CompiledIntent(
+        key,
+        intent,
+        compile_pattern(intent.command_regex),
+        precedence_rank(key, intent),
+        uids=resolve_users(intent.users)[0] if intent.users else None,
+        cgroup=compile_pattern(intent.cgroup_regex, "cgroupRegex") if intent.cgroup_regex else None,
+        exe=compile_pattern(intent.executable_regex, "executableRegex") if intent.executable_regex else None,
+    )
+
+
 def best(candidates: Iterable[CompiledIntent | None]) -> CompiledIntent | None:
     """The winner among candidates by precedence (None when there is none)."""
     winner: CompiledIntent | None = None
@@ -131,22 +210,23 @@ class PolicySet:
     refuses raises ValueError here too.
     """
 
-    def __init__(self, compiled: Iterable[CompiledIntent]) -> None:
+    def __init__(self, compiled: Iterable[CompiledIntent], *, named_only: bool = False) -> None:
+        """`named_only`: tasks of users other than root get only intents that name their user or cgroup
+        (`security.unprivileged_tasks: named_only`)."""
         ordered = sorted(compiled, key=lambda c: c.rank)
+        self.named_only = named_only
         self.ordered: tuple[CompiledIntent, ...] = tuple(ordered)
         self.by_key: dict[str, CompiledIntent] = {c.key: c for c in ordered}
         if len(self.by_key) != len(ordered):
             raise ValueError("duplicate intent key in policy set")
         self.has_process_scope = any(c.scope is Scope.PROCESS for c in ordered)
         self.has_pod_selectors = any(c.pod_uid is not None for c in ordered)
+        self.has_owner_selectors = named_only or any(c.needs_owner for c in ordered)
         self._cache: dict[str, CommMatch] = {}
 
     @classmethod
-    def build(cls, intents: Iterable[tuple[str, Intent]]) -> PolicySet:
-        return cls(
-            CompiledIntent(key, intent, compile_pattern(intent.command_regex), precedence_rank(key, intent))
-            for key, intent in intents
-        )
+    def build(cls, intents: Iterable[tuple[str, Intent]], *, named_only: bool = False) -> PolicySet:
+        return cls((_compile(key, intent) for key, intent in intents), named_only=named_only)
 
     @classmethod
     def empty(cls) -> PolicySet:

@@ -14,7 +14,7 @@ from collections.abc import Sized
 from typing import Annotated, Any
 
 import re2
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
@@ -37,6 +37,9 @@ RE2_MAX_MEM = 8 << 20
 # intents of 1,024 names each would still be gigabytes.
 NODE_NAMES_MAX = 1024
 NODE_SELECTORS_MAX = 64
+USERS_MAX = 64
+# A uid, or a user name as useradd accepts it (a trailing $ for machine accounts).
+USER_RE = re.compile(r"^([0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?)\Z")
 LIST_ENTRIES_PER_SOURCE_MAX = 50_000
 _NUL_ESCAPE = re.compile(r"\\(x00|x\{0+\}|0(?![0-7]))")
 
@@ -56,16 +59,16 @@ class NodeSelector(BaseModel):
     value: Annotated[str, Field(max_length=63)] = ""
 
 
-def compile_pattern(pattern: str) -> Any:
+def compile_pattern(pattern: str, field: str = "commandRegex") -> Any:
     """Compile a user pattern with RE2 (linear time), refusing what the contract refuses.
 
     Raises ValueError with a message that says what is wrong with the pattern.
     """
     size = len(pattern.encode())
     if size == 0:
-        raise ValueError("commandRegex is empty")
+        raise ValueError(f"{field} is empty")
     if size > PATTERN_MAX_BYTES:
-        raise ValueError(f"commandRegex is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
+        raise ValueError(f"{field} is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
     options = re2.Options()
     options.max_mem = RE2_MAX_MEM
     options.log_errors = False
@@ -75,7 +78,7 @@ def compile_pattern(pattern: str) -> Any:
         why = exc.args[0] if exc.args else ""
         if isinstance(why, bytes):
             why = why.decode("utf-8", "replace")
-        raise ValueError(f"commandRegex {pattern!r} is not valid RE2 syntax: {why}") from None
+        raise ValueError(f"{field} {pattern!r} is not valid RE2 syntax: {why}") from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -117,6 +120,12 @@ class Intent(BaseModel):
     # Optional extra selector: only threads of processes in this pod's cgroup (matched through
     # /proc/<pid>/cgroup). Left out of documents when unset, so other intents serialize as before.
     pod_uid: str | None = Field(default=None, alias="podUID", exclude_if=lambda v: v is None)
+    # Optional selectors on who may be boosted (docs/security.md): the process's user (uid or name), its
+    # cgroup v2 path (RE2 search), its executable path (RE2 search). Left out of documents when unset.
+    users: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
+    cgroup_regex: str | None = Field(default=None, alias="cgroupRegex", exclude_if=lambda v: v is None)
+    executable_regex: str | None = Field(default=None, alias="executableRegex",
+                                         exclude_if=lambda v: v is None)
 
     @field_validator("id")
     @classmethod
@@ -144,6 +153,24 @@ class Intent(BaseModel):
     def _cap_node_selectors(cls, v: Any) -> Any:
         return _check_count(v, "nodeSelectors", NODE_SELECTORS_MAX)
 
+    @field_validator("users", mode="before")
+    @classmethod
+    def _check_users(cls, v: Any) -> Any:
+        _check_count(v, "users", USERS_MAX)
+        if isinstance(v, list | tuple):
+            v = [str(u) if isinstance(u, int) and not isinstance(u, bool) else u for u in v]
+            for u in v:
+                if not isinstance(u, str) or not USER_RE.match(u) or (u.isdigit() and int(u) >= 2**32 - 1):
+                    raise ValueError(f"users entry {u!r} is neither a uid (0-4294967294) nor a user name")
+        return v
+
+    @field_validator("cgroup_regex", "executable_regex")
+    @classmethod
+    def _check_owner_patterns(cls, v: str | None, info: Any) -> str | None:
+        if v is not None:
+            compile_pattern(v, "cgroupRegex" if info.field_name == "cgroup_regex" else "executableRegex")
+        return v
+
     @field_validator("command_regex")
     @classmethod
     def _check_regex(cls, v: str) -> str:
@@ -170,17 +197,24 @@ class Intent(BaseModel):
             )
         return v
 
-    @model_validator(mode="after")
-    def _check_node_names(self) -> Intent:
-        for name in self.node_names:
+    @field_validator("node_names")
+    @classmethod
+    def _check_node_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
             if not name or len(name) > 253:
                 raise ValueError("nodeNames entries must be 1-253 characters")
-        return self
+        return v
 
     @property
     def list_entries(self) -> int:
         """Entries of its lists, counted against LIST_ENTRIES_PER_SOURCE_MAX."""
-        return len(self.node_names) + len(self.node_selectors)
+        return len(self.node_names) + len(self.node_selectors) + len(self.users)
+
+    @property
+    def names_owner(self) -> bool:
+        """Whether it restricts matching to tasks of given users or cgroups (a pod is a cgroup): what
+        `security.unprivileged_tasks: named_only` asks of an intent before it may boost such a task."""
+        return bool(self.users) or self.cgroup_regex is not None or self.pod_uid is not None
 
     @property
     def is_noop(self) -> bool:

@@ -414,3 +414,63 @@ def test_insecure_rest_mode_is_in_status(tmp_path: Path) -> None:
         out = run_cli("status", "--socket", str(a.config.api.socket), check=True).stdout
     assert "warning: the REST API on 127.0.0.1:0 serves plain HTTP without client certificates" in out
 
+
+
+# Names threads (prctl PR_SET_NAME) and idles until stdin closes; run as nobody.
+NAMED_THREADS = """
+import ctypes, sys, threading
+libc = ctypes.CDLL(None)
+def named(name, ready):
+    libc.prctl(15, name.encode(), 0, 0, 0)
+    ready.set()
+    threading.Event().wait()
+for name in sys.argv[1:]:
+    ready = threading.Event()
+    threading.Thread(target=named, args=(name, ready), daemon=True).start()
+    ready.wait()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("mode", ["allowed", "named_only"])
+def test_unprivileged_user_naming_threads_to_take_a_boost(mode: str) -> None:
+    """A process of nobody names two threads like vLLM's engine. Before: it got the root daemon's boost,
+    with no word of it anywhere. Now the default still allows it (vLLM often runs as an ordinary user)
+    but status says so; `security.unprivileged_tasks: named_only` refuses it unless
+    an intent names the user (or cgroup)."""
+    from tests.host.agent_support import running_agent
+
+    tag = f"{os.getpid() % 10000:04d}"
+    base = short_dir()
+    (base / "policies.d").mkdir(mode=0o755)
+    (base / "policies.d" / "vllm.yaml").write_text(
+        f"- id: engine\n  commandRegex: '^Eng{tag}_DP[0-9]$'\n  priority: 12\n"
+        f"- id: nobodys\n  commandRegex: '^Eng{tag}_DP9$'\n  priority: 3\n  users: [nobody]\n"
+    )
+    attacker = subprocess.Popen(
+        unprivileged.command("nobody", "", NAMED_THREADS, f"Eng{tag}_DP0", f"Eng{tag}_DP1", f"Eng{tag}_DP9"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    try:
+        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "ready"
+        with (running_agent(base, security={"unprivileged_tasks": mode}) as a,
+              NamedThread(f"Eng{tag}_DP2") as roots):
+            def by_tid() -> dict[int, str] | None:
+                rows = {m.tid: m.intent for m in a.matches() if m.tgid in (attacker.pid, os.getpid())}
+                return rows if roots.tid in rows and any(t != roots.tid for t in rows) else None
+
+            rows = wait_for(by_tid, what="the root thread and some of nobody's matched")
+            nobodys = {t: k for t, k in rows.items() if t != roots.tid}
+            assert rows[roots.tid] == "local/engine"
+            if mode == "allowed":
+                assert sorted(nobodys.values()) == ["local/engine"] * 3  # DP9: engine (12) beats 3
+                (warning,) = a.status().agent.warnings  # one: `engine`; `nobodys` names its user
+                assert warning.startswith("1 boosting intents name neither users nor a cgroup: any local")
+            else:
+                assert list(nobodys.values()) == ["local/nobodys"]  # only the intent naming nobody
+    finally:
+        attacker.kill()
+        attacker.wait()
+        shutil.rmtree(base, ignore_errors=True)
