@@ -16,6 +16,7 @@ new one and the reconciler recomputes everything against it.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 from collections.abc import Iterable
@@ -41,16 +42,19 @@ class Owner:
 
 
 def read_owner(tgid: int, proc_root: Path = Path("/proc")) -> Owner | None:
-    """The owner of a process; None when it is gone or cannot be read (then owner selectors fail
-    closed: an intent that asks who the process is does not match it)."""
+    """The owner of a process; None when it is gone (then owner selectors fail closed: an intent that
+    asks who the process is does not match it). Raises OSError for other read errors (EMFILE, EACCES),
+    which the caller must not remember as an answer."""
     base = b"%s/%d" % (os.fsencode(proc_root), tgid)
     try:
         with open(base + b"/status", "rb") as f:
             status = f.read(4096)
         with open(base + b"/cgroup", "rb") as f:
             cgroup_text = f.read(8192).decode("utf-8", "replace")
-    except OSError:
-        return None
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
     uid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith(b"Uid:")), None)
     if uid is None:
         return None
@@ -171,13 +175,21 @@ def normalize_pod_uid(uid: str) -> str:
     return uid.replace("-", "").replace("_", "").lower()
 
 
+_GONE = frozenset({errno.ENOENT, errno.ESRCH})
+
+
 def read_pod_uid(tgid: int, proc_root: Path = Path("/proc")) -> str | None:
-    """The pod a process belongs to, from its cgroup; None when it is in none (or is gone)."""
+    """The pod a process belongs to, from its cgroup; None when it is in none (or is gone).
+
+    Raises OSError when the file could not be read for another reason (EMFILE, EACCES): "unknown" is not
+    "in no pod", and the caller must not remember it as such."""
     try:
         with open(b"%s/%d/cgroup" % (os.fsencode(proc_root), tgid), "rb") as f:
             text = f.read(8192).decode("utf-8", "replace")
-    except OSError:
-        return None
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
     return pod_uid_of(text)
 
 

@@ -301,6 +301,9 @@ class AgentCollector(Collector):
                        "strategies).", stats.get("scans_incomplete", 0))
         yield _counter("scan_errors_total", "Permission or I/O errors met during scans.",
                        stats.get("scan_errors", 0))
+        yield _counter("process_owner_read_errors_total", "Reads of a process's cgroup or owner that failed "
+                       "(not because it exited); podUID/owner selectors did not match it meanwhile.",
+                       stats.get("owner_read_errors", 0))
         yield SummaryMetricFamily(PREFIX + "scan_duration_seconds", "Duration of full /proc scans.",
                                   count_value=stats.get("scans", 0),
                                   sum_value=stats.get("scan_duration_total_s", 0.0))

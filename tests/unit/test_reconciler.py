@@ -421,3 +421,19 @@ def test_named_only_boosts_unprivileged_tasks_only_when_their_user_or_cgroup_is_
     r.rescan()
     r.set_policy(named_only(("local/vllm", fields)))
     assert {k.id for k in b.table} == matched
+
+
+def test_unreadable_cgroup_is_not_remembered_as_no_pod(proc: FakeProc) -> None:
+    """Before: any OSError reading /proc/<pid>/cgroup (EMFILE under an fd flood) was cached as "in no
+    pod", so that process never got its pod's intent while it lived."""
+    uid = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+    proc.add(100, 100, "EngineCore", 1)
+    (proc.root / "100" / "cgroup").mkdir()  # reading it fails with EISDIR: not "gone", not an answer
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(policy(("manager-pods/x", {"podUID": uid})))
+    assert set(b.table) == set() and r.stats().owner_read_errors == 1
+    (proc.root / "100" / "cgroup").rmdir()
+    proc.set_cgroup(100, f"0::/kubepods/burstable/pod{uid}/abc\n")
+    r.set_policy(policy(("manager-pods/x", {"podUID": uid, "priority": 11})))
+    assert set(b.table) == {tid(100)}
