@@ -151,7 +151,7 @@ def test_lists_past_their_caps_refused_naming_field_and_cap(tmp_path: Path) -> N
 
 
 def test_yaml_error_never_quotes_the_file(tmp_path: Path) -> None:
-    f = write(tmp_path / "secret.yaml", "root:$6$hash-that-must-not-leak:19000:0:99999:7:::\nx: [\n")
+    f = write(tmp_path / "secret.yaml", "root: $6$hash-that-must-not-leak: 19000:0:99999:7:::\n")
     with pytest.raises(PolicyFileError) as exc:
         read_file(f)
     assert "hash-that-must-not-leak" not in str(exc.value) and "line" in str(exc.value)
