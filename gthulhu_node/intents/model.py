@@ -10,6 +10,7 @@ import enum
 import functools
 import re
 import re._parser as re_parser  # type: ignore[import-not-found]  # the stdlib's regex parser: min width
+import warnings
 from collections.abc import Sized
 from typing import Annotated, Any
 
@@ -88,7 +89,9 @@ def pattern_warnings(pattern: str) -> tuple[str, ...]:
     if "\x00" in pattern or _NUL_ESCAPE.search(pattern):
         out.append("commandRegex contains NUL, which no thread name (comm) contains")
     try:
-        shortest = re_parser.parse(pattern).getwidth()[0]
+        with warnings.catch_warnings():  # the stdlib parser's FutureWarnings are about its own syntax
+            warnings.simplefilter("ignore")
+            shortest = re_parser.parse(pattern).getwidth()[0]
     except (re.error, RecursionError, OverflowError):
         shortest = 0  # RE2-only syntax: no opinion
     if shortest > COMM_MAX_BYTES:
