@@ -18,7 +18,10 @@
  *
  * docs/scheduler.md explains each choice.
  */
+/* vmlinux.h's ops table is the newest kernel's: ours is declared below (see "The ops table"). */
+#define sched_ext_ops sched_ext_ops___vmlinux
 #include "vmlinux.h"
+#undef sched_ext_ops
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
@@ -52,6 +55,19 @@ bool bpf_cpumask_test_cpu(u32 cpu, const struct cpumask *cpumask) __ksym;
 u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
 
 #define OP(name, args...) SEC("struct_ops/" #name) BPF_PROG(name, ##args)
+
+/*
+ * sched_ext's flag and DSQ-id values as the running kernel defines them (CO-RE enum relocations), never
+ * as the kernel that vmlinux.h came from did: they have moved between releases.
+ */
+#define KENUM(type, name) bpf_core_enum_value(enum type, name)
+#define DSQ_LOCAL KENUM(scx_dsq_id_flags, SCX_DSQ_LOCAL)
+#define DSQ_LOCAL_ON KENUM(scx_dsq_id_flags, SCX_DSQ_LOCAL_ON)
+#define ENQ_WAKEUP KENUM(scx_enq_flags, SCX_ENQ_WAKEUP)
+#define ENQ_HEAD KENUM(scx_enq_flags, SCX_ENQ_HEAD)
+#define ENQ_PREEMPT KENUM(scx_enq_flags, SCX_ENQ_PREEMPT)
+#define KICK_IDLE KENUM(scx_kick_flags, SCX_KICK_IDLE)
+#define TASK_QUEUED KENUM(scx_ent_flags, SCX_TASK_QUEUED)
 
 #define BOOST_DSQ 1
 #define FAIR_DSQ 2
@@ -255,7 +271,7 @@ static __always_inline void kick_idle(struct task_struct *p)
 	s32 cpu = scx_bpf_pick_idle_cpu(p->cpus_ptr, 0);
 
 	if (cpu >= 0)
-		scx_bpf_kick_cpu(cpu, SCX_KICK_IDLE);
+		scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
 /*
@@ -277,7 +293,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	prio = effective_prio(tctx, s.prio, bpf_ktime_get_ns());
 	if (idle) {
 		tctx->prio = prio;
-		dsq_insert(p, SCX_DSQ_LOCAL, s.slice, 0);
+		dsq_insert(p, DSQ_LOCAL, s.slice, 0);
 		count(&bss.stats.direct_dispatches);
 		count(prio ? &bss.stats.boosted_dispatches : &bss.stats.fair_dispatches);
 		return cpu;
@@ -311,15 +327,15 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if (prio) {
 		count(&bss.stats.boosted_dispatches);
 		/*
-		 * A waking boosted task: local DSQ + SCX_ENQ_PREEMPT, so it runs the moment its CPU reschedules
+		 * A waking boosted task: local DSQ + ENQ_PREEMPT, so it runs the moment its CPU reschedules
 		 * instead of at that CPU's next dispatch (LAB.md: this path matters most). Only wakeups: a task
 		 * requeued at the end of its slice goes through BOOST_DSQ, so it never jumps ahead of unboosted
 		 * tasks already handed to this CPU. Only the task's own CPU: affinity and migration-disabled
 		 * tasks stay safe.
 		 */
 		cpu = scx_bpf_task_cpu(p);
-		if ((enq_flags & SCX_ENQ_WAKEUP) && prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
-			dsq_insert(p, SCX_DSQ_LOCAL_ON | cpu, s.slice, enq_flags | SCX_ENQ_PREEMPT | SCX_ENQ_HEAD);
+		if ((enq_flags & ENQ_WAKEUP) && prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+			dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
 			count(&bss.stats.preemptions);
 			return;
 		}
@@ -342,9 +358,9 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	 */
 	cpu = scx_bpf_task_cpu(p);
 	c = cpu_ctx_of(cpu);
-	if ((enq_flags & SCX_ENQ_WAKEUP) && c && !c->prio && vtime + settings.default_slice_ns / 2 < c->vtime &&
+	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio && vtime + settings.default_slice_ns / 2 < c->vtime &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
-		dsq_insert(p, SCX_DSQ_LOCAL_ON | cpu, s.slice, enq_flags | SCX_ENQ_PREEMPT);
+		dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT);
 		count(&bss.stats.fair_preemptions);
 		return;
 	}
@@ -383,7 +399,7 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 	 * A boosted prev that may go on keeps its CPU (returning empty-handed lets the kernel keep it);
 	 * pulling an unboosted task here would only park it in this CPU's local DSQ behind prev.
 	 */
-	if (prev && (prev->scx.flags & SCX_TASK_QUEUED)) {
+	if (prev && (prev->scx.flags & TASK_QUEUED)) {
 		tctx = ctx_of(prev);
 		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now))
 			return;
@@ -626,6 +642,32 @@ int gthulhu_count_entries(void *ctx)
 	bss.stats.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
 	return 0;
 }
+
+/*
+ * The ops table. libbpf 1.1.2 (Debian 12's) refuses a struct_ops type that has a member the running kernel
+ * lacks, even one left zero, and every release since 6.12 added members. So the type is declared here with
+ * only the members we set, all present since 6.12: libbpf matches members by name and copies each to the
+ * kernel's own offset.
+ */
+struct sched_ext_ops {
+	s32 (*select_cpu)(struct task_struct *p, s32 prev_cpu, u64 wake_flags);
+	void (*enqueue)(struct task_struct *p, u64 enq_flags);
+	void (*dispatch)(s32 cpu, struct task_struct *prev);
+	void (*tick)(struct task_struct *p);
+	void (*runnable)(struct task_struct *p, u64 enq_flags);
+	void (*running)(struct task_struct *p);
+	void (*stopping)(struct task_struct *p, bool runnable);
+	void (*quiescent)(struct task_struct *p, u64 deq_flags);
+	s32 (*init_task)(struct task_struct *p, struct scx_init_task_args *args);
+	void (*exit_task)(struct task_struct *p, struct scx_exit_task_args *args);
+	s32 (*init)(void);
+	void (*exit)(struct scx_exit_info *info);
+	u32 timeout_ms;
+	char name[128];
+#ifdef GTHULHU_TEST_UNLOADABLE
+	u64 gthulhu_no_such_member; /* tests only: what a kernel lacking a member we set looks like */
+#endif
+};
 
 SEC(".struct_ops")
 struct sched_ext_ops gthulhu_ops = {

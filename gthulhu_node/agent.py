@@ -25,8 +25,8 @@ import structlog
 
 from gthulhu_node import __version__
 from gthulhu_node.api.server import ApiServer, ApiStats
-from gthulhu_node.backends.base import Backend, BackendState, MapFullError
-from gthulhu_node.backends.select import select_backend
+from gthulhu_node.backends.base import Backend, BackendState, MapFullError, SchedulerRefused
+from gthulhu_node.backends.select import fallback_after_refusal, select_backend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
@@ -65,6 +65,8 @@ INSECURE_REST_WARNING = (
     "(rest.insecure_allow_plain_http): anyone who can reach it and has the public key can change this "
     "node's scheduling"
 )
+MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
+MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
 SYNC_TIMEOUT_S = 5.0
 
 
@@ -110,6 +112,7 @@ class Agent:
         )
         self.backend: Backend | None = backend
         self.backend_reason = "given by the caller" if backend is not None else ""
+        self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
@@ -149,11 +152,30 @@ class Agent:
         self._kick.set()
         log.info("agent_ready", summary=self.summary())
 
+    def _fall_back(self, refusal: SchedulerRefused) -> None:
+        """`backend: auto` on a kernel that refused our scheduler: run the next best backend instead of
+        dying (systemd would only restart us into the same refusal), and say so everywhere."""
+        log.error("sched_ext_refused", error=str(refusal), libbpf=list(refusal.details),
+                  action="falling back (backend.kind auto); set backend.kind: sched_ext to fail instead")
+        self.sched_ext_refused = str(refusal)
+        self.backend, self.backend_reason = fallback_after_refusal(self.config, str(refusal))
+        log.warning("backend_selected", backend=self.backend.name, reason=self.backend_reason,
+                    fallback=True)
+        self.backend.start()
+
     def _start(self) -> None:
+        if self.config.rest.enabled and self.config.rest.runtime_config_allow:
+            self._apply_runtime_config()
+        chosen = self.backend is None
         if self.backend is None:
             self.backend, self.backend_reason = select_backend(self.config)
         log.info("backend_selected", backend=self.backend.name, reason=self.backend_reason)
-        self.backend.start()
+        try:
+            self.backend.start()
+        except SchedulerRefused as exc:
+            if not chosen or self.config.backend.kind != "auto":
+                raise
+            self._fall_back(exc)
         self.store.load()
         self.local.reload(force=True)
         effect, policy = self._build_policy()
@@ -172,9 +194,39 @@ class Agent:
             from gthulhu_node.rest.server import RestServer
 
             self.rest = RestServer(
-                self.config.rest, self.store, node_name=self.config.node.name, status=self.status
+                self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
+                metrics_text=self._pod_metrics_text,
             )
             self.rest.start()
+
+    def _apply_runtime_config(self) -> None:
+        """Load-time settings the Manager set through runtime-config (only the allowed ones), before
+        the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
+        from gthulhu_node.rest.runtime_config import load_applied
+
+        applied = load_applied(self.config.state.directory, frozenset(self.config.rest.runtime_config_allow))
+        slice_ns = applied.get("sliceNsDefault")
+        if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
+            log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
+                        configured=self.config.scheduler.default_slice_ns,
+                        source="the Manager's runtime-config")
+            scheduler = self.config.scheduler.model_copy(update={"default_slice_ns": slice_ns})
+            self.config = self.config.model_copy(update={"scheduler": scheduler})
+
+    def _pod_metrics_text(self) -> bytes:
+        """Upstream's gthulhu_pod_* metrics for the Manager's scrape of the REST listener's /metrics."""
+        from gthulhu_node.rest.podmetrics import PodTarget, render
+        from gthulhu_node.rest.translate import pod_record_of
+
+        current = self.store.get(MANAGER_PODS)
+        targets: dict[str, PodTarget] = {}
+        for entry in current.entries if current is not None else ():
+            if entry.intent_id:
+                rec = pod_record_of(entry)
+                targets[intent_key(MANAGER_PODS, entry.intent_id)] = PodTarget(
+                    rec.pod_name, rec.pod_id, rec.namespace, rec.node_id or self.config.node.name
+                )
+        return render(targets, self.matches() if targets else (), self.config.watch.proc_root)
 
     def stop(self) -> None:
         """Stop the API (ending watch streams), the file watcher, the engine, then the backend. Idempotent."""
@@ -298,9 +350,13 @@ class Agent:
         backend_state, backend_reason = self._backend_state()
         out: list[IntentStatus] = []
         for name, ss in sources.items():
+            out.extend(_failed_entries(name, ss, node.name))
+            sender_warnings = {e.intent_id: e.warnings for e in ss.entries if e.intent_id and e.warnings}
             for intent in ss.intents:
                 key = intent_key(name, intent.id)
-                warnings: list[str] = [NOOP_WARNING] if intent.is_noop else []
+                warnings: list[str] = list(sender_warnings.get(intent.id, ()))
+                if intent.is_noop:
+                    warnings.append(NOOP_WARNING)
                 warnings.extend(pattern_warnings(intent.command_regex))
                 warnings.extend(_owner_warnings(intent))
                 base = (name, intent)
@@ -377,9 +433,11 @@ class Agent:
         intents = [s for s in self.board.intents() if not source or s.source == source]
         sources = self.store.snapshot()
         local_errors = tuple(f"{path}: {err}" for path, err in sorted(self.local.errors().items()))
-        local_notes = tuple(self.local.notes())
+        notes = {LOCAL_SOURCE: tuple(self.local.notes()),
+                 MANAGER: tuple(self.rest.notes()) if self.rest is not None else ()}
         rows: list[SourceStatus] = []
-        names = set(sources) | ({LOCAL_SOURCE} if local_errors or local_notes else set())
+        names = set(sources) | ({LOCAL_SOURCE} if local_errors else set())
+        names |= {name for name, lines in notes.items() if lines}
         for name in sorted(names):
             if source and name != source:
                 continue
@@ -391,7 +449,7 @@ class Agent:
                     len(ss.intents) if ss else 0,
                     ss.updated if ss else 0.0,
                     local_errors if name == LOCAL_SOURCE else (),
-                    local_notes if name == LOCAL_SOURCE else (),
+                    notes.get(name, ()),
                 )
             )
         return StatusSnapshot(self._summary(), tuple(rows), tuple(intents))
@@ -451,6 +509,40 @@ def _owner_warnings(intent: Intent) -> list[str]:
     if intent.executable_regex is not None and not intent.names_owner:
         out.append(EXECUTABLE_WARNING)
     return out
+
+
+def _failed_entries(source: str, ss: SourceSet, node_name: str) -> list[IntentStatus]:
+    """Status rows for pushed entries that became no intent (a lenient sender's, docs/rest.md).
+
+    Their `intent` carries the sender's values unvalidated (model_construct), for display only: it is
+    never stored as an intent nor handed to the reconciler. An entry meant for another node is reported
+    as such rather than as a failure of this node.
+    """
+    out: list[IntentStatus] = []
+    for entry in ss.entries:
+        if not entry.failed:
+            continue
+        shown = Intent.model_construct(
+            id=entry.key,
+            command_regex=_record_text(entry.record.get("commandRegex")),
+            priority=_record_int(entry.record.get("priority")),
+            execution_time=_record_int(entry.record.get("executionTime")),
+            node_names=(target,) if (target := _record_text(entry.record.get("nodeID"))) else (),
+        )
+        if target and target != node_name:
+            state, reason = IntentState.NOT_FOR_THIS_NODE, f"for node {target!r}; also: {entry.failed}"
+        else:
+            state, reason = IntentState.FAILED, entry.failed
+        out.append(IntentStatus(source, shown, state, reason, 0, 0.0, (), ss.generation))
+    return out
+
+
+def _record_text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _record_int(value: object) -> int:
+    return value if isinstance(value, int) else 0
 
 
 def _describe_node(name: str, labels: dict[str, str]) -> str:

@@ -7,14 +7,16 @@ fall back to a default.
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_PATH = Path("/etc/gthulhu-node/config.yaml")
+NODE_NAME_ENV = "NODE_NAME"
 
 
 class _Section(BaseModel):
@@ -22,10 +24,18 @@ class _Section(BaseModel):
 
 
 class NodeConfig(_Section):
-    """Who this node is, for intents' nodeNames / nodeSelectors."""
+    """Who this node is, for intents' nodeNames / nodeSelectors. The name comes from the environment's
+    NODE_NAME first (what Kubernetes' downward API sets, and where upstream's Decision Maker looks
+    first), then this setting, then the host name."""
 
     name: str = Field(default_factory=socket.gethostname)
     labels: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _name_from_environment(self) -> NodeConfig:
+        if os.environ.get(NODE_NAME_ENV):
+            self.name = os.environ[NODE_NAME_ENV]
+        return self
 
 
 class BackendConfig(_Section):
@@ -133,6 +143,13 @@ class RestConfig(_Section):
     # key here and tokens are issued only against such assertions (optionally only for this client id).
     trusted_client_public_key: Path | None = None
     expected_client_id: str = ""
+    # Node policies held from the Manager are dropped when it keeps checking pod intents for this long
+    # without once looking at node policies: it then holds no node intent anywhere (docs/rest.md,
+    # "After a restart"). 2.5 of its 30 s reconcile cycles; 0 keeps them until it says otherwise.
+    node_policy_silence_s: float = Field(default=75.0, ge=0)
+    # runtime-config fields the Manager may set on this node (gthulhu_node/rest/runtime_config.py);
+    # none by default
+    runtime_config_allow: list[Literal["sliceNsDefault"]] = []
 
 
 class ProbeConfig(_Section):
@@ -157,7 +174,7 @@ class SecurityConfig(_Section):
 
 
 class AgentConfig(_Section):
-    node: NodeConfig = NodeConfig()
+    node: NodeConfig = Field(default_factory=NodeConfig)  # built per config: NODE_NAME is read then
     backend: BackendConfig = BackendConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     watch: WatchConfig = WatchConfig()

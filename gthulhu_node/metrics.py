@@ -267,6 +267,12 @@ class AgentCollector(Collector):
                        "completed (timeout, no or bad certificate).", rest.get("handshakes_failed", 0))
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
                        rest.get("accept_errors", 0))
+        yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "
+                       "see status), per changed push.", rest.get("entries_failed", 0))
+        yield _counter("rest_node_policies_expired_total", "Times node policies were dropped because the "
+                       "Manager stopped checking them (it holds none).", rest.get("node_policies_expired", 0))
+        yield _counter("rest_pod_intents_forgotten_total", "Pod intents of an old state file dropped at "
+                       "start (the Manager re-pushes them).", rest.get("pod_intents_forgotten", 0))
 
     # -- task watching and the reconciler ---------------------------------------------------------------
 
@@ -348,6 +354,11 @@ class AgentCollector(Collector):
         info.add_metric([str(getattr(backend, "name", "")), str(getattr(self.agent, "backend_reason", ""))],
                         {})
         yield info
+        refused = str(getattr(self.agent, "sched_ext_refused", ""))
+        yield GaugeMetricFamily(PREFIX + "sched_ext_refused",
+                                "1 when the kernel refused our sched_ext scheduler and backend auto fell "
+                                "back to another backend (the reason is in gthulhu_node_backend_info).",
+                                value=1.0 if refused else 0.0)
         state = str(snap.engine.get("backend_state") or "")
         reason = str(snap.engine.get("last_ejection_reason") or "")
         if snap.health is not None:

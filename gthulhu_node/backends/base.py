@@ -51,6 +51,17 @@ class BackendUnavailable(BackendError):
     """The backend cannot run on this host (missing kernel support, not root, ...)."""
 
 
+class SchedulerRefused(BackendUnavailable):
+    """The kernel has sched_ext but refused our scheduler (verifier, missing kfunc or member, attach).
+
+    `details` are libbpf's own messages from the attempt (the verifier log among them): an operator needs
+    them to report the kernel, and `backend: auto` falls back to another backend on this error only."""
+
+    def __init__(self, message: str, details: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.details = details
+
+
 class MapFullError(BackendError):
     """The backend has no room for another entry: a distinct error, never silent."""
 

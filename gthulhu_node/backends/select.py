@@ -1,7 +1,9 @@
 """Choosing the backend: `auto` takes the best one this kernel can run, or the configured kind is forced.
 
 auto, in order:
-  1. sched_ext, when the kernel has it (/sys/kernel/sched_ext exists);
+  1. sched_ext, when the kernel has it (/sys/kernel/sched_ext exists); if the kernel then refuses our
+     scheduler (an unknown kernel, a verifier change, a missing kfunc), the agent falls back to 2 or 3
+     (`fallback_after_refusal`) and says so loudly;
   2. kernels without sched_ext: the EEVDF backend (sched_setattr), when a probe shows slice requests work
      (6.12+) and we may lower nice values;
   3. the dry run, which changes nothing and says so.
@@ -40,9 +42,10 @@ def _dry_run(config: Any) -> Backend:
     return DryRunBackend(record=config.backend.dry_run_record)
 
 
-def _auto_without_sched_ext(config: Any, sysfs: Path) -> tuple[Backend, str] | None:
+def _auto_without_sched_ext(config: Any, why: str) -> tuple[Backend, str]:
     """The EEVDF backend when a probe on a throwaway thread of our own shows the kernel honours slice
-    requests and nice changes (6.12+, root); else the dry run, with the probe's answer in the reason."""
+    requests and nice changes (6.12+, root); else the dry run, with the probe's answer in the reason.
+    `why` says why sched_ext is out."""
     from gthulhu_node.backends import eevdf, sched_attr
 
     found = sched_attr.probe()
@@ -52,13 +55,18 @@ def _auto_without_sched_ext(config: Any, sysfs: Path) -> tuple[Backend, str] | N
             probed=found,
             journal=config.state.directory / eevdf.JOURNAL_NAME,
         )
-        return backend, f"auto: the kernel has no sched_ext ({sysfs} is missing); eevdf: {found.reason}"
+        return backend, f"auto: {why}; eevdf: {found.reason}"
     log.info("eevdf_unavailable", reason=found.reason)
     return (
         _dry_run(config),
-        f"auto: the kernel has no sched_ext ({sysfs} is missing) and eevdf is unavailable "
-        f"({found.reason}); dry run, scheduling is not changed",
+        f"auto: {why} and eevdf is unavailable ({found.reason}); dry run, scheduling is not changed",
     )
+
+
+def fallback_after_refusal(config: Any, refusal: str) -> tuple[Backend, str]:
+    """What `auto` runs when the kernel refused our sched_ext scheduler: the next best backend, with the
+    refusal in the reason (status, logs and the backend info metric show it)."""
+    return _auto_without_sched_ext(config, f"the kernel refused the sched_ext scheduler ({refusal})")
 
 
 def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend, str]:
@@ -86,10 +94,4 @@ def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend,
         raise BackendUnavailable(f"unknown backend kind {kind!r}")
     if kernel_has_sched_ext(sysfs):
         return _sched_ext(config), f"auto: the kernel has sched_ext ({sysfs} exists)"
-    other = _auto_without_sched_ext(config, sysfs)
-    if other is not None:
-        return other
-    return (
-        _dry_run(config),
-        f"auto: the kernel has no sched_ext ({sysfs} is missing); dry run, scheduling is not changed",
-    )
+    return _auto_without_sched_ext(config, f"the kernel has no sched_ext ({sysfs} is missing)")

@@ -25,7 +25,7 @@ from gthulhu_node.api.client import ConnectError, Target, describe_rpc_error, st
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.intents.localfiles import PolicyFileError, read_file
 from gthulhu_node.intents.model import Intent, intent_key
-from gthulhu_node.intents.parse import intent_to_doc
+from gthulhu_node.intents.parse import IntentValidationError, intent_to_doc
 
 DEFAULT_SOURCE = "cli"
 TIMEOUT_S = 15.0
@@ -241,8 +241,12 @@ def _running_intents(args: argparse.Namespace, exclude_source: str) -> tuple[lis
         return [], False
     out = []
     for st in resp.intents:
-        if st.source != exclude_source:
+        if st.source == exclude_source:
+            continue
+        try:
             out.append((intent_key(st.source, st.intent.id), convert.intent_from_pb(st.intent)))
+        except IntentValidationError:
+            continue  # an entry a lenient sender pushed that became no intent: listed, governs nothing
     return out, True
 
 

@@ -5,8 +5,11 @@ Where: `policies.directory` (default /etc/gthulhu-node/policies.d/), files endin
 - one intent: `{"id": "vllm", "commandRegex": "^EngineCore", "priority": 10}`;
 - a list of intents, or `{"intents": [...]}`;
 - upstream Gthulhu's REST request body for a node scheduling policy, as it is:
-  `{"nodeNames": [...], "nodeSelectors": [...], "commandRegex": ..., "priority": ..., "executionTime": ...}`;
-  upstream-only fields (`draSelectors`) are accepted and ignored, with a note in the file's status.
+  `{"nodeNames": [...], "nodeSelectors": [...], "commandRegex": ..., "priority": ..., "executionTime": ...}`.
+  Selectors combine as upstream's Manager combines them: nodeNames AND nodeSelectors (Intent.selects_node);
+  an entry without any is for this node. An entry with `draSelectors` cannot be evaluated on a node (DRA
+  resource slices live in the API server): it is loaded as a failed entry with that reason, never
+  applied; an empty `draSelectors` list is no selector.
 An entry without `id` gets `<file stem>-<index>` (index from 0 in the file's list).
 
 Reloading: a cheap poll of the directory (one stat per file every `poll_interval_s`, default 1 s) plus an
@@ -40,7 +43,7 @@ from typing import Any
 import structlog
 
 from gthulhu_node.intents.documents import DocumentError, load_json, load_yaml
-from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import IntentStore, StoreError
 from gthulhu_node.intents.trust import UntrustedError, check_directory, open_policy_file
@@ -49,8 +52,10 @@ log = structlog.get_logger(__name__)
 
 SOURCE = "local"
 SUFFIXES = (".yaml", ".yml", ".json")
-# Fields of upstream's REST body that have no meaning on a node agent; accepted and ignored.
-IGNORED_UPSTREAM_FIELDS = ("draSelectors",)
+# Upstream's DRA selector: evaluated against the cluster's resource slices, which a node agent cannot see.
+DRA_FIELD = "draSelectors"
+DRA_REASON = ("draSelectors cannot be evaluated on a node (DRA resource slices live in the Kubernetes API); "
+              "not applied: select the node with nodeNames/nodeSelectors instead")
 MAX_FILE_BYTES = 4 << 20
 Signature = tuple[int, int, int, int, int]
 
@@ -63,6 +68,7 @@ class PolicyFileError(ValueError):
 class FileResult:
     intents: tuple[Intent, ...]
     notes: tuple[str, ...] = ()
+    failed: tuple[SenderEntry, ...] = ()  # entries kept and reported, never applied (draSelectors)
 
 
 @dataclass(slots=True)
@@ -103,17 +109,19 @@ def parse_document(doc: Any, stem: str) -> FileResult:
             f"expected an intent, a list of intents or {{intents: [...]}}, got {type(doc).__name__}"
         )
     intents: list[Intent] = []
+    failed: list[SenderEntry] = []
     seen: set[str] = set()
     for index, entry in enumerate(entries):
         path = f"{where}[{index}]" if where or len(entries) > 1 or isinstance(doc, list) else ""
         if not isinstance(entry, Mapping):
             raise PolicyFileError(f"{path or 'entry'}: expected an object, got {type(entry).__name__}")
         data = dict(entry)
-        for name in IGNORED_UPSTREAM_FIELDS:
-            if name in data:
-                del data[name]
-                notes.append(f"{path + '.' if path else ''}{name}: upstream-only field, ignored on a node")
+        dra = data.pop(DRA_FIELD, None)
         data.setdefault("id", f"{stem}-{index}")
+        if dra:
+            failed.append(_dra_entry(data, index))
+            notes.append(f"{path + '.' if path else ''}{DRA_FIELD}: {DRA_REASON}")
+            continue
         try:
             intent = parse_intent(data, path)
         except IntentValidationError as exc:
@@ -125,7 +133,16 @@ def parse_document(doc: Any, stem: str) -> FileResult:
             raise PolicyFileError(f"{path}.id: duplicate id {intent.id!r} in this file")
         seen.add(intent.id)
         intents.append(intent)
-    return FileResult(tuple(intents), tuple(notes))
+    return FileResult(tuple(intents), tuple(notes), tuple(failed))
+
+
+def _dra_entry(data: Mapping[str, Any], index: int) -> SenderEntry:
+    """The failed entry status shows for a DRA-selected policy (its values as written, for people)."""
+    record: dict[str, RecordValue] = {
+        k: v for k, v in data.items()
+        if k in ("commandRegex", "priority", "executionTime") and isinstance(v, str | int)
+    }
+    return SenderEntry(record=record, key=f"{data['id']}#{index}", failed=DRA_REASON)
 
 
 def read_file(path: Path) -> FileResult:
@@ -281,8 +298,10 @@ class LocalPolicies:
                 del self._files[gone]
                 log.info("policy_file_removed", path=str(gone))
             combined = self._combine()
+            failed = [e for p, fs in sorted(self._files.items()) if fs.good and p not in self._combine_errors
+                      for e in fs.good.failed]
         try:
-            outcome = self._store.apply(SOURCE, 0, combined, allow_reserved=True)
+            outcome = self._store.apply(SOURCE, 0, combined, allow_reserved=True, entries=failed)
         except (IntentValidationError, StoreError, OSError) as exc:
             log.error("policy_files_refused", directory=str(self.directory), error=str(exc))
             with self._lock:

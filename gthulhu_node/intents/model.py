@@ -15,7 +15,7 @@ from collections.abc import Sized
 from typing import Annotated, Any
 
 import re2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
@@ -43,6 +43,11 @@ USERS_MAX = 64
 USER_RE = re.compile(r"^([0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?)\Z")
 LIST_ENTRIES_PER_SOURCE_MAX = 50_000
 _NUL_ESCAPE = re.compile(r"\\(x00|x\{0+\}|0(?![0-7]))")
+# A pod intent without a pattern selects every task of the pod but its pause container, as upstream's
+# Decision Maker does (it skips processes whose comm is exactly "pause"). RE2 has no negative lookahead,
+# so "anything but exactly `pause`" is spelled out prefix by prefix.
+PAUSE_COMM = "pause"
+ALL_BUT_PAUSE = r"^(?:$|[^p]|p$|p[^a]|pa$|pa[^u]|pau$|pau[^s]|paus$|paus[^e]|pause.)"
 
 
 class Scope(enum.StrEnum):
@@ -177,7 +182,8 @@ class Intent(BaseModel):
     @field_validator("command_regex")
     @classmethod
     def _check_regex(cls, v: str) -> str:
-        compile_pattern(v)
+        if v:  # empty: allowed for pod intents only, checked with the whole intent below
+            compile_pattern(v)
         return v
 
     @field_validator("priority", mode="before")
@@ -208,6 +214,12 @@ class Intent(BaseModel):
                 raise ValueError("nodeNames entries must be 1-253 characters")
         return v
 
+    @model_validator(mode="after")
+    def _check_whole(self) -> Intent:
+        if not self.command_regex and self.pod_uid is None:
+            raise ValueError("commandRegex is empty (only a pod intent may leave it empty)")
+        return self
+
     @property
     def list_entries(self) -> int:
         """Entries of its lists, counted against LIST_ENTRIES_PER_SOURCE_MAX."""
@@ -220,19 +232,46 @@ class Intent(BaseModel):
         return bool(self.users) or self.cgroup_regex is not None or self.pod_uid is not None
 
     @property
+    def matching_pattern(self) -> str:
+        """The pattern tasks are matched with: the pod-wide one when a pod intent has none."""
+        return self.command_regex or ALL_BUT_PAUSE
+
+    @property
     def is_noop(self) -> bool:
         """priority 0 and executionTime 0: valid, but changes nothing (status carries a warning)."""
         return self.priority == 0 and self.execution_time == 0
 
     def selects_node(self, node_name: str, labels: dict[str, str]) -> bool:
-        """Empty nodeNames and nodeSelectors mean this node; otherwise either list may select it."""
-        if not self.node_names and not self.node_selectors:
-            return True
-        if node_name in self.node_names:
-            return True
-        return bool(self.node_selectors) and all(
-            labels.get(sel.key) == sel.value for sel in self.node_selectors
-        )
+        """Empty nodeNames and nodeSelectors mean this node (an intent given to this node's agent is for
+        it). Otherwise both must hold, as upstream's Manager resolves a policy's nodes (the intersection
+        of nodeNames and the label query; Gthulhu/Gthulhu@c969a96b api/manager/service/node_policy_svc.go
+        resolveNodesForPolicy, k8s_adapter/adapter.go QueryNodesBySelectors)."""
+        if self.node_names and node_name not in self.node_names:
+            return False
+        return all(labels.get(sel.key) == sel.value for sel in self.node_selectors)
+
+
+RecordValue = str | int | dict[str, str]
+
+
+class SenderEntry(BaseModel):
+    """One entry of a push as its sender wrote it, and what became of it.
+
+    Why: a lenient sender (upstream's Manager) hashes what it sent, not what we made of it, and expects
+    every entry to be kept, including the ones we cannot honour. The store keeps these next to the
+    intents (persisted in the same atomic write), so the merkle root and the status describe the same
+    push after a restart. `intent_id` names the intent the entry became ("" when it became none);
+    `failed` says why it could not be honoured; `warnings` what was changed to honour it (a clamped
+    value); `key` is how status names it (the intent id, or `<id>#<index>` for an entry that is not one).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    record: dict[str, RecordValue]
+    key: str
+    intent_id: str = ""
+    failed: str = ""
+    warnings: tuple[str, ...] = ()
 
 
 def intent_key(source: str, intent_id: str) -> str:

@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
 from gthulhu_node.intents.documents import load_json
-from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, check_source
+from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, SenderEntry, check_source
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
 
 log = structlog.get_logger(__name__)
@@ -88,6 +89,8 @@ class SourceSet:
     push_digest: str
     # unix time of the last change
     updated: float
+    # the push as its sender wrote it, entry by entry (only senders that need it: the Manager)
+    entries: tuple[SenderEntry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +117,19 @@ class StoreStats:
     intents: dict[str, int] = field(default_factory=dict)  # per source
 
 
-def digest(intents: Sequence[Intent]) -> str:
-    """Content digest of a set, independent of order (precedence never depends on order)."""
-    docs = sorted((intent_to_doc(i) for i in intents), key=lambda d: str(d["id"]))
+def digest(intents: Sequence[Intent], entries: Sequence[SenderEntry] = ()) -> str:
+    """Content digest of a set, independent of order (precedence never depends on it, and a sender's
+    re-push in another order is the same set). Without sender entries the digest is the one earlier
+    versions computed, so their state files stay valid."""
+    docs: list[Any] = sorted((intent_to_doc(i) for i in intents), key=lambda d: str(d["id"]))
+    if entries:
+        docs = [docs, sorted(json.dumps(_entry_doc(e), sort_keys=True) for e in entries)]
     blob = json.dumps(docs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _entry_doc(entry: SenderEntry) -> dict[str, Any]:
+    return entry.model_dump(by_alias=True, mode="json")
 
 
 EMPTY_DIGEST = digest(())
@@ -148,6 +159,10 @@ class IntentStore:
     @property
     def max_intents_per_source(self) -> int:
         return self._max_intents
+
+    @property
+    def state_dir(self) -> Path | None:
+        return self._state_dir
 
     @property
     def state_file(self) -> Path | None:
@@ -183,8 +198,10 @@ class IntentStore:
         intents: Sequence[Intent],
         *,
         allow_reserved: bool = False,
+        entries: Sequence[SenderEntry] = (),
     ) -> ApplyOutcome:
-        """Replace `source`'s set (module docstring: generation rules).
+        """Replace `source`'s set (module docstring: generation rules). `entries`: the push as its
+        sender wrote it (SenderEntry), stored and persisted with the intents.
 
         Raises IntentValidationError (bad source, too many intents, duplicate id), StaleGenerationError,
         LimitError, or OSError when the state could not be persisted (then nothing changed).
@@ -202,12 +219,12 @@ class IntentStore:
         except IntentValidationError:
             self._count("refused_invalid")
             raise
-        new_digest = digest(intents)
+        new_digest = digest(intents, entries)
         with self._lock:
             current = self._sources.get(source)
             cur_gen = current.generation if current else 0
             cur_push = current.push_digest if current else EMPTY_DIGEST
-            cur_content = digest(current.intents) if current else EMPTY_DIGEST
+            cur_content = digest(current.intents, current.entries) if current else EMPTY_DIGEST
             if generation == 0:
                 if new_digest == cur_content:
                     self._stats.applies_unchanged += 1
@@ -250,7 +267,7 @@ class IntentStore:
                         f"{self._max_client_intents} (api.max_client_intents)"
                     )
             changed = new_digest != cur_content
-            new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time())
+            new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time(), tuple(entries))
             self._commit(source, new)
             self._stats.applies += 1
         log.info(
@@ -274,7 +291,8 @@ class IntentStore:
             if current is None or all(i.id != intent_id for i in current.intents):
                 raise IntentNotFoundError(f"no intent {intent_id!r} in source {source!r}")
             kept = tuple(i for i in current.intents if i.id != intent_id)
-            new = SourceSet(source, current.generation, kept, current.push_digest, time.time())
+            entries = tuple(e for e in current.entries if e.intent_id != intent_id)
+            new = SourceSet(source, current.generation, kept, current.push_digest, time.time(), entries)
             self._commit(source, new)
             self._stats.deletes += 1
         log.info("intent_deleted", source=source, intent_id=intent_id)
@@ -323,6 +341,7 @@ class IntentStore:
                     "pushDigest": ss.push_digest,
                     "updated": ss.updated,
                     "intents": [intent_to_doc(i) for i in ss.intents],
+                    **({"entries": [_entry_doc(e) for e in ss.entries]} if ss.entries else {}),
                 }
                 for name, ss in sorted(self._sources.items())
                 if name not in NOT_PERSISTED
@@ -411,14 +430,22 @@ def _parse_state(blob: bytes) -> dict[str, SourceSet]:
             raise ValueError(f"sources.{name}.intents: expected a list")
         intents = [parse_intent(d, f"sources.{name}.intents[{i}]") for i, d in enumerate(raw_intents)]
         check_set(intents, max_count=len(intents) or 1, where=f"sources.{name}.intents")
+        raw_entries = entry.get("entries", [])
+        if not isinstance(raw_entries, list):
+            raise ValueError(f"sources.{name}.entries: expected a list")
+        try:
+            entries = tuple(SenderEntry.model_validate(e) for e in raw_entries)
+        except ValidationError as exc:
+            raise ValueError(f"sources.{name}.entries: {exc.errors(include_url=False)[0]['msg']}") from None
         push = entry.get("pushDigest")
         updated = entry.get("updated", 0.0)
         out[name] = SourceSet(
             name,
             gen,
             tuple(intents),
-            push if isinstance(push, str) else digest(intents),
+            push if isinstance(push, str) else digest(intents, entries),
             float(updated) if isinstance(updated, int | float) else 0.0,
+            entries,
         )
     return out
 

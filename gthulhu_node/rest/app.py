@@ -13,22 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from gthulhu_node import __version__
 from gthulhu_node.intents.documents import DocumentError, load_json
-from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.model import SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError
-from gthulhu_node.intents.status import StatusSnapshot
-from gthulhu_node.intents.store import IntentNotFoundError, IntentStore, StoreError
+from gthulhu_node.intents.status import IntentState, IntentStatus, StatusSnapshot
+from gthulhu_node.intents.store import IntentStore, StoreError
 from gthulhu_node.rest.auth import CLIENT_ID_MAX, TokenAuthority, TokenError
-from gthulhu_node.rest.merkle import EMPTY_ROOT, PodIntentRecord, records_root
-from gthulhu_node.rest.translate import BodyError, node_policies, node_record, pod_intents
+from gthulhu_node.rest.merkle import EMPTY_ROOT, records_root
+from gthulhu_node.rest.pods import pods_on_node
+from gthulhu_node.rest.runtime_config import RuntimeConfig, RuntimeConfigState, parse_body
+from gthulhu_node.rest.translate import (
+    BodyError,
+    Push,
+    legacy_node_record,
+    node_policies,
+    node_record_of,
+    pod_intents,
+    pod_record_of,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +49,8 @@ NODE_SOURCE = "manager"
 POD_SOURCE = "manager-pods"
 SERVICE_NAME = "gthulhu-node Decision Maker API"
 TOKEN_PATH = "/api/v1/auth/token"
+ENDPOINTS = ("/health, /version, /metrics, POST_/api/v1/node-intents, POST_/api/v1/intents, "
+             "GET_/api/v1/pods/pids, POST_/api/v1/runtime-config")
 CLIENT_ID = web.RequestKey("client_id", str)  # who the bearer token was issued to, for log lines
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -58,6 +73,9 @@ class RestStats:
     connections_refused: int = 0
     handshakes_failed: int = 0
     accept_errors: int = 0
+    entries_failed: int = 0  # pushed entries accepted but not honoured (failed), per changed push
+    node_policies_expired: int = 0  # held node policies dropped (DecisionMakerApi._pod_contact)
+    pod_intents_forgotten: int = 0  # pod intents of a state file without their pushed entries
 
 
 def now_rfc3339() -> str:
@@ -102,16 +120,35 @@ class DecisionMakerApi:
         stats: RestStats,
         status: StatusFn | None = None,
         metrics_text: Callable[[], bytes] | None = None,
+        node_silence_s: float = 0.0,
+        runtime_config: RuntimeConfig | None = None,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         self._store = store
+        self._runtime = runtime_config if runtime_config is not None else RuntimeConfig(None, frozenset())
+        self._proc_root = proc_root
         self._auth = authority
         self._node_name = node_name
         self._max_body = max_body_bytes
         self._stats = stats
         self._status = status
         self._metrics_text = metrics_text
-        self._lock = threading.Lock()  # one push/delete at a time; guards _pod_records
-        self._pod_records: list[PodIntentRecord] = []
+        self._lock = threading.Lock()  # one push/delete at a time; guards _silent_since
+        self._node_silence_s = node_silence_s
+        # monotonic time of the first pod-intent check since the Manager last looked at node policies
+        self._silent_since: float | None = None
+
+    def check_state(self) -> None:
+        """Before serving: pod intents persisted by a version that did not keep the Manager's entries
+        cannot be hashed as the Manager does, so the root would hide them. Forget them, as upstream's
+        Decision Maker forgets all of them at start; the Manager's next check re-pushes them."""
+        current = self._store.get(POD_SOURCE)
+        if current is None or not current.intents or current.entries:
+            return
+        self._store.apply(POD_SOURCE, 0, [], allow_reserved=True)
+        self._stats.pod_intents_forgotten += len(current.intents)
+        log.warning("rest_pod_intents_forgotten", intents=len(current.intents),
+                    reason="persisted without the Manager's entries; it re-pushes them at its next check")
 
     # -- application -----------------------------------------------------------------------------
 
@@ -120,6 +157,7 @@ class DecisionMakerApi:
             client_max_size=self._max_body, middlewares=[self._envelope_errors, self._require_token]
         )
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
         if self._metrics_text is not None:
             app.router.add_get("/metrics", self.metrics)
         app.router.add_post(TOKEN_PATH, self.token)
@@ -130,6 +168,10 @@ class DecisionMakerApi:
         app.router.add_post("/api/v1/intents", self.push_pod_intents)
         app.router.add_delete("/api/v1/intents", self.delete_pod_intents)
         app.router.add_get("/api/v1/intents/merkle", self.pod_merkle)
+        app.router.add_get("/api/v1/intents", self.list_pod_intents)
+        app.router.add_get("/api/v1/pods/pids", self.pods_pids)
+        app.router.add_post("/api/v1/runtime-config", self.apply_runtime_config)
+        app.router.add_get("/api/v1/runtime-config", self.get_runtime_config)
         return app
 
     @web.middleware
@@ -188,6 +230,10 @@ class DecisionMakerApi:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "healthy", "timestamp": now_rfc3339(), "service": SERVICE_NAME})
 
+    async def version(self, request: web.Request) -> web.Response:
+        """Upstream's shape, not enveloped (api/decisionmaker/rest/handler.go Version)."""
+        return web.json_response({"message": SERVICE_NAME, "version": __version__, "endpoints": ENDPOINTS})
+
     async def metrics(self, request: web.Request) -> web.Response:
         assert self._metrics_text is not None
         text = await asyncio.to_thread(self._metrics_text)
@@ -230,140 +276,231 @@ class DecisionMakerApi:
     # -- node policies (source `manager`) --------------------------------------------------------
 
     async def push_node_policies(self, request: web.Request) -> web.Response:
+        self._node_contact()
         try:
-            intents = node_policies(await self._json(request), self._store.max_intents_per_source)
+            push = node_policies(await self._json(request), self._store.max_intents_per_source)
         except BodyError as exc:
             return self._push_refused(request, str(exc))
-        return await self._apply(request, NODE_SOURCE, lambda: (intents, None))
+        return await self._apply(request, NODE_SOURCE, lambda: push)
 
     async def delete_node_policies(self, request: web.Request) -> web.Response:
+        self._node_contact()
         try:
-            body = await self._json(request)
-            policy_id, delete_all = _delete_args(body, "policyId")
+            policy_id, delete_all = _delete_args(await self._json(request), "policyId")
         except BodyError as exc:
             return failure(400, str(exc))
-        if delete_all:
-            return await self._apply(request, NODE_SOURCE, lambda: ([], None), deleting=True)
-        if not policy_id:
+        if not delete_all and not policy_id:
             return failure(400, "policyId is required when 'all' is false")
-
-        def work() -> int:
-            with self._lock:
-                try:
-                    self._store.delete(NODE_SOURCE, policy_id, allow_reserved=True)
-                except IntentNotFoundError:
-                    return 0  # already gone: deleting is idempotent, as upstream's is
-                return 1
-
-        try:
-            deleted = await asyncio.to_thread(work)
-        except (StoreError, OSError) as exc:
-            return self._store_failure(exc)
-        self._stats.deletes += 1
-        log.info("rest_intents_deleted", source=NODE_SOURCE, intent_id=policy_id, deleted=deleted,
-                 client_id=request.get(CLIENT_ID, ""))
-        return success({"deleted": deleted})
+        # upstream drops every cached entry with that policyID (duplicates included)
+        return await self._apply(
+            request, NODE_SOURCE,
+            lambda: self._without(
+                NODE_SOURCE, delete_all, lambda e: node_record_of(e).policy_id == policy_id
+            ),
+            deleting=True,
+        )
 
     async def node_merkle(self, request: web.Request) -> web.Response:
+        self._node_contact()
+        return success({"rootHash": self._node_root()})
+
+    def _node_root(self) -> str:
         current = self._store.get(NODE_SOURCE)
-        intents = current.intents if current is not None else ()
-        return success({"rootHash": records_root(node_record(i) for i in intents)})
+        if current is None:
+            return EMPTY_ROOT
+        if current.entries:
+            return records_root(node_record_of(e) for e in current.entries)
+        return records_root(legacy_node_record(i) for i in current.intents)
 
     async def list_node_policies(self, request: web.Request) -> web.Response:
-        """Not upstream's: what this node holds from the Manager and what became of it."""
+        """Not upstream's: every entry the Manager pushed, and what became of it."""
         current = self._store.get(NODE_SOURCE)
-        intents = current.intents if current is not None else ()
-        states: dict[str, Any] = {}
-        if self._status is not None:
-            snapshot = await asyncio.to_thread(self._status, NODE_SOURCE)
-            states = {st.intent.id: st for st in snapshot.intents if st.source == NODE_SOURCE}
-        rows = []
-        for intent in intents:
-            rec = node_record(intent)
-            row: dict[str, Any] = {
-                "policyID": rec.policy_id,
-                "nodeID": rec.node_id,
-                "commandRegex": rec.command_regex,
-                "priority": rec.priority,
-                "executionTime": rec.execution_time,
-            }
-            st = states.get(intent.id)
-            if st is not None:
-                row.update(state=str(st.state), reason=st.reason, matchedTasks=st.matched_tasks,
-                           warnings=list(st.warnings))
-            rows.append(row)
+        entries = current.entries if current is not None else ()
+        if current is not None and not entries:  # state written before entries were kept
+            entries = tuple(SenderEntry(record=legacy_node_record(i).as_doc(), key=i.id, intent_id=i.id)
+                            for i in current.intents)
+        rows = await self._entry_rows(NODE_SOURCE, entries)
         return success({
             "generation": current.generation if current is not None else 0,
-            "rootHash": records_root(node_record(i) for i in intents),
+            "rootHash": self._node_root(),
             "policies": rows,
         })
+
+    def _node_contact(self) -> None:
+        """The Manager looked at node policies: it has node intents somewhere (see _pod_contact)."""
+        with self._lock:
+            self._silent_since = None
 
     # -- pod intents (source `manager-pods`) -----------------------------------------------------
 
     async def push_pod_intents(self, request: web.Request) -> web.Response:
         try:
-            intents, records = pod_intents(await self._json(request))
+            push = pod_intents(await self._json(request), self._store.max_intents_per_source)
         except BodyError as exc:
             return self._push_refused(request, str(exc))
-        return await self._apply(request, POD_SOURCE, lambda: (intents, records))
+        return await self._apply(request, POD_SOURCE, lambda: push)
 
     async def delete_pod_intents(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json(request)
-            pod_id, delete_all = _delete_args(body, "podId")
+            pod_id, delete_all = _delete_args(await self._json(request), "podId")
         except BodyError as exc:
             return failure(400, str(exc))
-        if delete_all:
-            return await self._apply(request, POD_SOURCE, lambda: ([], []), deleting=True)
-        if not pod_id:
+        if not delete_all and not pod_id:
             return failure(400, "podId is required when 'all' is false")
-
-        def without_pod() -> tuple[list[Intent], list[PodIntentRecord]]:
-            current = self._store.get(POD_SOURCE)
-            held = current.intents if current is not None else ()
-            kept = [i for i in held if i.pod_uid != pod_id.lower()]
-            return kept, [r for r in self._pod_records if r.pod_id.lower() != pod_id.lower()]
-
-        return await self._apply(request, POD_SOURCE, without_pod, deleting=True)
+        return await self._apply(
+            request, POD_SOURCE,
+            lambda: self._without(POD_SOURCE, delete_all,
+                                  lambda e: pod_record_of(e).pod_id.lower() == pod_id.lower()),
+            deleting=True,
+        )
 
     async def pod_merkle(self, request: web.Request) -> web.Response:
+        root = self._pod_root()
+        await self._pod_contact(request)
+        return success({"rootHash": root})
+
+    def _pod_root(self) -> str:
         current = self._store.get(POD_SOURCE)
-        if current is None or not current.intents:
-            return success({"rootHash": EMPTY_ROOT})
+        return records_root(pod_record_of(e) for e in (current.entries if current is not None else ()))
+
+    async def list_pod_intents(self, request: web.Request) -> web.Response:
+        """Not upstream's: every pod intent entry the Manager pushed, and what became of it."""
+        current = self._store.get(POD_SOURCE)
+        rows = await self._entry_rows(POD_SOURCE, current.entries if current is not None else ())
+        return success({
+            "generation": current.generation if current is not None else 0,
+            "rootHash": self._pod_root(),
+            "intents": rows,
+        })
+
+    async def _pod_contact(self, request: web.Request) -> None:
+        """The Manager checks every node's pod-intent root on each reconcile cycle, and the node-policy
+        root only when some node intent exists anywhere in the cluster (Gthulhu/Gthulhu@c969a96b,
+        api/manager/service/cron_svc.go, resyncIntentsToDMs and resyncNodeIntentsToDMs; every 30 s,
+        api/manager/app/rest_app.go). Pod checks for `node_silence_s` with no node contact mean it has
+        none: node policies we still hold (persisted, a DELETE missed while we were down) are stale, and
+        it would never tell us. They are dropped."""
+        now = time.monotonic()
         with self._lock:
-            records = list(self._pod_records)
-        return success({"rootHash": records_root(records)})
+            if self._silent_since is None:
+                self._silent_since = now
+            stale = self._node_silence_s > 0 and now - self._silent_since >= self._node_silence_s
+        current = self._store.get(NODE_SOURCE)
+        if not stale or current is None or not (current.intents or current.entries):
+            return
+        log.warning(
+            "rest_node_policies_expired",
+            policies=len(current.entries) or len(current.intents),
+            reason="the Manager checks pod intents but no longer node policies: it holds no node intent "
+            "anywhere, so the ones held here were deleted while it could not tell us",
+        )
+        self._stats.node_policies_expired += 1
+        await self._apply(request, NODE_SOURCE, lambda: Push([], []), deleting=True)
+
+    # -- pods and runtime config ------------------------------------------------------------------
+
+    async def pods_pids(self, request: web.Request) -> web.Response:
+        """Every pod on this node and its processes, for the Manager's UI (upstream's field names)."""
+        pods = await asyncio.to_thread(pods_on_node, self._proc_root)
+        return success({
+            "pods": [{"pod_uid": p.pod_uid, "processes": [
+                {"pid": q.pid, "command": q.command, "ppid": q.ppid, "container_id": q.container_id}
+                for q in p.processes]} for p in pods],
+            "timestamp": now_rfc3339(),
+            "node_name": self._node_name,
+        })
+
+    async def apply_runtime_config(self, request: web.Request) -> web.Response:
+        try:
+            fields = parse_body(await self._json(request))
+        except BodyError as exc:
+            return failure(400, str(exc))
+        try:
+            state = await asyncio.to_thread(self._runtime.apply, fields)
+        except OSError as exc:
+            return failure(500, f"Failed to persist the runtime config: {exc}")
+        return success(self._runtime_view(state))
+
+    async def get_runtime_config(self, request: web.Request) -> web.Response:
+        return success(self._runtime_view(self._runtime.state))
+
+    def runtime_notes(self) -> list[str]:
+        return self._runtime.state.notes()
+
+    @staticmethod
+    def _runtime_view(state: RuntimeConfigState) -> dict[str, Any]:
+        """Upstream's status fields (configVersion, applied, appliedAt, configAvailable, the values)
+        plus ours: what is in effect, what waits for a scheduler reload, and why the rest is not."""
+        version = state.received.get("configVersion", "")
+        return {
+            **{k: v for k, v in state.received.items() if k != "configVersion"},
+            "configVersion": version,
+            "configAvailable": bool(state.received),
+            "applied": bool(state.applied) and not state.pending_reload,
+            "appliedAt": datetime.fromtimestamp(state.applied_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            if state.applied_at else "",
+            "inEffect": {k: v for k, v in state.applied.items() if k not in state.pending_reload},
+            "pendingReload": list(state.pending_reload),
+            "notApplicable": dict(state.not_applicable),
+        }
 
     # -- shared ----------------------------------------------------------------------------------
+
+    def _without(self, source: str, everything: bool, doomed: Callable[[SenderEntry], bool]) -> Push:
+        """The source's push minus the entries `doomed` picks (all of them with `everything`)."""
+        current = self._store.get(source)
+        if everything or current is None:
+            return Push([], [])
+        kept = [e for e in current.entries if not doomed(e)]
+        ids = {e.intent_id for e in kept}
+        return Push([i for i in current.intents if i.id in ids], kept)
+
+    async def _entry_rows(self, source: str, entries: Sequence[SenderEntry]) -> list[dict[str, Any]]:
+        states: dict[str, IntentStatus] = {}
+        if self._status is not None:
+            snapshot = await asyncio.to_thread(self._status, source)
+            states = {st.intent.id: st for st in snapshot.intents if st.source == source}
+        rows = []
+        for entry in entries:
+            row: dict[str, Any] = dict(entry.record)
+            st = states.get(entry.key)
+            if st is not None:
+                row.update(state=str(st.state), reason=st.reason, matchedTasks=st.matched_tasks,
+                           warnings=list(st.warnings))
+            elif entry.failed:
+                row.update(state=str(IntentState.FAILED), reason=entry.failed, matchedTasks=0, warnings=[])
+            rows.append(row)
+        return rows
 
     async def _apply(
         self,
         request: web.Request,
         source: str,
-        new_set: Callable[[], tuple[list[Intent], list[PodIntentRecord] | None]],
+        new_set: Callable[[], Push],
         *,
         deleting: bool = False,
     ) -> web.Response:
         """Replace `source`'s set in the store (generation 0: the same set again is a no-op).
 
         `new_set` runs under the lock, so a set derived from the current one (a delete) cannot lose a
-        concurrent push; it returns the intents and, for pod intents, the records the merkle root uses.
+        concurrent push.
         """
 
-        def work() -> tuple[list[Intent], int, bool]:
+        def work() -> tuple[Push, int, bool]:
             with self._lock:
-                intents, pod_records = new_set()
-                outcome = self._store.apply(source, 0, intents, allow_reserved=True)
-                if pod_records is not None:
-                    self._pod_records = pod_records
-                return intents, outcome.generation, outcome.changed
+                push = new_set()
+                outcome = self._store.apply(
+                    source, 0, push.intents, allow_reserved=True, entries=push.entries
+                )
+                return push, outcome.generation, outcome.changed
 
         try:
-            intents, generation, changed = await asyncio.to_thread(work)
+            push, generation, changed = await asyncio.to_thread(work)
         except IntentValidationError as exc:
             return self._push_refused(request, str(exc))
         except (StoreError, OSError) as exc:
             return self._store_failure(exc)
+        intents, failed = push.intents, push.failed
         other = sorted(i.id for i in intents if i.node_names and self._node_name not in i.node_names)
         if deleting:
             self._stats.deletes += 1
@@ -373,10 +510,23 @@ class DecisionMakerApi:
             "rest_intents_replaced",
             source=source,
             intents=len(intents),
+            entries=len(push.entries),
+            failed=len(failed),
             generation=generation,
             changed=changed,
             client_id=request.get(CLIENT_ID, ""),
         )
+        if failed and changed:
+            self._stats.entries_failed += len(failed)
+            log.warning(
+                "rest_entries_not_honoured",
+                source=source,
+                entries=len(failed),
+                first=failed[0].key,
+                reason=failed[0].failed,
+                hint="accepted and counted in the merkle root as the Manager expects; see "
+                "gthulhu-node status",
+            )
         if other:
             log.warning(
                 "rest_intents_for_other_node",
@@ -387,6 +537,8 @@ class DecisionMakerApi:
                 hint="set node.name to the Kubernetes node name the Manager uses",
             )
         data: dict[str, Any] = {"accepted": len(intents), "generation": generation, "changed": changed}
+        if failed:
+            data["failed"] = [{"key": e.key, "reason": e.failed} for e in failed]
         if other:
             data["notForThisNode"] = other
         return success(data)

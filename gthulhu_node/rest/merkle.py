@@ -19,6 +19,8 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gthulhu_node.intents.model import RecordValue
+
 EMPTY_ROOT = hashlib.sha256(b"").hexdigest()
 
 
@@ -62,6 +64,16 @@ class NodePolicyRecord:
             (self.node_id, self.policy_id, self.command_regex, str(self.priority), str(self.execution_time))
         )
 
+    def as_doc(self) -> dict[str, RecordValue]:
+        """The Manager's field names and values (what a SenderEntry keeps)."""
+        return {"nodeID": self.node_id, "policyID": self.policy_id, "commandRegex": self.command_regex,
+                "priority": self.priority, "executionTime": self.execution_time}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, RecordValue]) -> NodePolicyRecord:
+        return cls(_text(doc, "nodeID"), _text(doc, "policyID"), _text(doc, "commandRegex"),
+                   _number(doc, "priority"), _number(doc, "executionTime"))
+
     def leaf(self) -> str:
         return sha256_hex(
             f"nodeID={self.node_id}|policyID={self.policy_id}|commandRegex={self.command_regex}"
@@ -81,6 +93,20 @@ class PodIntentRecord:
     priority: int
     execution_time: int
     labels: Mapping[str, str] = field(default_factory=dict)
+
+    def as_doc(self) -> dict[str, RecordValue]:
+        """The Manager's field names and values (what a SenderEntry keeps)."""
+        return {"podName": self.pod_name, "podID": self.pod_id, "nodeID": self.node_id,
+                "k8sNamespace": self.namespace, "commandRegex": self.command_regex,
+                "priority": self.priority, "executionTime": self.execution_time,
+                "podLabels": dict(self.labels)}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, RecordValue]) -> PodIntentRecord:
+        labels = doc.get("podLabels")
+        return cls(_text(doc, "podName"), _text(doc, "podID"), _text(doc, "nodeID"),
+                   _text(doc, "k8sNamespace"), _text(doc, "commandRegex"), _number(doc, "priority"),
+                   _number(doc, "executionTime"), dict(labels) if isinstance(labels, dict) else {})
 
     def _labels(self) -> str:
         return ",".join(sorted(f"{k}={v}" for k, v in self.labels.items()))
@@ -111,3 +137,13 @@ def records_root(records: Iterable[NodePolicyRecord | PodIntentRecord]) -> str:
     """Root over records in the Manager's order."""
     ordered = sorted(records, key=lambda r: r.sort_key())
     return merkle_root([r.leaf() for r in ordered])
+
+
+def _text(doc: Mapping[str, RecordValue], key: str) -> str:
+    value = doc.get(key, "")
+    return value if isinstance(value, str) else ""
+
+
+def _number(doc: Mapping[str, RecordValue], key: str) -> int:
+    value = doc.get(key, 0)
+    return value if isinstance(value, int) else 0

@@ -27,6 +27,7 @@ from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.rest.app import DecisionMakerApi, RestStats, StatusFn
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
 from gthulhu_node.rest.listener import BoundedListener, ListenerStats
+from gthulhu_node.rest.runtime_config import RuntimeConfig
 from gthulhu_node.rest.tls import server_context
 
 log = structlog.get_logger(__name__)
@@ -114,6 +115,7 @@ class RestServer:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._port = 0
+        self._api: DecisionMakerApi | None = None
 
     @property
     def port(self) -> int:
@@ -123,6 +125,10 @@ class RestServer:
     @property
     def scheme(self) -> str:
         return "http" if self._config.insecure_allow_plain_http else "https"
+
+    def notes(self) -> list[str]:
+        """What status shows under the `manager` source (runtime-config fields and their effect)."""
+        return self._api.runtime_notes() if self._api is not None else []
 
     def stats(self) -> RestStats:
         """A copy of the counters (the listener's thread keeps counting in the original)."""
@@ -150,7 +156,11 @@ class RestServer:
             stats=self._stats,
             status=self._status,
             metrics_text=self._metrics_text,
+            node_silence_s=self._config.node_policy_silence_s,
+            runtime_config=RuntimeConfig(self._store.state_dir, frozenset(self._config.runtime_config_allow)),
         )
+        self._api = api
+        api.check_state()
         self._thread = threading.Thread(
             target=self._run, args=(api.app(), host, port, ssl_ctx), name="gthulhu-rest", daemon=True
         )

@@ -1,100 +1,261 @@
-"""Between the Manager's JSON and the intent contract.
+"""Between the Manager's JSON and the intent contract, as leniently as upstream's Decision Maker.
 
-Node policies (`POST /api/v1/node-intents`) become intents of the source `manager`: id = `policyID`,
-`nodeID` -> `nodeNames: [nodeID]` (so status says "not for this node" when the Manager's node name is not
-this node's configured name, instead of applying it silently; see docs/rest.md). Pod intents
-(`POST /api/v1/intents`) become intents of `manager-pods` with `podUID` set.
+Upstream's Decision Maker accepts every push whose JSON decodes into its request struct (Go
+`encoding/json`) and skips, at match time, what it cannot use (Gthulhu/Gthulhu@c969a96b,
+api/decisionmaker/rest/node_policy_hdl.go, intent_handler.go, service/node_policy_svc.go). The Manager
+never validates and never stops re-pushing a refused set, so refusing one entry would wedge every later
+policy of the node. Hence two levels here:
+- the body itself: not a JSON object, a field of the wrong JSON type, a number that does not fit Go's
+  int64, a list or string over our size limits: BodyError (400 naming the field), as Go's decoder
+  (or the hardening limits) would refuse it;
+- each entry: kept as the Manager wrote it (a SenderEntry, so the merkle root is the Manager's) and
+  turned into an intent when we can honour it; otherwise it is a failed entry with the reason, shown in
+  status. Values out of our bounds follow upstream where it has a behaviour (a node policy without a
+  pattern is skipped; a priority above 20 cannot be stored by upstream's scheduler either: both fail
+  here, loudly) and are clamped with a warning where it has none (executionTime, a negative priority).
 
-Every value goes through the contract's own validation (`parse_intent`); error messages name the field
-the way the Manager wrote it (`policies[3].priority: priority 25 is outside 0-20`). Fields the contract
-does not know are ignored, as the Manager's Go decoder would ignore ours: a newer Manager adding a field
-must not make every push fail.
+Node policies become intents of the source `manager`: id = `policyID`, `nodeID` -> `nodeNames: [nodeID]`.
+Pod intents become intents of `manager-pods` with `podUID` set; an empty `commandRegex` there selects every
+task of the pod but its pause container, as upstream's does.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from gthulhu_node.intents.model import Intent
-from gthulhu_node.intents.parse import IntentValidationError, check_set, parse_intent
+from gthulhu_node.intents.model import (
+    ID_RE,
+    PATTERN_MAX_BYTES,
+    PRIORITY_MAX,
+    SLICE_MAX_NS,
+    SLICE_MIN_NS,
+    Intent,
+    RecordValue,
+    SenderEntry,
+)
+from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.rest.merkle import NodePolicyRecord, PodIntentRecord, sha256_hex
 
 NAME_MAX = 253
+# A pattern longer than the contract allows fails its entry; one longer than this fails the body (size).
+REGEX_FIELD_MAX = 16 * PATTERN_MAX_BYTES
+GO_INT64_MIN, GO_INT64_MAX = -(2**63), 2**63 - 1
 
 
 class BodyError(ValueError):
     """A request body that is not what the route expects; the message names the field."""
 
 
-def _list_field(body: Any, name: str) -> list[Any]:
+@dataclass(frozen=True, slots=True)
+class Push:
+    """What a push becomes: the intents to apply and every entry as the Manager wrote it."""
+
+    intents: list[Intent]
+    entries: list[SenderEntry]
+
+    @property
+    def failed(self) -> list[SenderEntry]:
+        return [e for e in self.entries if e.failed]
+
+
+def _list_field(body: Any, name: str, max_count: int) -> list[Any]:
     if not isinstance(body, Mapping):
-        raise BodyError("request body must be a JSON object")
+        raise BodyError("Invalid request payload: expected a JSON object")
     value = body.get(name)
-    if value is None:  # absent or null: Go decodes both to an empty slice
+    if value is None:  # absent or null: Go decodes both to an empty slice, which empties the set
         return []
     if not isinstance(value, list):
         raise BodyError(f"{name}: expected a list")
+    if len(value) > max_count:
+        raise BodyError(f"{name}: {len(value)} entries, at most {max_count} per source")
     return value
 
 
-def _str(item: Mapping[str, Any], key: str, where: str) -> str:
-    value = item.get(key, "")
+def _item(value: Any, where: str) -> Mapping[str, Any]:
+    if value is None:  # Go decodes a null element of []struct to the zero struct
+        return {}
+    if not isinstance(value, Mapping):
+        raise BodyError(f"{where}: expected an object")
+    return value
+
+
+def _str(item: Mapping[str, Any], key: str, where: str, limit: int = NAME_MAX) -> str:
+    value = item.get(key)
     if value is None:
         return ""
     if not isinstance(value, str):
         raise BodyError(f"{where}.{key}: expected a string")
-    if len(value) > NAME_MAX:
-        raise BodyError(f"{where}.{key}: longer than {NAME_MAX} characters")
+    if len(value) > limit:
+        raise BodyError(f"{where}.{key}: longer than {limit} characters")
     return value
 
 
-def _int_or_zero(item: Mapping[str, Any], key: str) -> Any:
+def _int(item: Mapping[str, Any], key: str, where: str) -> int:
     value = item.get(key)
-    return 0 if value is None else value  # a wrong type is refused by the contract, naming the field
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BodyError(f"{where}.{key}: expected an integer")
+    if not GO_INT64_MIN <= value <= GO_INT64_MAX:
+        raise BodyError(f"{where}.{key}: does not fit a 64-bit integer")
+    return value
 
 
-def _renamed(exc: IntentValidationError, renames: Sequence[tuple[str, str]]) -> BodyError:
-    field = exc.field
-    for ours, theirs in renames:
-        field = re.sub(rf"\.{ours}(\[\d+\])?$", f".{theirs}", field)
-    return BodyError(f"{field}: {exc.message}" if field else exc.message)
+@dataclass(frozen=True, slots=True)
+class _Values:
+    """An entry's priority and slice as we can honour them, or why we cannot."""
+
+    priority: int
+    execution_time: int
+    warnings: tuple[str, ...]
+    failed: str = ""
 
 
-_POLICY_RENAMES = (("id", "policyID"), ("nodeNames", "nodeID"))
-_POD_RENAMES = (("podUID", "podID"), ("nodeNames", "nodeID"))
+def honourable(priority: int, execution_time: int) -> _Values:
+    """Bring the Manager's numbers into the contract's bounds (module docstring: which and why)."""
+    warnings: list[str] = []
+    if priority > PRIORITY_MAX:
+        return _Values(priority, execution_time, (), (
+            f"priority {priority} is above {PRIORITY_MAX}: upstream's scheduler cannot store it either "
+            f"(its map write fails silently); use 0-{PRIORITY_MAX}"
+        ))
+    if priority < 0:
+        warnings.append(f"priority {priority} is negative: applied as 0 (no boost), as upstream boosts only "
+                        "priority > 0")
+        priority = 0
+    if execution_time < 0:
+        warnings.append(f"executionTime {execution_time} ns is negative: applied as 0 (the default slice)")
+        execution_time = 0
+    elif 0 < execution_time < SLICE_MIN_NS:
+        warnings.append(f"executionTime {execution_time} ns is below {SLICE_MIN_NS} ns: clamped to "
+                        f"{SLICE_MIN_NS} ns")
+        execution_time = SLICE_MIN_NS
+    elif execution_time > SLICE_MAX_NS:
+        warnings.append(f"executionTime {execution_time} ns is above {SLICE_MAX_NS} ns: clamped to "
+                        f"{SLICE_MAX_NS} ns")
+        execution_time = SLICE_MAX_NS
+    return _Values(priority, execution_time, tuple(warnings))
 
 
-def node_policies(body: Any, max_count: int) -> list[Intent]:
-    """The intents of a node-intents push. Raises BodyError naming the field."""
-    out: list[Intent] = []
-    for index, item in enumerate(_list_field(body, "policies")):
-        where = f"policies[{index}]"
-        if not isinstance(item, Mapping):
-            raise BodyError(f"{where}: expected an object")
-        node_id = _str(item, "nodeID", where)
-        doc: dict[str, Any] = {
-            "id": _str(item, "policyID", where),
-            "commandRegex": _str(item, "commandRegex", where),
-            "priority": _int_or_zero(item, "priority"),
-            "executionTime": _int_or_zero(item, "executionTime"),
-        }
-        if node_id:
-            doc["nodeNames"] = [node_id]
-        try:
-            out.append(parse_intent(doc, where))
-        except IntentValidationError as exc:
-            raise _renamed(exc, _POLICY_RENAMES) from None
+def _outcome(doc: dict[str, Any], values: _Values, where: str) -> tuple[Intent | None, str]:
+    """The intent an entry becomes, or None and why not (the contract's words, our field names)."""
+    if values.failed:
+        return None, values.failed
+    doc = {**doc, "priority": values.priority, "executionTime": values.execution_time}
     try:
-        check_set(out, max_count=max_count, where="policies")
+        return parse_intent(doc), ""
     except IntentValidationError as exc:
-        raise _renamed(exc, _POLICY_RENAMES) from None
-    return out
+        return None, exc.message
 
 
-def node_record(intent: Intent) -> NodePolicyRecord:
-    """What the Manager hashes, recovered from a stored `manager` intent."""
+def _entry(record: dict[str, RecordValue], intent: Intent | None, ident: str, index: int, failed: str,
+           warnings: tuple[str, ...]) -> SenderEntry:
+    """The kept entry. One that became no intent is named `<id>#<index>` in status: never an intent id
+    (those cannot hold '#'), distinct from a duplicate's first occurrence."""
+    if intent is not None:
+        return SenderEntry(record=record, key=intent.id, intent_id=intent.id, warnings=warnings)
+    return SenderEntry(record=record, key=f"{ident if ID_RE.match(ident) else ''}#{index}", failed=failed)
+
+
+def node_policies(body: Any, max_count: int) -> Push:
+    """The intents and entries of a node-intents push. Raises BodyError (400) for a malformed body only."""
+    intents: list[Intent] = []
+    entries: list[SenderEntry] = []
+    first_at: dict[str, int] = {}
+    for index, raw in enumerate(_list_field(body, "policies", max_count)):
+        where = f"policies[{index}]"
+        item = _item(raw, where)
+        record = NodePolicyRecord(
+            node_id=_str(item, "nodeID", where),
+            policy_id=_str(item, "policyID", where),
+            command_regex=_str(item, "commandRegex", where, REGEX_FIELD_MAX),
+            priority=_int(item, "priority", where),
+            execution_time=_int(item, "executionTime", where),
+        )
+        values = honourable(record.priority, record.execution_time)
+        doc: dict[str, Any] = {"id": record.policy_id, "commandRegex": record.command_regex}
+        if record.node_id:
+            doc["nodeNames"] = [record.node_id]
+        if not record.command_regex:
+            intent, failed = None, (
+                "commandRegex is empty: upstream's Decision Maker skips a node policy without a pattern; "
+                "give one (^name$ for an exact thread name)"
+            )
+        elif record.policy_id in first_at:
+            intent, failed = None, (
+                f"duplicate policyID (also policies[{first_at[record.policy_id]}]): the first one is applied"
+            )
+        else:
+            intent, failed = _outcome(doc, values, where)
+        first_at.setdefault(record.policy_id, index)
+        if intent is not None:
+            intents.append(intent)
+        entries.append(_entry(record.as_doc(), intent, record.policy_id, index, failed, values.warnings))
+    return Push(intents, entries)
+
+
+def pod_intents(body: Any, max_count: int) -> Push:
+    """The intents and entries of a pod-intents push. Raises BodyError (400) for a malformed body only.
+
+    The intent id is `<podID>.<12 hex digits of the leaf hash>`: stable across re-pushes of the same
+    intent, distinct for several intents of one pod. Exact repeats stay separate entries (the Manager
+    hashes each) but are one intent.
+    """
+    intents: list[Intent] = []
+    entries: list[SenderEntry] = []
+    seen: set[str] = set()
+    for index, raw in enumerate(_list_field(body, "intents", max_count)):
+        where = f"intents[{index}]"
+        item = _item(raw, where)
+        labels_raw = item.get("podLabels") or {}
+        if not isinstance(labels_raw, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels_raw.items()
+        ):
+            raise BodyError(f"{where}.podLabels: expected an object of strings")
+        record = PodIntentRecord(
+            pod_name=_str(item, "podName", where),
+            pod_id=_str(item, "podID", where),
+            node_id=_str(item, "nodeID", where),
+            namespace=_str(item, "k8sNamespace", where),
+            command_regex=_str(item, "commandRegex", where, REGEX_FIELD_MAX),
+            priority=_int(item, "priority", where),
+            execution_time=_int(item, "executionTime", where),
+            labels=dict(labels_raw),
+        )
+        values = honourable(record.priority, record.execution_time)
+        warnings = values.warnings
+        if not record.command_regex:
+            warnings += ("no commandRegex: every task of the pod but its pause container, as upstream",)
+        ident = f"{record.pod_id}.{sha256_hex(record.sort_key())[:12]}"
+        doc: dict[str, Any] = {"id": ident, "commandRegex": record.command_regex, "podUID": record.pod_id}
+        if record.node_id:
+            doc["nodeNames"] = [record.node_id]
+        if not record.pod_id:
+            intent, failed = None, "podID is empty: this intent selects no pod"
+        else:
+            intent, failed = _outcome(doc, values, where)
+            if intent is None and ID_RE.match(ident) is None:
+                failed = "podID is not a pod UID: this intent selects no pod"
+        if intent is not None and intent.id not in seen:
+            seen.add(intent.id)
+            intents.append(intent)
+        entries.append(_entry(record.as_doc(), intent, record.pod_id, index, failed, warnings))
+    return Push(intents, entries)
+
+
+def node_record_of(entry: SenderEntry) -> NodePolicyRecord:
+    return NodePolicyRecord.from_doc(entry.record)
+
+
+def pod_record_of(entry: SenderEntry) -> PodIntentRecord:
+    return PodIntentRecord.from_doc(entry.record)
+
+
+def legacy_node_record(intent: Intent) -> NodePolicyRecord:
+    """What the Manager hashed, recovered from a `manager` intent stored before entries were kept (the
+    contract then refused every value it could not hold as it was, so the intent is the record)."""
     return NodePolicyRecord(
         node_id=intent.node_names[0] if intent.node_names else "",
         policy_id=intent.id,
@@ -102,59 +263,3 @@ def node_record(intent: Intent) -> NodePolicyRecord:
         priority=intent.priority,
         execution_time=intent.execution_time,
     )
-
-
-def pod_intents(body: Any) -> tuple[list[Intent], list[PodIntentRecord]]:
-    """The intents of a pod-intents push, and the records the Manager hashes for them.
-
-    The intent id is `<podID>.<12 hex digits of the leaf hash>`: stable across re-pushes of the same
-    intent, distinct for several intents of one pod. Records keep exact repeats (the Manager hashes
-    them), intents do not.
-    """
-    intents: list[Intent] = []
-    records: list[PodIntentRecord] = []
-    seen: set[str] = set()
-    for index, item in enumerate(_list_field(body, "intents")):
-        where = f"intents[{index}]"
-        if not isinstance(item, Mapping):
-            raise BodyError(f"{where}: expected an object")
-        labels_raw = item.get("podLabels") or {}
-        if not isinstance(labels_raw, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in labels_raw.items()
-        ):
-            raise BodyError(f"{where}.podLabels: expected an object of strings")
-        pod_id = _str(item, "podID", where)
-        if not pod_id:
-            raise BodyError(f"{where}.podID: required")
-        priority = _int_or_zero(item, "priority")
-        execution_time = _int_or_zero(item, "executionTime")
-        record = PodIntentRecord(
-            pod_name=_str(item, "podName", where),
-            pod_id=pod_id,
-            node_id=_str(item, "nodeID", where),
-            namespace=_str(item, "k8sNamespace", where),
-            command_regex=_str(item, "commandRegex", where),
-            priority=priority if isinstance(priority, int) else 0,
-            execution_time=execution_time if isinstance(execution_time, int) else 0,
-            labels=dict(labels_raw),
-        )
-        doc: dict[str, Any] = {
-            "id": f"{pod_id}.{sha256_hex(record.sort_key())[:12]}",
-            "commandRegex": record.command_regex,
-            "priority": priority,
-            "executionTime": execution_time,
-            "podUID": pod_id,
-        }
-        if record.node_id:
-            doc["nodeNames"] = [record.node_id]
-        try:
-            intent = parse_intent(doc, where)
-        except IntentValidationError as exc:
-            if exc.field.endswith(".id"):  # only a bad podID can make the derived id invalid
-                raise BodyError(f"{where}.podID: not a pod UID") from None
-            raise _renamed(exc, _POD_RENAMES) from None
-        records.append(record)
-        if intent.id not in seen:  # an exact repeat (same id = same values) is one intent
-            seen.add(intent.id)
-            intents.append(intent)
-    return intents, records

@@ -7,10 +7,13 @@ release; nothing newer is required. Errors come back as `LibbpfError` carrying e
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
+import threading
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -101,6 +104,40 @@ def _ptr(call: str, ptr: int | None) -> int:
     if not ptr:
         raise LibbpfError(call, ctypes.get_errno() or errno.ENOENT)
     return ptr
+
+
+# int (*)(enum libbpf_print_level, const char *fmt, va_list): a va_list argument is passed as a pointer on
+# x86-64 and arm64 alike, so vsnprintf can format it from here.
+_PRINT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_LIBBPF_WARN, _LIBBPF_INFO = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p]
+_capture_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def captured_messages(keep: int = 60) -> Iterator[deque[str]]:
+    """libbpf's warnings and notes while the block runs (the last `keep` lines): on a refused load they
+    hold the verifier's log and libbpf's reason, which the errno alone does not say."""
+    lines: deque[str] = deque(maxlen=keep)
+
+    def printer(level: int, fmt: bytes | None, args: int | None) -> int:
+        if level > _LIBBPF_INFO or fmt is None:
+            return 0
+        buf = ctypes.create_string_buffer(2048)
+        _libc.vsnprintf(buf, len(buf), fmt, args)
+        for line in buf.value.decode(errors="replace").splitlines():
+            if line.strip():
+                lines.append(line.rstrip())
+        return 0
+
+    callback = _PRINT_FN(printer)
+    with _capture_lock:
+        previous = lib().libbpf_set_print(ctypes.cast(callback, ctypes.c_void_p))
+        try:
+            yield lines
+        finally:
+            lib().libbpf_set_print(previous)
 
 
 class _BtfType(ctypes.Structure):

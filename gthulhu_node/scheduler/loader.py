@@ -16,13 +16,14 @@ import fcntl
 import os
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import structlog
 
-from gthulhu_node.backends.base import BackendError, BackendUnavailable
+from gthulhu_node.backends.base import BackendError, BackendUnavailable, SchedulerRefused
 from gthulhu_node.scheduler import libbpf
 from gthulhu_node.scheduler.layout import GthulhuBss, GthulhuSettings
 
@@ -99,7 +100,7 @@ def _possible_cpus() -> int:
     return int(last) + 1
 
 
-def _section(elf: bytes, name: str) -> tuple[int, int]:
+def elf_section(elf: bytes, name: str) -> tuple[int, int]:
     """(file offset, size) of an ELF64 little-endian section."""
     shoff = struct.unpack_from("<Q", elf, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
@@ -128,7 +129,7 @@ def patch_ops(elf: bytes, *, timeout_ms: int | None = None, name: str | None = N
         members = {m: (off, size) for m, off, size in probe.btf().struct_members("sched_ext_ops")}
     finally:
         probe.close()
-    sec_off, sec_size = _section(elf, ".struct_ops")
+    sec_off, sec_size = elf_section(elf, ".struct_ops")
     patched = bytearray(elf)
     if timeout_ms is not None:
         field_off, size = members["timeout_ms"]
@@ -257,6 +258,15 @@ def load(settings: LoadSettings, root: Path = SCHED_EXT, lock_path: Path = LOCK_
         raise
 
 
+def _refused(message: str, messages: Iterable[str]) -> SchedulerRefused:
+    """The refusal with libbpf's last words: the line that names the cause (a missing member or kfunc, the
+    verifier's complaint) goes into the message, all of them into `details`."""
+    details = tuple(messages)
+    cause = next((line.removeprefix("libbpf: ") for line in reversed(details)
+                  if not line.startswith(("libbpf: failed to load object", "-- END", "processed "))), "")
+    return SchedulerRefused(f"{message} ({cause})" if cause else message, details)
+
+
 def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedScheduler:
     flavour = kfunc_flavour()
     path = object_path(flavour, settings.bpf_object)
@@ -282,20 +292,21 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         rodata.set_initial_value(bytes(values))
         for prog in SLEEPABLE_PROGRAMS:
             obj.program(prog).add_flags(libbpf.BPF_F_SLEEPABLE)
-        try:
-            obj.load()
-        except OSError as exc:
-            raise BackendUnavailable(f"the kernel refused the scheduler ({path.name}): {exc}") from exc
-        try:
-            link = obj.map(OPS_MAP).attach_struct_ops()
-        except OSError as exc:
-            raise BackendUnavailable(f"attaching the scheduler failed: {exc}") from exc
+        with libbpf.captured_messages() as messages:
+            try:
+                obj.load()
+            except OSError as exc:
+                raise _refused(f"the kernel refused the scheduler ({path.name}): {exc}", messages) from exc
+            try:
+                link = obj.map(OPS_MAP).attach_struct_ops()
+            except OSError as exc:
+                raise _refused(f"attaching the scheduler failed: {exc}", messages) from exc
         state, ops = wait_state("enabled", ATTACH_TIMEOUT_S, root)
         loaded = LoadedScheduler(obj, link, lock, flavour)
         if state != "enabled" or ops != SCHED_NAME:
             info = loaded.bss(refresh_counts=False).exit_info
             loaded.detach()
-            raise BackendUnavailable(
+            raise SchedulerRefused(
                 f"scheduler did not stay enabled (state {state}, ops {ops!r}): "
                 f"{info.reason.decode(errors='replace')} {info.msg.decode(errors='replace')}".strip()
             )

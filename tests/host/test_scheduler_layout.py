@@ -56,7 +56,7 @@ def test_patch_ops_sets_timeout_and_name() -> None:
         members = {m: off for m, off, _ in obj.btf().struct_members("sched_ext_ops")}
     finally:
         obj.close()
-    sec, _ = loader._section(patched, ".struct_ops")
+    sec, _ = loader.elf_section(patched, ".struct_ops")
     assert int.from_bytes(patched[sec + members["timeout_ms"] :][:4], "little") == 2000
     assert patched[sec + members["name"] :][:6] == b"other\0"
     assert len(patched) == len(elf)

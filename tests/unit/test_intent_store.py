@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gthulhu_node.intents import store as store_module
-from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import (
     STATE_FILE,
@@ -146,6 +146,28 @@ def test_persisted_and_loaded(tmp_path: Path) -> None:
     with pytest.raises(StaleGenerationError):
         again.apply("b", 8, [])
     assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left behind
+
+
+def test_sender_entries_persist_with_their_intents(tmp_path: Path) -> None:
+    """A lenient sender's entries (failed ones too) survive a restart with the set they belong to; a
+    state file without entries (written before they existed) loads unchanged, same digest."""
+    entries = [
+        SenderEntry(record={"policyID": "x", "priority": 25}, key="x#0", failed="priority 25 is above 20"),
+        SenderEntry(record={"policyID": "y", "executionTime": 10_000}, key="y", intent_id="y",
+                    warnings=("clamped",)),
+    ]
+    store = IntentStore(tmp_path)
+    store.apply("manager", 0, [intent("y")], allow_reserved=True, entries=entries)
+    store.apply("b", 0, [intent("z")])
+    again = IntentStore(tmp_path)
+    again.load()
+    assert again.get("manager").entries == tuple(entries)  # type: ignore[union-attr]
+    reordered = again.apply("manager", 0, [intent("y")], allow_reserved=True, entries=entries[::-1])
+    assert reordered.changed is False
+    assert again.apply("manager", 0, [intent("y")], allow_reserved=True).changed is True  # entries count
+    doc = json.loads((tmp_path / STATE_FILE).read_text())
+    assert "entries" not in doc["sources"]["b"]  # sources without entries are written as before
+    assert again.get("b").push_digest == store.get("b").push_digest  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,56 @@ def test_upstream_rest_body_accepted_as_is(tmp_path: Path) -> None:
     (i,) = result.intents
     assert i.id == "policy-0" and i.node_names == ("dgx-spark-1",) and i.execution_time == 2_000_000
     assert i.node_selectors[0].key == "gpu"
-    assert any("draSelectors" in n for n in result.notes)
+    assert not result.notes and not result.failed  # an empty draSelectors list is no selector
+
+
+@pytest.mark.parametrize(
+    ("node", "labels", "selected"),
+    [
+        ("dgx-spark-1", {"gpu": "gb10"}, True),
+        ("dgx-spark-1", {"gpu": "h100"}, False),  # named, but the label query does not hold
+        ("dgx-spark-2", {"gpu": "gb10"}, False),  # labelled, but not named (before: selected, OR)
+    ],
+)
+def test_node_names_and_selectors_combine_as_upstream(
+    tmp_path: Path, node: str, labels: dict[str, str], selected: bool
+) -> None:
+    """Upstream's Manager intersects nodeNames with the label query (node_policy_svc.go
+    resolveNodesForPolicy, Gthulhu/Gthulhu@c969a96b); the OR read here before applied this policy to
+    every gb10 node whatever its name, and to a named node without the label (the second and third cases
+    failed before the fix)."""
+    (i,) = read_file(write(tmp_path / "policy.json", json.dumps(UPSTREAM_BODY))).intents
+    assert i.selects_node(node, labels) is selected
+
+
+def test_entry_without_selectors_is_for_this_node(tmp_path: Path) -> None:
+    (i,) = read_file(write(tmp_path / "mine.yaml", "commandRegex: x\npriority: 1\n")).intents
+    assert i.selects_node("any-node", {})
+
+
+def test_dra_selected_entry_is_failed_never_applied(tmp_path: Path) -> None:
+    """A DRA-only policy used to be applied on every node (draSelectors ignored); it must not be."""
+    body = {**UPSTREAM_BODY, "nodeNames": [], "nodeSelectors": [],
+            "draSelectors": [{"deviceClassName": "gpu.nvidia.com"}]}
+    d = tmp_path / "policies.d"
+    d.mkdir()
+    write(d / "dra.json", json.dumps(body))
+    write(d / "plain.yaml", "id: plain\ncommandRegex: x\n")
+    store = IntentStore(None)
+    LocalPolicies(d, store, poll_interval_s=0).reload()
+    held = store.get("local")
+    assert held is not None and [i.id for i in held.intents] == ["plain"]
+    (entry,) = held.entries
+    assert entry.key == "dra-0#0" and "draSelectors cannot be evaluated on a node" in entry.failed
+
+
+def test_node_name_from_environment_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gthulhu_node.config import AgentConfig
+
+    assert AgentConfig.model_validate({"node": {"name": "from-config"}}).node.name == "from-config"
+    monkeypatch.setenv("NODE_NAME", "from-downward-api")
+    assert AgentConfig.model_validate({"node": {"name": "from-config"}}).node.name == "from-downward-api"
+    assert AgentConfig().node.name == "from-downward-api"
 
 
 @pytest.mark.parametrize(

@@ -284,18 +284,44 @@ def test_token_needs_our_public_key(plain: Env, tmp_path: Path) -> None:
 # -- validation: the store's, naming the field -------------------------------------------------------
 
 @pytest.mark.parametrize(
-    ("bad", "field"),
+    ("bad", "reason"),
     [
-        ({"policyID": "not/valid", "commandRegex": "x", "priority": 1}, "policies[1].policyID"),
-        ({"policyID": "b" * 24, "commandRegex": "x", "priority": 25}, "policies[1].priority"),
-        ({"policyID": "b" * 24, "commandRegex": "x", "executionTime": 10}, "policies[1].executionTime"),
-        ({"policyID": "b" * 24, "commandRegex": "(unclosed", "priority": 1}, "policies[1].commandRegex"),
-        ({"policyID": "b" * 24, "priority": 1}, "policies[1].commandRegex"),
-        ({"policyID": "b" * 24, "commandRegex": "x", "priority": "high"}, "policies[1].priority"),
-        ({"policyID": "a" * 24, "commandRegex": "x", "priority": 1}, "policies[1].policyID"),
+        ({"policyID": "not/valid", "commandRegex": "x", "priority": 1}, "id must be"),
+        ({"policyID": "b" * 24, "commandRegex": "x", "priority": 25}, "priority 25 is above 20"),
+        ({"policyID": "b" * 24, "commandRegex": "(unclosed", "priority": 1}, "not valid RE2"),
+        ({"policyID": "b" * 24, "priority": 1}, "commandRegex is empty"),
+        ({"policyID": "a" * 24, "commandRegex": "x", "priority": 1}, "duplicate policyID (also policies[0])"),
     ],
 )
-def test_invalid_policy_is_refused_naming_the_field(plain: Env, bad: dict[str, Any], field: str) -> None:
+def test_unusable_policy_is_accepted_as_a_failed_entry(plain: Env, bad: dict[str, Any], reason: str) -> None:
+    """Upstream's Decision Maker accepts these and skips them when matching: a 400 would make the Manager
+    re-push the same set forever. Before this change each of them was a 400 for the whole push."""
+    token = plain.token()
+    good = policy("a" * 24)
+    reply = plain.call("POST", "/api/v1/node-intents", {"policies": [good, bad]}, token)
+    assert reply.status == 200 and reply.body["success"] is True, reply.body
+    assert reply.body["data"]["accepted"] == 1
+    [failed] = reply.body["data"]["failed"]
+    assert reason in failed["reason"] and failed["key"].endswith("#1")
+    assert held(plain.store, "manager").keys() == {"a" * 24}
+    merkle = plain.call("GET", "/api/v1/node-intents/merkle", token=token)
+    assert merkle.body["data"]["rootHash"] == shell_merkle(node_policy_rows([good, bad]))
+    rows = plain.call("GET", "/api/v1/node-intents", token=token).body["data"]["policies"]
+    assert rows[1]["state"] == "failed" and reason in rows[1]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"policyID": "b" * 24, "commandRegex": "x", "priority": "high"}, "policies[1].priority"),
+        ({"policyID": "b" * 24, "commandRegex": "x", "priority": 1.5}, "policies[1].priority"),
+        ({"policyID": "b" * 24, "commandRegex": "x", "executionTime": 2**63}, "policies[1].executionTime"),
+        ({"policyID": 7, "commandRegex": "x"}, "policies[1].policyID"),
+        ({"policyID": "b" * 24, "commandRegex": ["x"]}, "policies[1].commandRegex"),
+    ],
+)
+def test_wrong_json_types_are_refused_naming_the_field(plain: Env, bad: dict[str, Any], field: str) -> None:
+    """What Go's decoder refuses (upstream answers 400 "Invalid request payload"): nothing changes."""
     token = plain.token()
     good = policy("a" * 24)
     assert plain.call("POST", "/api/v1/node-intents", {"policies": [good]}, token).status == 200
@@ -378,6 +404,30 @@ def test_push_is_persisted(tmp_path: Path) -> None:
         assert root == shell_merkle(node_policy_rows(policies))
     finally:
         env2.server.stop()
+
+
+def test_state_from_before_entries_were_kept(tmp_path: Path) -> None:
+    """A state file of the previous version: `manager` intents without entries still answer the root the
+    Manager expects; `manager-pods` intents without entries cannot be hashed as it does, so they are
+    forgotten at start (counted, logged) rather than hidden behind sha256("")."""
+    old = IntentStore(tmp_path / "state")
+    old.apply("manager", 0, [Intent(id="a" * 24, commandRegex="^worker$", priority=5, nodeNames=[NODE])],
+              allow_reserved=True)
+    old.apply("manager-pods", 0, [Intent(id=f"{POD_A}.0123456789ab", commandRegex="x", podUID=POD_A)],
+              allow_reserved=True)
+    store = IntentStore(tmp_path / "state")
+    store.load()
+    env = start(tmp_path, insecure=True, store=store)
+    try:
+        token = env.token()
+        root = env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+        assert root == shell_merkle(node_policy_rows([policy("a" * 24, slice_ns=0)]))
+        assert env.call("GET", "/api/v1/node-intents", token=token).body["data"]["policies"][0]["policyID"] \
+            == "a" * 24
+        assert held(store, "manager-pods") == {}
+        assert env.server.stats().pod_intents_forgotten == 1
+    finally:
+        env.server.stop()
 
 
 def test_other_node_intents_are_recorded_and_reported(plain: Env) -> None:
@@ -499,17 +549,28 @@ def test_pod_intents_push_merkle_delete(plain: Env) -> None:
 
 
 @pytest.mark.parametrize(
-    ("bad", "field"),
+    ("bad", "reason"),
     [
-        ({"podID": "not a uid", "commandRegex": "x"}, "intents[0].podID"),
-        ({"commandRegex": "x"}, "intents[0].podID"),
-        ({"podID": POD_A, "commandRegex": "x", "priority": 99}, "intents[0].priority"),
-        ({"podID": POD_A, "commandRegex": "x", "podLabels": {"a": 1}}, "intents[0].podLabels"),
+        ({"podID": "not a uid", "commandRegex": "x"}, "podID is not a pod UID"),
+        ({"commandRegex": "x"}, "podID is empty"),
+        ({"podID": POD_A, "commandRegex": "x", "priority": 99}, "priority 99 is above 20"),
     ],
 )
-def test_invalid_pod_intent_is_refused(plain: Env, bad: dict[str, Any], field: str) -> None:
+def test_unusable_pod_intent_is_a_failed_entry(plain: Env, bad: dict[str, Any], reason: str) -> None:
+    """Accepted (upstream would), counted in the root, reported failed; each was a 400 before."""
+    token = plain.token()
+    reply = plain.call("POST", "/api/v1/intents", {"intents": [bad]}, token)
+    assert reply.status == 200, reply.body
+    assert reason in reply.body["data"]["failed"][0]["reason"]
+    assert held(plain.store, "manager-pods") == {}
+    merkle = plain.call("GET", "/api/v1/intents/merkle", token=token)
+    assert merkle.body["data"]["rootHash"] == shell_merkle(pod_intent_rows([bad]))
+
+
+def test_pod_intent_with_wrong_label_types_is_refused(plain: Env) -> None:
+    bad = {"podID": POD_A, "commandRegex": "x", "podLabels": {"a": 1}}
     reply = plain.call("POST", "/api/v1/intents", {"intents": [bad]}, plain.token())
-    assert reply.status == 400 and reply.body["error"].startswith(field), reply.body
+    assert reply.status == 400 and reply.body["error"].startswith("intents[0].podLabels"), reply.body
     assert plain.store.get("manager-pods") is None
 
 
