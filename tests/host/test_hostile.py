@@ -474,3 +474,31 @@ def test_unprivileged_user_naming_threads_to_take_a_boost(mode: str) -> None:
         attacker.kill()
         attacker.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_grpc_tcp_flood_without_handshakes_as_nobody() -> None:
+    """800 plain TCP connects to the mutual-TLS gRPC port. Before the fix gRPC kept every one (the agent
+    went from 14 to 818 fds); now at most api.tcp_max_connections are held, and the API still answers."""
+    from tests.host.agent_support import running_agent
+
+    base = short_dir()
+    pki = make_pki(base)
+    api = {"tcp_listen": "127.0.0.1:0", "tls_cert": str(pki.server_cert), "tls_key": str(pki.server_key),
+           "tls_client_ca": str(pki.ca)}
+    try:
+        with running_agent(base, api=api) as a:
+            assert a.api is not None and a.api.tcp_port
+            fds_before = len(os.listdir("/proc/self/fd"))  # the agent runs in this process
+            flood = Flood(a.api.tcp_port, processes=2, each=400)
+            try:
+                wait_for(lambda: accept_queue(a.api.tcp_port) == 0, what="the flood accepted or refused")
+                fds_during = len(os.listdir("/proc/self/fd"))
+                assert fds_during - fds_before <= a.config.api.tcp_max_connections + 16, fds_during
+                assert a.status().agent.ready
+                with grpc.insecure_channel(f"unix://{a.config.api.socket}") as channel:
+                    reply = pb_grpc.NodeAgentStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
+                    assert reply.agent.ready
+            finally:
+                flood.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
