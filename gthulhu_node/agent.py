@@ -31,7 +31,7 @@ from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
-from gthulhu_node.intents.model import Intent, intent_key
+from gthulhu_node.intents.model import Intent, intent_key, pattern_warnings
 from gthulhu_node.intents.status import (
     NO_MATCH_WARNING,
     NOOP_WARNING,
@@ -45,12 +45,26 @@ from gthulhu_node.intents.status import (
     StatusSnapshot,
 )
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
-from gthulhu_node.matching import PolicySet
+from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.reconciler import IntentStats, Reconciler
 
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+ANY_USER_WARNING = (
+    "{count} boosting intents name neither users nor a cgroup: any local user can get their priority by "
+    "naming a thread to match (restrict them with users or cgroupRegex, or set "
+    "security.unprivileged_tasks: named_only; docs/security.md)"
+)
+EXECUTABLE_WARNING = (
+    "executableRegex is not a security boundary (anyone can run the same executable): use users or "
+    "cgroupRegex to restrict who is boosted"
+)
+INSECURE_REST_WARNING = (
+    "the REST API on {listen} serves plain HTTP without client certificates "
+    "(rest.insecure_allow_plain_http): anyone who can reach it and has the public key can change this "
+    "node's scheduling"
+)
 MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
 MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
 SYNC_TIMEOUT_S = 5.0
@@ -90,6 +104,7 @@ class Agent:
             config.state.directory,
             max_intents_per_source=config.api.max_intents_per_source,
             max_sources=config.api.max_sources,
+            max_client_intents=config.api.max_client_intents,
         )
         self.board = StatusBoard()
         self.local = LocalPolicies(
@@ -263,7 +278,8 @@ class Agent:
     def _build_policy(self) -> tuple[_Effect, PolicySet]:
         wanted = self._node_intents(self.store.snapshot())
         try:
-            return _Effect(dict(wanted)), PolicySet.build(wanted)
+            named_only = self.config.security.unprivileged_tasks == "named_only"
+            return _Effect(dict(wanted)), PolicySet.build(wanted, named_only=named_only)
         except ValueError as exc:  # validated intents compile; this is a guard, not a path
             self._policy_errors += 1
             log.error("policy_build_failed", error=str(exc))
@@ -341,6 +357,8 @@ class Agent:
                 warnings: list[str] = list(sender_warnings.get(intent.id, ()))
                 if intent.is_noop:
                     warnings.append(NOOP_WARNING)
+                warnings.extend(pattern_warnings(intent.command_regex))
+                warnings.extend(_owner_warnings(intent))
                 base = (name, intent)
                 if not intent.selects_node(node.name, node.labels):
                     reason = NOT_FOR_THIS_NODE_REASON.format(node=_describe_node(node.name, node.labels))
@@ -395,7 +413,20 @@ class Agent:
             ready=self.ready,
             matched_tasks=self._matched_tasks,
             version=__version__,
+            warnings=self._agent_warnings(),
         )
+
+    def _agent_warnings(self) -> tuple[str, ...]:
+        out: list[str] = []
+        if self.config.rest.enabled and self.config.rest.insecure_allow_plain_http:
+            out.append(INSECURE_REST_WARNING.format(listen=self.config.rest.listen))
+        if self.config.security.unprivileged_tasks == "allowed":
+            with self._effect_lock:
+                effect = self._effect
+            takeable = sum(1 for i in effect.intents.values() if i.priority > 0 and not i.names_owner)
+            if takeable:
+                out.append(ANY_USER_WARNING.format(count=takeable))
+        return tuple(out)
 
     def status(self, source: str = "") -> StatusSnapshot:
         """Per-intent status (of one source, or all) and the agent summary."""
@@ -469,6 +500,15 @@ class Agent:
             policy_errors=self._policy_errors,
             rest=self.rest.stats() if self.rest is not None else None,
         )
+
+
+def _owner_warnings(intent: Intent) -> list[str]:
+    """What a person should know about who this intent can boost (docs/security.md)."""
+    out = [f"users entry {name!r} is no user on this node: it matches nothing"
+           for name in resolve_users(intent.users)[1]]
+    if intent.executable_regex is not None and not intent.names_owner:
+        out.append(EXECUTABLE_WARNING)
+    return out
 
 
 def _failed_entries(source: str, ss: SourceSet, node_name: str) -> list[IntentStatus]:

@@ -78,7 +78,15 @@ class ApiConfig(_Section):
     max_message_bytes: int = Field(default=4 << 20, ge=1024)
     max_intents_per_source: int = Field(default=10_000, ge=1)
     max_sources: int = Field(default=64, ge=1)  # distinct gRPC client sources (local, manager not counted)
+    # intents of all gRPC client sources together: ~4 KB each in memory, so the default bounds them to ~200 MB
+    # (the unit's MemoryHigh is 512M; docs/security.md)
+    max_client_intents: int = Field(default=50_000, ge=1)
     workers: int = Field(default=8, ge=1, le=256)  # gRPC handler threads (each watch stream holds one)
+    # TCP listener only (the unix socket is root's): connections open at once, TLS handshake time,
+    # and how long an idle connection is kept (docs/security.md)
+    tcp_max_connections: int = Field(default=64, ge=1, le=4096)
+    tcp_handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    tcp_idle_timeout_s: float = Field(default=300.0, gt=0)
 
 
 class PoliciesConfig(_Section):
@@ -126,6 +134,11 @@ class RestConfig(_Section):
     insecure_allow_plain_http: bool = False
     insecure_warning_interval_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # Per-peer bounds (docs/security.md): connections open at once (past it, a new one is closed at once),
+    # the time a peer gets to finish the TLS handshake, and how long an idle keep-alive connection stays.
+    max_connections: int = Field(default=64, ge=1, le=4096)
+    handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    keepalive_timeout_s: float = Field(default=15.0, gt=0, le=3600)
     # Newer Managers sign a client assertion with their own RSA key instead of showing ours: set its public
     # key here and tokens are issued only against such assertions (optionally only for this client id).
     trusted_client_public_key: Path | None = None
@@ -147,6 +160,19 @@ class ProbeConfig(_Section):
     poll_interval_s: float = Field(default=1.0, ge=0.1, le=60.0)
 
 
+class SecurityConfig(_Section):
+    """Who may be boosted (docs/security.md).
+
+    `unprivileged_tasks`: what tasks of users other than root may get.
+    - `allowed` (default): any intent whose pattern matches. Any local user can then take a name-only
+      intent's boost by naming a thread to match; kept as the default because the common case (vLLM run
+      as an ordinary user, the README's example) needs it and an upgrade must not silently drop boosts.
+    - `named_only`: only intents that name their user (`users`) or their cgroup (`cgroupRegex`, `podUID`).
+    """
+
+    unprivileged_tasks: Literal["allowed", "named_only"] = "allowed"
+
+
 class AgentConfig(_Section):
     node: NodeConfig = Field(default_factory=NodeConfig)  # built per config: NODE_NAME is read then
     backend: BackendConfig = BackendConfig()
@@ -159,6 +185,7 @@ class AgentConfig(_Section):
     log: LogConfig = LogConfig()
     rest: RestConfig = RestConfig()
     probe: ProbeConfig = ProbeConfig()
+    security: SecurityConfig = SecurityConfig()
 
 
 class ConfigError(Exception):

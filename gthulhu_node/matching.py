@@ -16,7 +16,9 @@ new one and the reconciler recomputes everything against it.
 
 from __future__ import annotations
 
+import errno
 import os
+import pwd
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,55 @@ from gthulhu_node.intents.model import Intent, Scope, compile_pattern
 COMM_CACHE_MAX = 65_536
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who a process is, for the owner selectors (users, cgroupRegex, executableRegex)."""
+
+    uid: int  # the real uid: the user who started it (a setuid program keeps its caller's)
+    cgroup: str  # the cgroup v2 path ("/system.slice/x.service"), or the whole file on cgroup v1
+    exe: str  # the executable's path ("" for kernel threads)
+
+
+def read_owner(tgid: int, proc_root: Path = Path("/proc")) -> Owner | None:
+    """The owner of a process; None when it is gone (then owner selectors fail closed: an intent that
+    asks who the process is does not match it). Raises OSError for other read errors (EMFILE, EACCES),
+    which the caller must not remember as an answer."""
+    base = b"%s/%d" % (os.fsencode(proc_root), tgid)
+    try:
+        with open(base + b"/status", "rb") as f:
+            status = f.read(4096)
+        with open(base + b"/cgroup", "rb") as f:
+            cgroup_text = f.read(8192).decode("utf-8", "replace")
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+    uid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith(b"Uid:")), None)
+    if uid is None:
+        return None
+    v2 = [line[3:] for line in cgroup_text.splitlines() if line.startswith("0::")]
+    try:
+        exe = os.fsdecode(os.readlink(base + b"/exe"))
+    except OSError:
+        exe = ""
+    return Owner(uid, v2[0] if v2 else cgroup_text, exe)
+
+
+def resolve_users(names: Iterable[str]) -> tuple[frozenset[int], tuple[str, ...]]:
+    """uids of `users` entries, and the names that are no user here (they match nothing)."""
+    uids: set[int] = set()
+    unknown: list[str] = []
+    for name in names:
+        if name.isdigit():
+            uids.add(int(name))
+            continue
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            unknown.append(name)
+    return frozenset(uids), tuple(unknown)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class CompiledIntent:
     """One intent, ready to match. `rank` orders precedence: the smallest rank wins."""
@@ -38,6 +89,26 @@ class CompiledIntent:
     intent: Intent
     pattern: Any  # re2._Regexp
     rank: tuple[int, int, str]
+    # owner selectors, compiled: None when the intent has none
+    uids: frozenset[int] | None = None
+    cgroup: Any = None
+    exe: Any = None
+
+    @property
+    def needs_owner(self) -> bool:
+        return self.uids is not None or self.cgroup is not None or self.exe is not None
+
+    def admits(self, owner: Owner | None, named_only: bool) -> bool:
+        """Whether a process with this owner may get this intent (docs/security.md)."""
+        if owner is None:
+            return not self.needs_owner and not named_only
+        if self.uids is not None and owner.uid not in self.uids:
+            return False
+        if self.cgroup is not None and self.cgroup.search(owner.cgroup) is None:
+            return False
+        if self.exe is not None and self.exe.search(owner.exe) is None:
+            return False
+        return not named_only or owner.uid == 0 or self.intent.names_owner
 
     @property
     def priority(self) -> int:
@@ -104,14 +175,34 @@ def normalize_pod_uid(uid: str) -> str:
     return uid.replace("-", "").replace("_", "").lower()
 
 
+_GONE = frozenset({errno.ENOENT, errno.ESRCH})
+
+
 def read_pod_uid(tgid: int, proc_root: Path = Path("/proc")) -> str | None:
-    """The pod a process belongs to, from its cgroup; None when it is in none (or is gone)."""
+    """The pod a process belongs to, from its cgroup; None when it is in none (or is gone).
+
+    Raises OSError when the file could not be read for another reason (EMFILE, EACCES): "unknown" is not
+    "in no pod", and the caller must not remember it as such."""
     try:
         with open(b"%s/%d/cgroup" % (os.fsencode(proc_root), tgid), "rb") as f:
             text = f.read(8192).decode("utf-8", "replace")
-    except OSError:
-        return None
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
     return pod_uid_of(text)
+
+
+def _compile(key: str, intent: Intent) -> CompiledIntent:
+    return CompiledIntent(
+        key,
+        intent,
+        compile_pattern(intent.matching_pattern),
+        precedence_rank(key, intent),
+        uids=resolve_users(intent.users)[0] if intent.users else None,
+        cgroup=compile_pattern(intent.cgroup_regex, "cgroupRegex") if intent.cgroup_regex else None,
+        exe=compile_pattern(intent.executable_regex, "executableRegex") if intent.executable_regex else None,
+    )
 
 
 def best(candidates: Iterable[CompiledIntent | None]) -> CompiledIntent | None:
@@ -131,24 +222,23 @@ class PolicySet:
     refuses raises ValueError here too.
     """
 
-    def __init__(self, compiled: Iterable[CompiledIntent]) -> None:
+    def __init__(self, compiled: Iterable[CompiledIntent], *, named_only: bool = False) -> None:
+        """`named_only`: tasks of users other than root get only intents that name their user or cgroup
+        (`security.unprivileged_tasks: named_only`)."""
         ordered = sorted(compiled, key=lambda c: c.rank)
+        self.named_only = named_only
         self.ordered: tuple[CompiledIntent, ...] = tuple(ordered)
         self.by_key: dict[str, CompiledIntent] = {c.key: c for c in ordered}
         if len(self.by_key) != len(ordered):
             raise ValueError("duplicate intent key in policy set")
         self.has_process_scope = any(c.scope is Scope.PROCESS for c in ordered)
         self.has_pod_selectors = any(c.pod_uid is not None for c in ordered)
+        self.has_owner_selectors = named_only or any(c.needs_owner for c in ordered)
         self._cache: dict[str, CommMatch] = {}
 
     @classmethod
-    def build(cls, intents: Iterable[tuple[str, Intent]]) -> PolicySet:
-        return cls(
-            CompiledIntent(
-                key, intent, compile_pattern(intent.matching_pattern), precedence_rank(key, intent)
-            )
-            for key, intent in intents
-        )
+    def build(cls, intents: Iterable[tuple[str, Intent]], *, named_only: bool = False) -> PolicySet:
+        return cls((_compile(key, intent) for key, intent in intents), named_only=named_only)
 
     @classmethod
     def empty(cls) -> PolicySet:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -31,6 +31,8 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+
+from gthulhu_node import metrics_server
 
 log = structlog.get_logger(__name__)
 
@@ -222,6 +224,12 @@ class AgentCollector(Collector):
                            local.get("load_errors", 0))
             yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
                            local.get("reloads", 0))
+            yield _counter("policy_dir_errors_total", "Looks at the policy directory that failed "
+                           "(unreadable or untrusted); its last good content was kept.",
+                           local.get("dir_errors", 0))
+            yield _gauge("policy_dir_unreadable", "1 while the policy directory cannot be read or is not "
+                         "trusted (its last good content stays in effect).",
+                         float(bool(local.get("dir_unreadable", False))))
         api = _fields(stats.get("api"))
         if api:
             yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
@@ -253,6 +261,12 @@ class AgentCollector(Collector):
         yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
                         "outcome", pushes)
         yield _counter("rest_deletes_total", "Manager intent deletions.", rest.get("deletes", 0))
+        yield _counter("rest_connections_refused_total", "Connections closed at once: rest.max_connections "
+                       "were open.", rest.get("connections_refused", 0))
+        yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
+                       "completed (timeout, no or bad certificate).", rest.get("handshakes_failed", 0))
+        yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
+                       rest.get("accept_errors", 0))
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "
                        "see status), per changed push.", rest.get("entries_failed", 0))
         yield _counter("rest_node_policies_expired_total", "Times node policies were dropped because the "
@@ -293,6 +307,9 @@ class AgentCollector(Collector):
                        "strategies).", stats.get("scans_incomplete", 0))
         yield _counter("scan_errors_total", "Permission or I/O errors met during scans.",
                        stats.get("scan_errors", 0))
+        yield _counter("process_owner_read_errors_total", "Reads of a process's cgroup or owner that failed "
+                       "(not because it exited); podUID/owner selectors did not match it meanwhile.",
+                       stats.get("owner_read_errors", 0))
         yield SummaryMetricFamily(PREFIX + "scan_duration_seconds", "Duration of full /proc scans.",
                                   count_value=stats.get("scans", 0),
                                   sum_value=stats.get("scan_duration_total_s", 0.0))
@@ -413,13 +430,14 @@ class Metrics:
 
     def attach(self, agent: Any, log_stats: Callable[[], Any] | None = None) -> None:
         self.registry.register(AgentCollector(agent, self.runqueue, log_stats))
+        self.registry.register(_EndpointCollector(self))
 
     def serve(self, listen: str) -> tuple[str, int] | None:
         """Start the HTTP endpoint on "host:port" ("[::1]:9812" for IPv6); empty means no endpoint."""
         if not listen:
             return None
         host, port = parse_listen(listen)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = metrics_server.serve(host, port, self.registry)
         self.address = (host, int(self._server.server_address[1]))
         return self.address
 
@@ -428,6 +446,20 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _EndpointCollector(Collector):
+    """The endpoint's own refusals (metrics_server.py: connections past its cap)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._metrics._server
+        if server is not None:
+            yield _counter("metrics_connections_refused_total",
+                           "Connections to this endpoint closed at once: more than its cap were open.",
+                           server.refused)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

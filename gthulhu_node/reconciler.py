@@ -38,7 +38,7 @@ from gthulhu_node.backends.base import (
     MapFullError,
     TaskGoneError,
 )
-from gthulhu_node.matching import CompiledIntent, PolicySet, best, read_pod_uid
+from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
 
@@ -102,6 +102,9 @@ class ReconcilerStats:
     map_full: int = 0
     tasks_gone: int = 0
     tasks_vanished: int = 0  # an event named a task that was gone before its /proc entry could be read
+    # /proc/<tgid>/{cgroup,status} unreadable for a reason other than the process being gone: selectors
+    # that ask failed closed, and the read is tried again at the next match
+    owner_read_errors: int = 0
     resyncs: int = 0
     policy_updates: int = 0
     latency_count: int = 0
@@ -120,6 +123,8 @@ class _Proc:
     winner: CompiledIntent | None = None
     pod: str | None = None  # normalized pod UID, read from /proc/<tgid>/cgroup when first needed
     pod_known: bool = False
+    owner: Owner | None = None  # read from /proc/<tgid> when an intent first asks who the process is
+    owner_known: bool = False
 
 
 class Reconciler:
@@ -525,13 +530,34 @@ class Reconciler:
             self._assign_all(proc, ts)
 
     def _eligible(self, cands: tuple[CompiledIntent, ...], proc: _Proc) -> tuple[CompiledIntent, ...]:
-        """Drop candidates whose podUID selector does not name the process's pod."""
-        if not self._policy.has_pod_selectors or not any(c.pod_uid is not None for c in cands):
+        """Drop candidates whose podUID or owner selectors (users, cgroup, executable, and the node's
+        `named_only` setting) do not admit the process."""
+        policy = self._policy
+        if not cands:
             return cands
-        if not proc.pod_known:
-            proc.pod = read_pod_uid(proc.tgid, self.proc_root)
-            proc.pod_known = True
-        return tuple(c for c in cands if c.pod_uid is None or c.pod_uid == proc.pod)
+        if policy.has_pod_selectors and any(c.pod_uid is not None for c in cands):
+            if not proc.pod_known:
+                try:
+                    proc.pod = read_pod_uid(proc.tgid, self.proc_root)
+                    proc.pod_known = True
+                except OSError as exc:  # unknown for now: no pod intent, and asked again next time
+                    self._owner_read_failed(proc, exc)
+                    proc.pod = None
+            cands = tuple(c for c in cands if c.pod_uid is None or c.pod_uid == proc.pod)
+        if not policy.has_owner_selectors or not (policy.named_only or any(c.needs_owner for c in cands)):
+            return cands
+        if not proc.owner_known:
+            try:
+                proc.owner = read_owner(proc.tgid, self.proc_root)
+                proc.owner_known = True
+            except OSError as exc:
+                self._owner_read_failed(proc, exc)
+                proc.owner = None
+        return tuple(c for c in cands if c.admits(proc.owner, policy.named_only))
+
+    def _owner_read_failed(self, proc: _Proc, exc: OSError) -> None:
+        self._stats.owner_read_errors += 1
+        log.warning("process_owner_unreadable", tgid=proc.tgid, error=str(exc))
 
     def _count_process_matches(self, proc: _Proc, comm: str, delta: int) -> bool:
         """Update the process-scope match counts for one thread's comm; True if the set of keys changed."""

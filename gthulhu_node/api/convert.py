@@ -42,6 +42,12 @@ def intent_doc_from_pb(msg: pb.Intent) -> dict[str, Any]:
     }
     if msg.pod_uid:
         doc["podUID"] = msg.pod_uid
+    if msg.users:
+        doc["users"] = list(msg.users)
+    if msg.cgroup_regex:
+        doc["cgroupRegex"] = msg.cgroup_regex
+    if msg.executable_regex:
+        doc["executableRegex"] = msg.executable_regex
     return doc
 
 
@@ -62,6 +68,9 @@ def intent_to_pb(intent: Intent) -> pb.Intent:
         node_names=list(intent.node_names),
         node_selectors=[pb.NodeSelector(key=s.key, value=s.value) for s in intent.node_selectors],
         pod_uid=intent.pod_uid or "",
+        users=list(intent.users),
+        cgroup_regex=intent.cgroup_regex or "",
+        executable_regex=intent.executable_regex or "",
     )
 
 
@@ -101,6 +110,7 @@ def summary_to_pb(a: AgentSummary) -> pb.AgentSummary:
         ready=a.ready,
         matched_tasks=a.matched_tasks,
         version=a.version,
+        warnings=list(a.warnings),
     )
 
 

@@ -24,7 +24,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gthulhu_node.api import convert
+from gthulhu_node.api import convert, decoding
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.config import ApiConfig
@@ -121,6 +121,12 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self._stats.errors[code.name] = self._stats.errors.get(code.name, 0) + 1
         log.info("api_request_refused", method=method, code=code.name, error=msg[:500])
         context.abort(code, msg)
+
+    def refuse_invalid(self, method: str, context: grpc.ServicerContext, message: str) -> None:
+        """A request that could not even be decoded (api/decoding.py): counted and refused like the rest."""
+        with self._lock:
+            self._stats.requests[method] = self._stats.requests.get(method, 0) + 1
+        self._fail(method, context, grpc.StatusCode.INVALID_ARGUMENT, message)
 
     @staticmethod
     def _client_source(source: str) -> str:
@@ -221,12 +227,21 @@ class ApiServer:
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             ("grpc.so_reuseport", 0),
         ]
+        if config.tcp_listen:
+            # Bounds per peer for the TCP listener: a flood of connections (or of peers that never finish
+            # the handshake) must not take the file descriptors the agent needs to read /proc.
+            options += [
+                ("grpc.max_allowed_incoming_connections", config.tcp_max_connections),
+                ("grpc.server_handshake_timeout_ms", int(config.tcp_handshake_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(config.tcp_idle_timeout_s * 1000)),
+            ]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             options=options,
             maximum_concurrent_rpcs=workers * 8,
         )
-        pb_grpc.add_NodeAgentServicer_to_server(self.service, self._server)
+        decoding.add_servicer(pb_grpc.add_NodeAgentServicer_to_server, self.service, self._server,
+                              self.service.refuse_invalid)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._set_health(False)
         self.socket_path: Path | None = config.socket
@@ -259,21 +274,7 @@ class ApiServer:
         log.info("api_listening", socket=str(path), tcp=self.config.tcp_listen, tcp_port=self.tcp_port)
 
     def _add_tls_port(self, config: ApiConfig) -> int:
-        files = {
-            "tls_cert": config.tls_cert,
-            "tls_key": config.tls_key,
-            "tls_client_ca": config.tls_client_ca,
-        }
-        missing = [name for name, p in files.items() if p is None]
-        if missing:
-            raise ApiConfigError(
-                f"api.tcp_listen is set but {', '.join('api.' + m for m in missing)} not: TCP is served "
-                "only with TLS and client certificate verification"
-            )
-        try:
-            cert, key, ca = (p.read_bytes() for p in files.values() if p is not None)
-        except OSError as exc:
-            raise ApiConfigError(f"cannot read TLS file: {exc}") from None
+        cert, key, ca = read_tls_files(config)
         creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
         assert config.tcp_listen is not None
         port = self._server.add_secure_port(config.tcp_listen, creds)
@@ -295,6 +296,29 @@ class ApiServer:
                 path.unlink()
         except OSError:
             pass
+
+
+def read_tls_files(config: ApiConfig) -> tuple[bytes, bytes, bytes]:
+    """The TCP listener's certificate, key and client CA. Raises ApiConfigError naming the setting."""
+    files = {
+        "tls_cert": config.tls_cert,
+        "tls_key": config.tls_key,
+        "tls_client_ca": config.tls_client_ca,
+    }
+    missing = [name for name, p in files.items() if p is None]
+    if missing:
+        raise ApiConfigError(
+            f"api.tcp_listen is set but {', '.join('api.' + m for m in missing)} not: TCP is served "
+            "only with TLS and client certificate verification"
+        )
+    out: list[bytes] = []
+    for name, p in files.items():
+        assert p is not None
+        try:
+            out.append(p.read_bytes())
+        except OSError as exc:
+            raise ApiConfigError(f"api.{name}: cannot read {p}: {exc.strerror or exc}") from None
+    return out[0], out[1], out[2]
 
 
 def _prepare_socket_path(path: Path) -> None:

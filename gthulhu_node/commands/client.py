@@ -267,6 +267,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  backend: {a.backend_reason}")
     if a.scheduler_reason:
         print(f"  scheduler: {a.scheduler_reason}")
+    for w in a.warnings:
+        print(f"  warning: {w}")
     for src in resp.sources:
         for e in src.errors:
             print(f"  source {src.source}: error: {e}")

@@ -26,8 +26,11 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gthulhu_node import preflight
+
     try:
         cfg = configuration.load(args.config)
+        preflight.check(cfg)
     except configuration.ConfigError as exc:
         # One clear line; systemd shows it in `systemctl status` and the journal.
         print("gthulhu-node: configuration error: " + " ".join(str(exc).split()), file=sys.stderr)

@@ -17,17 +17,23 @@ immediate reload on SIGHUP (`reload()`). Why not inotify: a poll of a handful of
 measurable, needs no ctypes binding, and also sees changes inotify misses (bind mounts, a directory that
 appears later, files replaced over NFS/config management).
 
-A bad file (unreadable, not YAML/JSON, invalid intent, duplicate id, world-writable) is reported (log line,
+Trust (intents/trust.py): the directory and its files must be owned by root and not group- or
+world-writable, symlinks are followed only to such files, and anything else named like a policy file (a
+FIFO, a directory) is reported as bad. YAML anchors/aliases and deep nesting are refused
+(intents/documents.py), and so is any list past the contract's caps (intents/model.py).
+
+A bad file (unreadable, untrusted, not YAML/JSON, invalid intent, duplicate id) is reported (log line,
 counter, the `local` source's errors in status) and does not affect the other files. A file that was good
 earlier in this run keeps its last good intents until it is fixed or removed: a typo while editing must not
 drop a policy that is in effect. (At start there is no earlier version, so a bad file contributes nothing.)
+Failing to read is never taken for "gone": a directory that cannot be listed (EMFILE, EACCES) or is not
+trusted keeps every file's last good content, and is reported; only a listing that succeeds and no longer
+shows a file removes its intents.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,11 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import yaml
 
+from gthulhu_node.intents.documents import DocumentError, load_json, load_yaml
 from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import IntentStore, StoreError
+from gthulhu_node.intents.trust import UntrustedError, check_directory, open_policy_file
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +57,7 @@ DRA_FIELD = "draSelectors"
 DRA_REASON = ("draSelectors cannot be evaluated on a node (DRA resource slices live in the Kubernetes API); "
               "not applied: select the node with nodeNames/nodeSelectors instead")
 MAX_FILE_BYTES = 4 << 20
+Signature = tuple[int, int, int, int, int]
 
 
 class PolicyFileError(ValueError):
@@ -69,11 +77,13 @@ class LocalFilesStats:
     bad_files: int = 0
     reloads: int = 0
     load_errors: int = 0  # total bad-file observations since start (a counter)
+    dir_errors: int = 0  # times the directory could not be listed or was not trusted (a counter)
+    dir_unreadable: bool = False  # the last look at the directory failed: its last good content is kept
 
 
 @dataclass(slots=True)
 class _FileState:
-    signature: tuple[int, int, int]
+    signature: Signature | None
     good: FileResult | None
     error: str | None
 
@@ -136,47 +146,69 @@ def _dra_entry(data: Mapping[str, Any], index: int) -> SenderEntry:
 
 
 def read_file(path: Path) -> FileResult:
-    """Read and parse one policy file. Raises PolicyFileError naming what is wrong."""
+    """Check (intents/trust.py), read and parse one policy file. Raises PolicyFileError naming what is
+    wrong; a refused file is not read, so its content never reaches the message."""
     try:
-        st = path.stat()
-        if stat.S_IMODE(st.st_mode) & stat.S_IWOTH:
-            raise PolicyFileError("world-writable: anyone could change this node's scheduling; chmod o-w")
-        if st.st_size > MAX_FILE_BYTES:
-            raise PolicyFileError(f"{st.st_size} bytes, at most {MAX_FILE_BYTES} are read")
-        raw = path.read_bytes()
+        fd, st = open_policy_file(path)
+    except UntrustedError as exc:
+        raise PolicyFileError(str(exc)) from None
     except OSError as exc:
         raise PolicyFileError(f"cannot read: {exc.strerror or exc}") from None
     try:
+        if st.st_size > MAX_FILE_BYTES:
+            raise PolicyFileError(f"{st.st_size} bytes, at most {MAX_FILE_BYTES} are read")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise PolicyFileError(f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        raise PolicyFileError(f"more than {MAX_FILE_BYTES} bytes, at most {MAX_FILE_BYTES} are read")
+    try:
         text = raw.decode("utf-8")
-        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise PolicyFileError(f"not valid {kind}: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError as exc:
+        raise PolicyFileError(f"not UTF-8 at byte {exc.start}") from None
+    try:
+        doc = load_json(text) if path.suffix == ".json" else load_yaml(text)
+    except DocumentError as exc:
+        raise PolicyFileError(str(exc)) from None
     return parse_document(doc, path.stem)
 
 
+class PolicyDirError(OSError):
+    """The policy directory could not be listed, or is not trusted: nothing can be concluded from it."""
+
+
 def policy_files(directory: Path) -> list[Path]:
-    """The policy files in `directory`, in name order (empty when it does not exist)."""
+    """The entries of `directory` named like policy files, in name order, whatever their type (read_file
+    reports what is not a regular file). Empty when the directory does not exist.
+
+    Raises PolicyDirError when it cannot be listed (EMFILE, EACCES, ...) or someone other than root could
+    change it: an error is never "no files", which would remove every local intent.
+    """
     try:
+        check_directory(directory)
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return []
+    except UntrustedError as exc:
+        raise PolicyDirError(f"{exc}; its files are not read") from None
     except OSError as exc:
-        log.warning("policy_dir_unreadable", directory=str(directory), error=str(exc))
-        return []
-    return [
-        directory / n
-        for n in names
-        if n.endswith(SUFFIXES) and not n.startswith(".") and (directory / n).is_file()
-    ]
+        raise PolicyDirError(f"cannot list {directory}: {exc.strerror or exc}") from None
+    return [directory / n for n in names if n.endswith(SUFFIXES) and not n.startswith(".")]
 
 
-def _signature(path: Path) -> tuple[int, int, int]:
+def _signature(path: Path) -> Signature | None:
+    """What tells a changed file: inode, mtime, size, mode and owner (of the symlink target, if any).
+    None when it cannot be examined: the file is then read again (and its error reported)."""
     try:
         st = path.stat()
+    except FileNotFoundError:
+        return (0, 0, 0, 0, 0)
     except OSError:
-        return (0, 0, 0)
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode, st.st_uid)
 
 
 class LocalPolicies:
@@ -191,6 +223,7 @@ class LocalPolicies:
         # files whose good content could not be combined with the others (id clash, total limit)
         self._combine_errors: dict[Path, str] = {}
         self._stats = LocalFilesStats()
+        self._dir_error = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -198,6 +231,8 @@ class LocalPolicies:
         """Bad files now: path -> reason."""
         with self._lock:
             out = {str(p): s.error for p, s in self._files.items() if s.error}
+            if self._dir_error:
+                out[str(self.directory)] = f"{self._dir_error} (the last good content stays in effect)"
             out.update({str(p): e for p, e in self._combine_errors.items() if str(p) not in out})
             return out
 
@@ -208,6 +243,7 @@ class LocalPolicies:
     def stats(self) -> LocalFilesStats:
         with self._lock:
             self._stats.files = len(self._files)
+            self._stats.dir_unreadable = bool(self._dir_error)
             self._stats.bad_files = len(
                 {p for p, s in self._files.items() if s.error} | set(self._combine_errors)
             )
@@ -217,15 +253,28 @@ class LocalPolicies:
         """Re-read the directory and push the result to the store. Returns whether the store changed.
 
         `force` re-reads every file (SIGHUP); otherwise only files whose signature changed are read.
+        A directory that cannot be listed (or is not trusted) changes nothing: every file keeps its last
+        good content, and the error is reported (log, `dir_errors`, the `local` source's errors).
         """
         with self._lock:
             self._stats.reloads += 1
-            current = policy_files(self.directory)
+            try:
+                current = policy_files(self.directory)
+            except PolicyDirError as exc:
+                self._stats.dir_errors += 1
+                if self._dir_error != str(exc):
+                    log.error("policy_dir_unreadable", directory=str(self.directory), error=str(exc),
+                              kept_files=len(self._files))
+                self._dir_error = str(exc)
+                return False
+            if self._dir_error:
+                log.info("policy_dir_readable_again", directory=str(self.directory))
+            self._dir_error = ""
             changed_any = set(self._files) != set(current)
             for path in current:
                 sig = _signature(path)
                 old = self._files.get(path)
-                if not force and old is not None and old.signature == sig:
+                if not force and old is not None and sig is not None and old.signature == sig:
                     continue
                 try:
                     result: FileResult | None = read_file(path)
@@ -235,12 +284,13 @@ class LocalPolicies:
                 new = _FileState(sig, result if result is not None else (old.good if old else None), error)
                 if error:
                     self._stats.load_errors += 1
-                    log.error(
-                        "policy_file_invalid",
-                        path=str(path),
-                        error=error,
-                        kept_previous=bool(old and old.good),
-                    )
+                    if old is None or old.error != error:
+                        log.error(
+                            "policy_file_invalid",
+                            path=str(path),
+                            error=error,
+                            kept_previous=bool(old and old.good),
+                        )
                 if old is None or new != old:
                     changed_any = True
                 self._files[path] = new
@@ -309,8 +359,11 @@ class LocalPolicies:
                 log.exception("policy_files_poll_failed", directory=str(self.directory))
 
     def _dirty(self) -> bool:
-        current = policy_files(self.directory)
+        try:
+            current = policy_files(self.directory)
+        except PolicyDirError:
+            return True  # reload() reports it (once) and keeps everything
         with self._lock:
-            if set(current) != set(self._files):
+            if self._dir_error or set(current) != set(self._files):
                 return True
-            return any(_signature(p) != self._files[p].signature for p in current)
+            return any((sig := _signature(p)) is None or sig != self._files[p].signature for p in current)

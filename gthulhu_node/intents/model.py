@@ -7,7 +7,11 @@ reasons with the same words. Nothing is clamped: a value outside its bounds is a
 from __future__ import annotations
 
 import enum
+import functools
 import re
+import re._parser as re_parser  # type: ignore[import-not-found]  # the stdlib's regex parser: min width
+import warnings
+from collections.abc import Sized
 from typing import Annotated, Any
 
 import re2
@@ -28,6 +32,17 @@ PATTERN_MAX_BYTES = 256
 COMM_MAX_BYTES = 15
 # RE2 refuses programs above this size; it keeps a valid-but-enormous pattern (a{1000}{1000}) out.
 RE2_MAX_MEM = 8 << 20
+# Caps on every list, so one intent (or one push) costs bounded memory whatever its source. A node name
+# list names the nodes of a cluster (1,024 is more than one Manager push needs per policy); a node's
+# labels are a few dozen at most. Per source, all intents' list entries together are capped too: 10,000
+# intents of 1,024 names each would still be gigabytes.
+NODE_NAMES_MAX = 1024
+NODE_SELECTORS_MAX = 64
+USERS_MAX = 64
+# A uid, or a user name as useradd accepts it (a trailing $ for machine accounts).
+USER_RE = re.compile(r"^([0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?)\Z")
+LIST_ENTRIES_PER_SOURCE_MAX = 50_000
+_NUL_ESCAPE = re.compile(r"\\(x00|x\{0+\}|0(?![0-7]))")
 # A pod intent without a pattern selects every task of the pod but its pause container, as upstream's
 # Decision Maker does (it skips processes whose comm is exactly "pause"). RE2 has no negative lookahead,
 # so "anything but exactly `pause`" is spelled out prefix by prefix.
@@ -50,23 +65,52 @@ class NodeSelector(BaseModel):
     value: Annotated[str, Field(max_length=63)] = ""
 
 
-def compile_pattern(pattern: str) -> Any:
+def compile_pattern(pattern: str, field: str = "commandRegex") -> Any:
     """Compile a user pattern with RE2 (linear time), refusing what the contract refuses.
 
     Raises ValueError with a message that says what is wrong with the pattern.
     """
     size = len(pattern.encode())
     if size == 0:
-        raise ValueError("commandRegex is empty")
+        raise ValueError(f"{field} is empty")
     if size > PATTERN_MAX_BYTES:
-        raise ValueError(f"commandRegex is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
+        raise ValueError(f"{field} is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
     options = re2.Options()
     options.max_mem = RE2_MAX_MEM
     options.log_errors = False
     try:
         return re2.compile(pattern, options)
     except re2.error as exc:
-        raise ValueError(f"commandRegex {pattern!r} is not valid RE2 syntax: {exc}") from None
+        why = exc.args[0] if exc.args else ""
+        if isinstance(why, bytes):
+            why = why.decode("utf-8", "replace")
+        raise ValueError(f"{field} {pattern!r} is not valid RE2 syntax: {why}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def pattern_warnings(pattern: str) -> tuple[str, ...]:
+    """What makes a valid pattern unable to match any thread name (comm: at most 15 bytes, no NUL)."""
+    out: list[str] = []
+    if "\x00" in pattern or _NUL_ESCAPE.search(pattern):
+        out.append("commandRegex contains NUL, which no thread name (comm) contains")
+    try:
+        with warnings.catch_warnings():  # the stdlib parser's FutureWarnings are about its own syntax
+            warnings.simplefilter("ignore")
+            shortest = re_parser.parse(pattern).getwidth()[0]
+    except (re.error, RecursionError, OverflowError):
+        shortest = 0  # RE2-only syntax: no opinion
+    if shortest > COMM_MAX_BYTES:
+        out.append(
+            f"commandRegex needs at least {shortest} characters, but a thread name (comm) has at most "
+            f"{COMM_MAX_BYTES} bytes: it can never match"
+        )
+    return tuple(out)
+
+
+def _check_count(value: Any, name: str, limit: int) -> Any:
+    if isinstance(value, Sized) and not isinstance(value, str | bytes) and len(value) > limit:
+        raise ValueError(f"{name} has {len(value)} entries, at most {limit} are allowed")
+    return value
 
 
 class Intent(BaseModel):
@@ -84,6 +128,12 @@ class Intent(BaseModel):
     # Optional extra selector: only threads of processes in this pod's cgroup (matched through
     # /proc/<pid>/cgroup). Left out of documents when unset, so other intents serialize as before.
     pod_uid: str | None = Field(default=None, alias="podUID", exclude_if=lambda v: v is None)
+    # Optional selectors on who may be boosted (docs/security.md): the process's user (uid or name), its
+    # cgroup v2 path (RE2 search), its executable path (RE2 search). Left out of documents when unset.
+    users: tuple[str, ...] = Field(default=(), exclude_if=lambda v: not v)
+    cgroup_regex: str | None = Field(default=None, alias="cgroupRegex", exclude_if=lambda v: v is None)
+    executable_regex: str | None = Field(default=None, alias="executableRegex",
+                                         exclude_if=lambda v: v is None)
 
     @field_validator("id")
     @classmethod
@@ -100,6 +150,34 @@ class Intent(BaseModel):
         if not POD_UID_RE.match(v):
             raise ValueError("podUID must be a pod UID: 1-64 hex digits and '-'")
         return v.lower()
+
+    @field_validator("node_names", mode="before")
+    @classmethod
+    def _cap_node_names(cls, v: Any) -> Any:
+        return _check_count(v, "nodeNames", NODE_NAMES_MAX)
+
+    @field_validator("node_selectors", mode="before")
+    @classmethod
+    def _cap_node_selectors(cls, v: Any) -> Any:
+        return _check_count(v, "nodeSelectors", NODE_SELECTORS_MAX)
+
+    @field_validator("users", mode="before")
+    @classmethod
+    def _check_users(cls, v: Any) -> Any:
+        _check_count(v, "users", USERS_MAX)
+        if isinstance(v, list | tuple):
+            v = [str(u) if isinstance(u, int) and not isinstance(u, bool) else u for u in v]
+            for u in v:
+                if not isinstance(u, str) or not USER_RE.match(u) or (u.isdigit() and int(u) >= 2**32 - 1):
+                    raise ValueError(f"users entry {u!r} is neither a uid (0-4294967294) nor a user name")
+        return v
+
+    @field_validator("cgroup_regex", "executable_regex")
+    @classmethod
+    def _check_owner_patterns(cls, v: str | None, info: Any) -> str | None:
+        if v is not None:
+            compile_pattern(v, "cgroupRegex" if info.field_name == "cgroup_regex" else "executableRegex")
+        return v
 
     @field_validator("command_regex")
     @classmethod
@@ -128,14 +206,30 @@ class Intent(BaseModel):
             )
         return v
 
+    @field_validator("node_names")
+    @classmethod
+    def _check_node_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if not name or len(name) > 253:
+                raise ValueError("nodeNames entries must be 1-253 characters")
+        return v
+
     @model_validator(mode="after")
     def _check_whole(self) -> Intent:
         if not self.command_regex and self.pod_uid is None:
             raise ValueError("commandRegex is empty (only a pod intent may leave it empty)")
-        for name in self.node_names:
-            if not name or len(name) > 253:
-                raise ValueError("nodeNames entries must be 1-253 characters")
         return self
+
+    @property
+    def list_entries(self) -> int:
+        """Entries of its lists, counted against LIST_ENTRIES_PER_SOURCE_MAX."""
+        return len(self.node_names) + len(self.node_selectors) + len(self.users)
+
+    @property
+    def names_owner(self) -> bool:
+        """Whether it restricts matching to tasks of given users or cgroups (a pod is a cgroup): what
+        `security.unprivileged_tasks: named_only` asks of an intent before it may boost such a task."""
+        return bool(self.users) or self.cgroup_regex is not None or self.pod_uid is not None
 
     @property
     def matching_pattern(self) -> str:

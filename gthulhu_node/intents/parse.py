@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gthulhu_node.intents.model import Intent
+from gthulhu_node.intents.model import LIST_ENTRIES_PER_SOURCE_MAX, Intent
 
 
 class IntentValidationError(ValueError):
@@ -58,9 +58,16 @@ def _raise(field: str, msg: str) -> Intent:
 
 
 def check_set(intents: Sequence[Intent], *, max_count: int, where: str = "intents") -> None:
-    """Refuse a set that is too large or has duplicate ids (naming the id)."""
+    """Refuse a set that is too large (intents, or their list entries together) or has duplicate ids."""
     if len(intents) > max_count:
         raise IntentValidationError(where, f"{len(intents)} intents, at most {max_count} per source")
+    entries = sum(i.list_entries for i in intents)
+    if entries > LIST_ENTRIES_PER_SOURCE_MAX:
+        raise IntentValidationError(
+            where,
+            f"{entries} nodeNames and nodeSelectors entries in all, at most {LIST_ENTRIES_PER_SOURCE_MAX} "
+            "per source",
+        )
     seen: dict[str, int] = {}
     for index, intent in enumerate(intents):
         if intent.id in seen:

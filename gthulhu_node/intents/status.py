@@ -81,6 +81,7 @@ class AgentSummary:
     ready: bool
     matched_tasks: int
     version: str
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

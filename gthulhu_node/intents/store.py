@@ -40,6 +40,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
+from gthulhu_node.intents.documents import load_json
 from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, SenderEntry, check_source
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
 
@@ -52,6 +53,9 @@ STATE_VERSION = 1
 NOT_PERSISTED = frozenset({"local"})
 # Generations travel as uint64 in the gRPC API.
 GENERATION_MAX = 2**64 - 1
+# The state file is read whole at start. A push that would make it larger is refused, and a file larger
+# than this (never written by the agent) is treated as corrupt rather than read into memory.
+STATE_MAX_BYTES = 64 << 20
 
 
 class StoreError(Exception):
@@ -68,6 +72,10 @@ class IntentNotFoundError(StoreError):
 
 class LimitError(StoreError):
     """Too many sources (the per-source intent count is an IntentValidationError on `intents`)."""
+
+
+class StateTooLargeError(LimitError, ValueError):
+    """The state would be (or is) larger than STATE_MAX_BYTES."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +144,13 @@ class IntentStore:
         *,
         max_intents_per_source: int = 10_000,
         max_sources: int = 64,
+        max_client_intents: int = 50_000,
     ) -> None:
         """`state_dir` None keeps everything in memory (tests, dry runs)."""
         self._state_dir = state_dir
         self._max_intents = max_intents_per_source
         self._max_sources = max_sources
+        self._max_client_intents = max_client_intents
         self._lock = threading.RLock()
         self._sources: dict[str, SourceSet] = {}
         self._listeners: list[Callable[[str], None]] = []
@@ -248,6 +258,14 @@ class IntentStore:
                 clients = sum(1 for name in self._sources if name not in RESERVED_SOURCES)
                 if clients >= self._max_sources:
                     raise LimitError(f"at most {self._max_sources} sources; {source!r} would be one more")
+            if source not in RESERVED_SOURCES:
+                others = sum(len(ss.intents) for name, ss in self._sources.items()
+                             if name not in RESERVED_SOURCES and name != source)
+                if others + len(intents) > self._max_client_intents:
+                    raise LimitError(
+                        f"{others + len(intents)} intents in all client sources, at most "
+                        f"{self._max_client_intents} (api.max_client_intents)"
+                    )
             changed = new_digest != cur_content
             new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time(), tuple(entries))
             self._commit(source, new)
@@ -289,7 +307,7 @@ class IntentStore:
             return
         try:
             self._save()
-        except OSError as exc:
+        except (OSError, StateTooLargeError) as exc:
             if old is None:
                 del self._sources[source]
             else:
@@ -334,7 +352,12 @@ class IntentStore:
         target = self.state_file
         if target is None:
             return
-        atomic_write(target, json.dumps(self._document(), indent=1, ensure_ascii=False).encode() + b"\n")
+        data = json.dumps(self._document(), indent=1, ensure_ascii=False).encode() + b"\n"
+        if len(data) > STATE_MAX_BYTES:
+            raise StateTooLargeError(
+                f"the intents of all sources would take {len(data)} bytes of state, at most {STATE_MAX_BYTES}"
+            )
+        atomic_write(target, data)
         self._stats.persist_writes += 1
 
     def load(self) -> int:
@@ -347,11 +370,13 @@ class IntentStore:
         if target is None:
             return 0
         remove_stale_temps(target)
-        if not target.exists():
-            return 0
+        # An OSError other than ENOENT (EMFILE, EIO, EACCES) propagates: the file may be fine, so it stays
+        # where it is and the start fails (systemd retries) rather than starting with no intents.
         try:
-            sources = _parse_state(target.read_bytes())
-        except (OSError, ValueError, RecursionError) as exc:
+            sources = _parse_state(_read_state(target))
+        except FileNotFoundError:
+            return 0
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             aside = target.with_name(f"{target.name}.corrupt-{stamp}")
             try:
@@ -372,9 +397,19 @@ class IntentStore:
         return count
 
 
+def _read_state(target: Path) -> bytes:
+    """The state file's bytes. Raises StateTooLargeError (a ValueError: the file is treated as corrupt)
+    past STATE_MAX_BYTES, which the store never writes."""
+    with open(target, "rb") as f:
+        blob = f.read(STATE_MAX_BYTES + 1)
+    if len(blob) > STATE_MAX_BYTES:
+        raise StateTooLargeError(f"larger than {STATE_MAX_BYTES} bytes, which this agent never writes")
+    return blob
+
+
 def _parse_state(blob: bytes) -> dict[str, SourceSet]:
     """Parse and validate a state file; ValueError says what is wrong."""
-    doc = json.loads(blob)
+    doc = load_json(blob)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
     if doc.get("version") != STATE_VERSION:

@@ -12,7 +12,6 @@ their patterns and fsyncs the state file, and `/health` must keep answering mean
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,6 +24,7 @@ import structlog
 from aiohttp import web
 
 from gthulhu_node import __version__
+from gthulhu_node.intents.documents import DocumentError, load_json
 from gthulhu_node.intents.model import SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import IntentState, IntentStatus, StatusSnapshot
@@ -69,6 +69,10 @@ class RestStats:
     pushes_accepted: int = 0
     pushes_refused: int = 0
     deletes: int = 0
+    # the listener's (rest/listener.py), copied in by RestServer.stats()
+    connections_refused: int = 0
+    handshakes_failed: int = 0
+    accept_errors: int = 0
     entries_failed: int = 0  # pushed entries accepted but not honoured (failed), per changed push
     node_policies_expired: int = 0  # held node policies dropped (DecisionMakerApi._pod_contact)
     pod_intents_forgotten: int = 0  # pod intents of a state file without their pushed entries
@@ -217,8 +221,8 @@ class DecisionMakerApi:
         if not blob:
             raise BodyError("Invalid request payload: empty body")
         try:
-            return json.loads(blob)
-        except (ValueError, UnicodeDecodeError) as exc:
+            return load_json(blob)  # nesting capped: deep bodies are a 400 naming the limit, not a 500
+        except DocumentError as exc:
             raise BodyError(f"Invalid request payload: {exc}") from None
 
     # -- unauthenticated -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from gthulhu_node.config import RestConfig
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.rest.app import DecisionMakerApi, RestStats, StatusFn
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
+from gthulhu_node.rest.listener import BoundedListener, ListenerStats
 from gthulhu_node.rest.runtime_config import RuntimeConfig
 from gthulhu_node.rest.tls import server_context
 
@@ -48,6 +50,44 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def prepare(cfg: RestConfig) -> tuple[TokenAuthority, ssl.SSLContext | None]:
+    """Load the token keys and the TLS context the `rest` section names. Raises RestConfigError naming
+    the setting (preflight.py calls it before anything listens, so a bad section exits 2)."""
+    if cfg.jwt_private_key is None:
+        raise RestConfigError("rest.jwt_private_key is required: the RSA key tokens are signed with")
+    try:
+        authority = TokenAuthority.from_files(
+            cfg.jwt_private_key,
+            cfg.jwt_public_key,
+            ttl_s=cfg.token_ttl_s,
+            trusted_client_path=cfg.trusted_client_public_key,
+            expected_client_id=cfg.expected_client_id,
+        )
+    except KeyFileError as exc:
+        raise RestConfigError(str(exc)) from None
+    if cfg.insecure_allow_plain_http:
+        return authority, None
+    missing = [
+        name
+        for name, value in (
+            ("rest.tls_cert", cfg.tls_cert),
+            ("rest.tls_key", cfg.tls_key),
+            ("rest.tls_client_ca", cfg.tls_client_ca),
+        )
+        if value is None
+    ]
+    if missing:
+        raise RestConfigError(
+            f"{', '.join(missing)} required: the REST listener needs mutual TLS "
+            "(or rest.insecure_allow_plain_http: true, not recommended)"
+        )
+    assert cfg.tls_cert and cfg.tls_key and cfg.tls_client_ca
+    try:
+        return authority, server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+    except ValueError as exc:
+        raise RestConfigError(str(exc)) from None
+
+
 class RestServer:
     """`RestServer(config.rest, agent.store, node_name=...).start()` ... `.stop()`."""
 
@@ -68,6 +108,7 @@ class RestServer:
         self._status = status
         self._metrics_text = metrics_text
         self._stats = RestStats(insecure=config.insecure_allow_plain_http)
+        self._listener_stats = ListenerStats()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -91,43 +132,14 @@ class RestServer:
 
     def stats(self) -> RestStats:
         """A copy of the counters (the listener's thread keeps counting in the original)."""
-        return dataclasses.replace(self._stats, requests=dict(self._stats.requests))
-
-    def _prepare(self) -> tuple[TokenAuthority, ssl.SSLContext | None]:
-        cfg = self._config
-        if cfg.jwt_private_key is None:
-            raise RestConfigError("rest.jwt_private_key is required: the RSA key tokens are signed with")
-        try:
-            authority = TokenAuthority.from_files(
-                cfg.jwt_private_key,
-                cfg.jwt_public_key,
-                ttl_s=cfg.token_ttl_s,
-                trusted_client_path=cfg.trusted_client_public_key,
-                expected_client_id=cfg.expected_client_id,
-            )
-        except KeyFileError as exc:
-            raise RestConfigError(str(exc)) from None
-        if cfg.insecure_allow_plain_http:
-            return authority, None
-        missing = [
-            name
-            for name, value in (
-                ("rest.tls_cert", cfg.tls_cert),
-                ("rest.tls_key", cfg.tls_key),
-                ("rest.tls_client_ca", cfg.tls_client_ca),
-            )
-            if value is None
-        ]
-        if missing:
-            raise RestConfigError(
-                f"{', '.join(missing)} required: the REST listener needs mutual TLS "
-                "(or rest.insecure_allow_plain_http: true, not recommended)"
-            )
-        assert cfg.tls_cert and cfg.tls_key and cfg.tls_client_ca
-        try:
-            return authority, server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-        except ValueError as exc:
-            raise RestConfigError(str(exc)) from None
+        ls = self._listener_stats
+        return dataclasses.replace(
+            self._stats,
+            requests=dict(self._stats.requests),
+            connections_refused=ls.refused,
+            handshakes_failed=ls.handshakes_failed,
+            accept_errors=ls.accept_errors,
+        )
 
     def start(self, timeout: float = 30.0) -> None:
         """Bind and serve; returns once the listener accepts connections. Raises RestConfigError or
@@ -135,7 +147,7 @@ class RestServer:
         if self._thread is not None:
             raise RuntimeError("RestServer already started")
         host, port = parse_listen(self._config.listen)
-        authority, ssl_ctx = self._prepare()
+        authority, ssl_ctx = prepare(self._config)
         api = DecisionMakerApi(
             self._store,
             authority,
@@ -197,16 +209,29 @@ class RestServer:
         self, app: web.Application, host: str, port: int, ssl_ctx: ssl.SSLContext | None
     ) -> None:
         self._stop = asyncio.Event()
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+        cfg = self._config
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0,
+                               keepalive_timeout=cfg.keepalive_timeout_s)
         await runner.setup()
+        assert runner.server is not None  # set by setup()
+        sock: socket.socket | None = None
+        accepting: asyncio.Task[None] | None = None
+        listener: BoundedListener | None = None
         try:
-            site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
-            await site.start()
-            addresses = runner.addresses  # the bound socket's address: how port 0 learns its number
-            if addresses:
-                self._port = int(addresses[0][1])
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.create_server((host, port), family=family, backlog=128)
+            self._port = int(sock.getsockname()[1])  # how `listen: host:0` learns its port
+            listener = BoundedListener(
+                runner.server,
+                sock,
+                ssl_ctx,
+                max_connections=cfg.max_connections,
+                handshake_timeout_s=cfg.handshake_timeout_s,
+                stats=self._listener_stats,
+            )
+            accepting = asyncio.create_task(listener.run())
             self._started.set()
-            interval = self._config.insecure_warning_interval_s
+            interval = cfg.insecure_warning_interval_s
             while True:
                 try:
                     await asyncio.wait_for(self._stop.wait(), timeout=interval if ssl_ctx is None else None)
@@ -214,6 +239,14 @@ class RestServer:
                 except TimeoutError:
                     self._warn_insecure()
         finally:
+            if accepting is not None:
+                accepting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await accepting
+            if listener is not None:
+                listener.close()
+            if sock is not None:
+                sock.close()
             await runner.cleanup()
 
     def stop(self, timeout: float = 10.0) -> None:

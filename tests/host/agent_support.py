@@ -23,6 +23,7 @@ from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.backends.base import Backend
 from gthulhu_node.config import AgentConfig
+from tests.host import unprivileged
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv" / "bin" / "python"
@@ -154,10 +155,14 @@ class NamedThread:
 def run_cli(
     *args: str, user: str | None = None, check: bool = False, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    """The real CLI in a subprocess (optionally as another user via runuser)."""
-    cmd = [str(PYTHON), "-m", "gthulhu_node", *args]
+    """The real CLI in a subprocess (optionally as another user: tests/host/unprivileged.py, which works
+    wherever the checkout is, unlike runuser)."""
     if user is not None:
-        cmd = ["runuser", "-u", user, "--", *cmd]
+        proc = unprivileged.cli(user, *args, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{args} failed ({proc.returncode}): {proc.stderr}")
+        return proc
+    cmd = [str(PYTHON), "-m", "gthulhu_node", *args]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd="/")
     if check and proc.returncode != 0:

@@ -89,6 +89,43 @@ def test_invalid_argument_names_the_field(agent, request_: pb.ApplyIntentsReques
         assert "v/a" not in statuses(stub)
 
 
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.ApplyIntentsRequest(source="v", intents=[intent("a", node_names=[f"n{i}" for i in range(1025)])]),
+         "intents[0].nodeNames: nodeNames has 1025 entries, at most 1024 are allowed"),
+        (pb.ApplyIntentsRequest(source="v", intents=[
+            intent("a", node_selectors=[pb.NodeSelector(key=f"k{i}") for i in range(65)])]),
+         "intents[0].nodeSelectors: nodeSelectors has 65 entries, at most 64 are allowed"),
+        (pb.ApplyIntentsRequest(source="v", intents=[
+            intent(f"i{n}", node_selectors=[pb.NodeSelector(key=f"k{i}") for i in range(40)])
+            for n in range(1300)]),
+         "intents: 52000 nodeNames and nodeSelectors entries in all, at most 50000 per source"),
+    ],
+)
+def test_huge_lists_refused_naming_the_cap(agent, request_: pb.ApplyIntentsRequest, field: str) -> None:  # type: ignore[no-untyped-def]
+    """100,000 nodeNames (or selectors) in one intent used to be accepted: 72 -> 614 MB, a 30 MB state."""
+    with stub_of(agent) as stub:
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ApplyIntents(request_)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert exc.value.details() == field
+        assert not statuses(stub, "v")
+
+
+def test_undecodable_request_is_invalid_argument(agent) -> None:  # type: ignore[no-untyped-def]
+    """A string field with invalid UTF-8 used to be INTERNAL ("Exception deserializing request!")."""
+    raw = pb.ApplyIntentsRequest(source="abc", intents=[intent("a")]).SerializeToString()
+    with grpc.insecure_channel(f"unix://{agent.config.api.socket}") as channel:
+        call = channel.unary_unary("/gthulhu.node.v1.NodeAgent/ApplyIntents")
+        with pytest.raises(grpc.RpcError) as exc:
+            call(raw.replace(b"abc", b"a\xffc"))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "bad UTF-8" in exc.value.details()
+        with stub_of(agent) as stub:
+            assert stub.GetStatus(pb.GetStatusRequest()).agent.ready  # and it keeps answering
+
+
 def test_delete(agent) -> None:  # type: ignore[no-untyped-def]
     with stub_of(agent) as stub:
         apply(stub, "del", 0, intent("a"), intent("b"))

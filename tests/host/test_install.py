@@ -55,6 +55,14 @@ def test_install_and_reinstall(scratch: Path) -> None:
     verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
                             check=False)
     assert verify.returncode == 0 and verify.stderr == "", verify.stderr
+    # The unit's exposure as systemd scores it (it was 4.0: no syscall filter, any IP address, no
+    # PrivateMounts); the VM's systemd tests check that the agent still works under it.
+    security = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
+                              capture_output=True, text=True, check=False)
+    exposure = float(security.stdout.split("Overall exposure level for gthulhu-node.service:")[1].split()[0])
+    assert exposure < 3.0, security.stdout
+    assert (scratch / "opt" / "remote-api.conf").read_text() == (
+        REPO / "systemd" / "gthulhu-node.service.d" / "remote-api.conf").read_text()
 
     config = scratch / "etc" / "config.yaml"
     assert config.read_text() == (REPO / "systemd" / "config.yaml").read_text()

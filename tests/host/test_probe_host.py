@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.host import unprivileged
+
 pytestmark = pytest.mark.host
 
 GTHULHU = [sys.executable, "-m", "gthulhu_node"]
@@ -35,7 +37,7 @@ def test_no_headers_on_this_kernel() -> None:
 
 
 def test_not_root() -> None:
-    done = _probe(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"])
+    done = unprivileged.cli("nobody", "probe", "--regex", "x", "--duration", "1")
     assert done.returncode != 0
     assert done.stderr.count("\n") == 1, done.stderr
     assert "needs root" in done.stderr

@@ -132,3 +132,30 @@ def test_configuration_error_is_one_line_and_exit_2(base: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gthulhu-node: configuration error: ")
     assert "bogus" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("sections", "words"),
+    [
+        ({"rest": {"enabled": True}}, "rest.jwt_private_key is required"),
+        ({"rest": {"enabled": True, "jwt_private_key": "/nonexistent/key.pem"}}, "/nonexistent/key.pem"),
+        ({"rest": {"enabled": True, "listen": "nowhere"}}, "rest.listen 'nowhere'"),
+        ({"api": {"tcp_listen": "127.0.0.1:0"}}, "api.tls_cert, api.tls_key, api.tls_client_ca not"),
+        ({"api": {"tcp_listen": "127.0.0.1:0", "tls_cert": "/nonexistent/c", "tls_key": "/nonexistent/k",
+                  "tls_client_ca": "/nonexistent/ca"}}, "api.tls_cert: cannot read /nonexistent/c"),
+        ({"metrics": {"listen": "localhost"}}, "metrics.listen 'localhost'"),
+    ],
+)
+def test_configuration_errors_of_every_section_exit_2_before_any_socket_opens(
+    base: Path, sections: dict, words: str  # type: ignore[type-arg]
+) -> None:
+    """These used to exit 1 with a traceback after the gRPC socket was open; systemd restarted them."""
+    config = write_config(base, **sections)
+    proc = subprocess.run([str(PYTHON), "-m", "gthulhu_node", "run", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, cwd="/",
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gthulhu-node: configuration error: "), proc.stderr
+    assert words in lines[0]
+    assert not (base / "run").exists()  # the API socket's directory was never created

@@ -36,3 +36,11 @@ class FakeProc:
 
     def set_cgroup(self, tgid: int, text: str) -> None:
         (self.root / str(tgid) / "cgroup").write_text(text)
+
+    def set_owner(self, tgid: int, uid: int, exe: str = "", cgroup: str = "0::/\n") -> None:
+        """The process's real (and effective) uid in `status`, its `exe` link and its `cgroup`."""
+        d = self.root / str(tgid)
+        (d / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n")
+        if exe:
+            (d / "exe").symlink_to(exe)
+        self.set_cgroup(tgid, cgroup)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gthulhu_node.intents import store as store_module
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import (
@@ -178,6 +179,9 @@ def test_sender_entries_persist_with_their_intents(tmp_path: Path) -> None:
         json.dumps({"format": "gthulhu-node-intents", "version": 1, "sources": {"a": {"generation": 1,
                     "intents": [{"id": "x", "commandRegex": "x", "priority": 99}]}}}).encode(),
         b"[" * 100_000,
+        # a float too large for a double: OverflowError, which used to end the start with exit 1 (a loop)
+        json.dumps({"format": "gthulhu-node-intents", "version": 1, "sources": {"a": {"generation": 1,
+                    "updated": 10**400, "intents": [{"id": "x", "commandRegex": "x"}]}}}).encode(),
     ],
 )
 def test_corrupt_state_moved_aside_and_start_empty(tmp_path: Path, content: bytes) -> None:
@@ -251,3 +255,52 @@ def test_largest_generation_has_no_next(tmp_path: Path) -> None:
     with pytest.raises(IntentValidationError, match="generation"):
         store.apply("a", 2**64, [intent("y")])
     assert ids(store, "a") == ["x"]
+
+
+def test_state_file_larger_than_the_limit_is_moved_aside_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "STATE_MAX_BYTES", 1000)
+    (tmp_path / STATE_FILE).write_bytes(b" " * 1001)
+    store = IntentStore(tmp_path)
+    assert store.load() == 0 and store.stats().corrupt_state_files == 1
+    assert not (tmp_path / STATE_FILE).exists()
+
+
+def test_push_that_would_outgrow_the_state_limit_is_refused_and_nothing_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = IntentStore(tmp_path)
+    store.apply("a", 0, [intent("x")])
+    monkeypatch.setattr(store_module, "STATE_MAX_BYTES", 2000)
+    with pytest.raises(LimitError, match="bytes of state, at most 2000"):
+        store.apply("b", 0, [intent(f"i{n}") for n in range(50)])
+    assert set(store.snapshot()) == {"a"}
+    assert IntentStore(tmp_path).load() == 1
+
+
+def test_state_file_that_cannot_be_read_stays_and_the_load_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMFILE (or EIO) says nothing about the file: moving it aside would lose every saved intent."""
+    IntentStore(tmp_path).apply("a", 0, [intent("x")])
+
+    def emfile(*args: object, **kw: object) -> object:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr("builtins.open", emfile)
+    with pytest.raises(OSError, match="Too many open files"):
+        IntentStore(tmp_path).load()
+    monkeypatch.undo()
+    assert (tmp_path / STATE_FILE).exists() and IntentStore(tmp_path).load() == 1
+
+
+def test_client_sources_together_are_capped_and_reserved_sources_are_not_counted() -> None:
+    """64 sources of 10,000 intents each (~2.5 GB) fitted within the per-source limits."""
+    store = IntentStore(None, max_client_intents=5)
+    store.apply("a", 0, [intent(f"a{n}") for n in range(3)])
+    with pytest.raises(LimitError, match="6 intents in all client sources, at most 5"):
+        store.apply("b", 0, [intent(f"b{n}") for n in range(3)])
+    store.apply("a", 0, [intent(f"a{n}") for n in range(5)])  # replacing its own set counts only once
+    store.apply("local", 0, [intent(f"l{n}") for n in range(5)], allow_reserved=True)
+    assert set(store.snapshot()) == {"a", "local"}

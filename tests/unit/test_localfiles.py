@@ -161,3 +161,133 @@ def test_id_clash_between_files(tmp_path: Path) -> None:
     local.reload(force=False)
     assert [i.command_regex for i in store.get("local").intents] == ["y"]  # type: ignore[union-attr]
     assert local.errors() == {}
+
+
+# ---- hostile files (issue 18) --------------------------------------------------------------------------
+
+NOBODY = 65534
+
+
+def alias_bomb(items: int = 1000, aliases: int = 2000) -> str:
+    """~20 KB that PyYAML's safe_load expands into `aliases` copies of a 1,000-item list (1 GB, 7 s)."""
+    selectors = ", ".join(str(n) for n in range(items))
+    return f"- &a {{commandRegex: x, nodeSelectors: [{selectors}]}}\n" + "- *a\n" * aliases
+
+
+def test_yaml_alias_bomb_refused_at_the_first_anchor(tmp_path: Path) -> None:
+    with pytest.raises(PolicyFileError, match=r"line 1, column 3: YAML anchors \(&name\) are not allowed"):
+        read_file(write(tmp_path / "bomb.yaml", alias_bomb()))
+    with pytest.raises(PolicyFileError, match=r"line 2, column 3: YAML aliases \(\*name\) are not allowed"):
+        read_file(write(tmp_path / "alias.yaml", "- {commandRegex: x}\n- *a\n"))
+
+
+@pytest.mark.parametrize(("name", "text"), [("deep.yaml", "[" * 5000 + "]" * 5000),
+                                            ("deep.json", "[" * 5000 + "]" * 5000),
+                                            ("deep2.json", "[" * 33 + "]" * 33)])
+def test_deep_nesting_refused_with_the_limit(tmp_path: Path, name: str, text: str) -> None:
+    with pytest.raises(PolicyFileError, match="nested more than 32 levels deep"):
+        read_file(write(tmp_path / name, text))
+
+
+def test_lists_past_their_caps_refused_naming_field_and_cap(tmp_path: Path) -> None:
+    names = json.dumps({"id": "n", "commandRegex": "x", "nodeNames": [f"n{i}" for i in range(1025)]})
+    with pytest.raises(PolicyFileError, match="nodeNames: nodeNames has 1025 entries, at most 1024"):
+        read_file(write(tmp_path / "names.json", names))
+    sels = json.dumps({"id": "s", "commandRegex": "x",
+                       "nodeSelectors": [{"key": f"k{i}"} for i in range(65)]})
+    with pytest.raises(PolicyFileError, match="nodeSelectors has 65 entries, at most 64"):
+        read_file(write(tmp_path / "sels.json", sels))
+
+
+def test_yaml_error_never_quotes_the_file(tmp_path: Path) -> None:
+    f = write(tmp_path / "secret.yaml", "root: $6$hash-that-must-not-leak: 19000:0:99999:7:::\n")
+    with pytest.raises(PolicyFileError) as exc:
+        read_file(f)
+    assert "hash-that-must-not-leak" not in str(exc.value) and "line" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda f: os.chown(f, NOBODY, -1), "owned by uid 65534"),
+        (lambda f: os.chmod(f, 0o664), "group-writable"),
+        (lambda f: os.chmod(f, 0o646), "world-writable"),
+    ],
+)
+def test_file_someone_else_could_change_refused(tmp_path: Path, change, words: str) -> None:  # type: ignore[no-untyped-def]
+    f = write(tmp_path / "p.yaml", "commandRegex: ^bash$\npriority: 20\n")
+    os.chmod(f, 0o644)
+    change(f)
+    with pytest.raises(PolicyFileError, match=words):
+        read_file(f)
+
+
+def test_symlinks_only_to_trusted_files_and_never_echoed(tmp_path: Path) -> None:
+    d = tmp_path / "policies.d"
+    d.mkdir()
+    good = write(tmp_path / "good.yaml", "id: g\ncommandRegex: x\n")
+    (d / "good.yaml").symlink_to(good)
+    assert [i.id for i in read_file(d / "good.yaml").intents] == ["g"]
+    theirs = write(tmp_path / "theirs.yaml", "id: t\ncommandRegex: ^bash$\npriority: 20\n")
+    os.chown(theirs, NOBODY, -1)
+    (d / "theirs.yaml").symlink_to(theirs)
+    with pytest.raises(PolicyFileError, match=f"symlink target {theirs} is owned by uid 65534"):
+        read_file(d / "theirs.yaml")
+    (d / "dir.yaml").symlink_to(tmp_path)
+    with pytest.raises(PolicyFileError, match="which is a directory: not read"):
+        read_file(d / "dir.yaml")
+
+
+def test_directory_someone_else_could_change_keeps_last_good_and_says_why(tmp_path: Path) -> None:
+    d = tmp_path / "policies.d"
+    d.mkdir(mode=0o755)
+    write(d / "a.yaml", "id: a\ncommandRegex: x\npriority: 1\n")
+    store = IntentStore(None)
+    local = LocalPolicies(d, store)
+    local.reload()
+    os.chmod(d, 0o1777)
+    write(d / "evil.yaml", "id: evil\ncommandRegex: ^bash$\npriority: 20\n")
+    local.reload()
+    assert [i.id for i in store.get("local").intents] == ["a"]  # type: ignore[union-attr]
+    assert "is world-writable" in local.errors()[str(d)]
+    assert local.stats().dir_errors == 1 and local.stats().dir_unreadable
+    os.chmod(d, 0o755)
+    os.chown(d, NOBODY, -1)
+    local.reload()
+    assert "owned by uid 65534" in local.errors()[str(d)]
+
+
+def test_not_regular_files_are_reported_not_skipped(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "sub.yml").mkdir()
+    local = LocalPolicies(tmp_path, IntentStore(None))
+    local.reload()
+    errors = local.errors()
+    assert "a FIFO, not a regular file" in errors[str(tmp_path / "fifo.yaml")]
+    assert "a directory, not a regular file" in errors[str(tmp_path / "sub.yml")]
+
+
+def test_directory_that_cannot_be_listed_keeps_every_intent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMFILE while listing used to read as "no files": every local intent was removed."""
+    write(tmp_path / "a.yaml", "id: a\ncommandRegex: x\npriority: 1\n")
+    store = IntentStore(None)
+    local = LocalPolicies(tmp_path, store)
+    local.reload()
+
+    def emfile(path: object) -> list[str]:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(os, "listdir", emfile)
+    assert not local.reload()
+    assert not local.reload(force=False)
+    assert [i.id for i in store.get("local").intents] == ["a"]  # type: ignore[union-attr]
+    why = local.errors()[str(tmp_path)]
+    assert "cannot list" in why and "Too many open files" in why and "last good content" in why
+    assert local.stats().dir_errors == 2
+    monkeypatch.undo()
+    (tmp_path / "a.yaml").unlink()
+    local.reload()
+    assert store.get("local").intents == ()  # type: ignore[union-attr]
+    assert local.errors() == {}

@@ -158,3 +158,29 @@ def test_pod_uid_from_cgroup_both_drivers() -> None:
     assert pod_uid_of(systemd) == normalize_pod_uid(uid)
     assert pod_uid_of(cgroupfs) == normalize_pod_uid(uid)
     assert pod_uid_of("0::/user.slice/user-0.slice/session-1.scope\n") is None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [
+        ("^EngineCore_DP1000000$", "needs at least 20 characters, but a thread name (comm) has at most 15"),
+        ("a\x00b", "contains NUL"),
+        (r"worker\x00", "contains NUL"),
+    ],
+)
+def test_patterns_that_can_never_match_a_comm_are_warned_about(pattern: str, words: str) -> None:
+    """They used to be accepted without a word."""
+    from gthulhu_node.intents.model import pattern_warnings
+
+    Intent.model_validate({"id": "a", "commandRegex": pattern})  # still valid
+    assert any(words in w for w in pattern_warnings(pattern))
+    assert pattern_warnings("^EngineCore_DP[0-9]+$") == ()
+
+
+def test_re2_errors_are_plain_words() -> None:
+    """They used to show Python's b'...' around RE2's message."""
+    from gthulhu_node.intents.parse import IntentValidationError, parse_intent
+
+    with pytest.raises(IntentValidationError) as exc:
+        parse_intent({"id": "a", "commandRegex": "(ab"})
+    assert str(exc.value) == "commandRegex: commandRegex '(ab' is not valid RE2 syntax: missing ): (ab"

@@ -362,3 +362,78 @@ def test_pod_selector_matches_only_threads_of_that_pod(proc: FakeProc) -> None:
     r.rescan()
     r.set_policy(policy(("manager-pods/x", {"podUID": uid})))
     assert set(b.table) == {tid(100)}
+
+
+# ---- who may be boosted (issue 18 item 5) -----------------------------------------------------------
+
+
+@pytest.fixture
+def owners(proc: FakeProc) -> FakeProc:
+    """EngineCore threads in three processes: root's, uid 1000's (in a service cgroup), nobody's."""
+    proc.add(100, 100, "EngineCore", 1)
+    proc.set_owner(100, 0, "/usr/bin/python3.12", "0::/system.slice/vllm.service\n")
+    proc.add(200, 200, "EngineCore", 2)
+    proc.set_owner(200, 1000, "/opt/vllm/bin/python3", "0::/system.slice/vllm-user.service\n")
+    proc.add(300, 300, "EngineCore", 3)
+    proc.set_owner(300, 65534, "/usr/bin/python3.12", "0::/user.slice/user-65534.slice/session-1.scope\n")
+    proc.add(400, 400, "EngineCore", 4)  # no status file: who it is cannot be read
+    return proc
+
+
+def named_only(*items: tuple[str, dict[str, Any]]) -> PolicySet:
+    built = policy(*items)
+    return PolicySet(built.ordered, named_only=True)
+
+
+@pytest.mark.parametrize(
+    ("fields", "matched"),
+    [
+        ({}, {100, 200, 300, 400}),  # today's default: any user's thread named EngineCore
+        ({"users": ["1000"]}, {200}),
+        ({"users": ["root", 65534]}, {100, 300}),
+        ({"cgroupRegex": "^/system\\.slice/"}, {100, 200}),
+        ({"executableRegex": "^/usr/bin/python"}, {100, 300}),  # not a boundary: nobody runs it too
+        ({"users": ["1000"], "executableRegex": "^/usr/bin/"}, set()),  # selectors combine with AND
+        ({"users": ["no-such-user-here"]}, set()),
+    ],
+)
+def test_owner_selectors_restrict_who_is_boosted(owners: FakeProc, fields: dict[str, Any],
+                                                 matched: set[int]) -> None:
+    r, b = make(owners)
+    r.rescan()
+    r.set_policy(policy(("local/vllm", fields)))
+    assert {k.id for k in b.table} == matched
+
+
+@pytest.mark.parametrize(
+    ("fields", "matched"),
+    [
+        ({}, {100}),  # named_only: a name-only intent boosts root's threads only (nobody's attack fails)
+        ({"users": ["1000"]}, {200}),
+        ({"cgroupRegex": "^/system\\.slice/"}, {100, 200}),
+        ({"executableRegex": "python"}, {100}),  # an executable does not name a user or cgroup
+    ],
+)
+def test_named_only_boosts_unprivileged_tasks_only_when_their_user_or_cgroup_is_named(
+    owners: FakeProc, fields: dict[str, Any], matched: set[int]
+) -> None:
+    r, b = make(owners)
+    r.rescan()
+    r.set_policy(named_only(("local/vllm", fields)))
+    assert {k.id for k in b.table} == matched
+
+
+def test_unreadable_cgroup_is_not_remembered_as_no_pod(proc: FakeProc) -> None:
+    """Before: any OSError reading /proc/<pid>/cgroup (EMFILE under an fd flood) was cached as "in no
+    pod", so that process never got its pod's intent while it lived."""
+    uid = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+    proc.add(100, 100, "EngineCore", 1)
+    (proc.root / "100" / "cgroup").mkdir()  # reading it fails with EISDIR: not "gone", not an answer
+    r, b = make(proc)
+    r.rescan()
+    r.set_policy(policy(("manager-pods/x", {"podUID": uid})))
+    assert set(b.table) == set() and r.stats().owner_read_errors == 1
+    (proc.root / "100" / "cgroup").rmdir()
+    proc.set_cgroup(100, f"0::/kubepods/burstable/pod{uid}/abc\n")
+    r.set_policy(policy(("manager-pods/x", {"podUID": uid, "priority": 11})))
+    assert set(b.table) == {tid(100)}

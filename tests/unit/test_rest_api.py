@@ -341,6 +341,17 @@ def test_malformed_bodies(plain: Env) -> None:
     assert plain.call("PUT", "/api/v1/node-intents", "{}", token).status == 405
 
 
+@pytest.mark.parametrize("path", ["/api/v1/auth/token", "/api/v1/node-intents", "/api/v1/intents"])
+@pytest.mark.parametrize("depth", [33, 100_000])
+def test_deeply_nested_bodies_are_400_naming_the_limit(plain: Env, path: str, depth: int) -> None:
+    """They used to be 500 (RecursionError), on the token route too."""
+    token = None if path.endswith("token") else plain.token()
+    for body in ["[" * depth + "]" * depth, '{"policies": ' + "[" * depth + "]" * depth + "}"]:
+        reply = plain.call("POST", path, body, token)
+        assert reply.status == 400, (path, reply.status)
+        assert "nested more than 32 levels deep" in reply.body["error"]
+
+
 def test_body_size_limit(tmp_path: Path) -> None:
     env = start(tmp_path, insecure=True, max_body_bytes=4096)
     try:
