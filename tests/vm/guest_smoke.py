@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         status = _status(config)
         out["intent_state"] = intent.get("state")
         out["matched"] = int(intent.get("matchedTasks", 0))
-        out["backend"] = status.get("backend")
-        out["backend_reason"] = status.get("backendReason", "")
+        out["backend"] = status.get("agent", {}).get("backend")
+        out["backend_reason"] = status.get("agent", {}).get("backendReason", "")
         kernel = _kernel_tids()
         out["kernel_priorities"] = {str(t): kernel.get(t) for t in sorted(tids)}
         out["metrics"] = _metric_lines(("gthulhu_node_sched_ext_refused", "gthulhu_node_backend_info"))
