@@ -41,7 +41,7 @@ def print_table(data: dict[str, Any]) -> None:
 
     print(
         "\nengine step (2 ms own CPU + 5 ms sleep) vs stress-ng --cpu 8 in the lab VM"
-        f" (kernel {data['kernel']}, {data['cpus']} vCPU, TCG),"
+        f" (kernel {data['kernel']}, {data['cpus']} vCPU, TCG thread={data.get('tcg_thread', '?')}),"
         f" {data['rounds']} interleaved rounds x {data['seconds']:g} s;"
         " median [min-max]"
     )
@@ -80,6 +80,7 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
     )
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    data["tcg_thread"] = lab.tcg_thread
     print_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     # the scheduler stayed loaded through every run of ours

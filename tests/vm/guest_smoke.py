@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["apply_rc"] = applied.returncode
         while time.monotonic() < deadline and not (work / "tids.json").exists():
             time.sleep(0.2)
-        tids = {int(tid) for tid in json.loads((work / "tids.json").read_text()).values()}
+        named = json.loads((work / "tids.json").read_text())  # {comm: tid}, the leader included
+        tids = {int(tid) for comm, tid in named.items() if comm.startswith("EngineCore")}
         out["engine_tids"] = sorted(tids)
         intent: dict[str, Any] = {}
         while time.monotonic() < deadline:
