@@ -357,6 +357,11 @@ def no_leak_agent(args: argparse.Namespace) -> dict[str, Any]:
             proc.stdout.readline()
             time.sleep(5)  # events drained and at least one full rescan
             live = {int(n) for n in os.listdir(f"/proc/{proc.pid}/task")} - {proc.pid}
+            # wake the long-lived threads (each reads a byte), so their entries are looked up whatever
+            # the race with the short-lived ones gave
+            proc.stdin.write("x" * len(live))
+            proc.stdin.flush()
+            time.sleep(1)
             counters = backend.counters()
             out.update(
                 live_matched=sorted(live),
@@ -604,11 +609,23 @@ def _session(body: Callable[[], None], name: str, count: int) -> int:
     return fork_worker(leader, f"{name}-lead")
 
 
+def _child_pids(pid: int) -> list[int]:
+    """Processes whose parent is pid, from each one's stat (/proc/PID/task/TID/children needs
+    CONFIG_PROC_CHILDREN, which the lab's 6.12 kernel does not have)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+    return sorted(kids)
+
+
 def _children(pid: int, count: int, timeout: float = 10.0) -> list[int]:
     """The `count` children of pid, waiting for it to fork them all (slow under TCG)."""
     deadline = time.monotonic() + timeout
     while True:
-        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        kids = _child_pids(pid)
         if len(kids) >= count or time.monotonic() > deadline:
             assert len(kids) == count, f"{pid} forked {len(kids)} of {count} children"
             return kids
