@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log.close()
     out["stopped_rc"] = agent.returncode
     out["after"] = _sysfs()
-    out["log_events"] = sorted({json.loads(line).get("event", "") for line in
-                                (work / "agent.log").read_text().splitlines() if line.startswith("{")})
-    refused = [json.loads(line) for line in (work / "agent.log").read_text().splitlines()
-               if line.startswith("{") and '"sched_ext_refused"' in line]
+    events = [json.loads(line) for line in (work / "agent.log").read_text().splitlines()
+              if line.startswith("{")]
+    out["log_events"] = sorted({e.get("event", "") for e in events})
+    refused = [e for e in events if e.get("event") == "sched_ext_refused"]
     out["refused_log"] = refused[0] if refused else None
     return out
 
