@@ -6,17 +6,24 @@
  * else tgid_map (its process), else the default. Entries carry the start time of the task they were
  * written for, so a reused id never inherits a dead task's strategy.
  *
- *  - priority > 0 (boosted): queued in BOOST_DSQ ahead of everything else, higher priority first; a waking
- *    boosted task preempts an unboosted one on its CPU.
+ *  - priority > 0 (boosted): queued in BOOST_DSQ ahead of unboosted work, earliest deadline first, where
+ *    the deadline is the enqueue time plus a step per priority below the top: higher priorities go first,
+ *    and a lower one that has waited long enough goes before a fresh higher one (aging). A waking
+ *    boosted task preempts a less important one on its CPU.
  *  - priority 0 with a slice: fair, with its own slice.
  *  - no entry: fair (weighted vtime) with the default slice, in FAIR_DSQ. Like the kernel's fair class,
  *    the share is split between task groups (cgroups, or sessions through autogroup) first, then between
  *    the group's runnable tasks.
- *  - starvation guard: a boosted task that used more than boost_share_percent of one CPU in the current
- *    window, or all boosted tasks together more than that share of the node, run unboosted until the
- *    window ends.
+ *  - every run, boosted or not, is charged to the task's vtime, which may lead the fair pool by at most
+ *    one default slice.
+ *  - the reserve: each CPU gives a turn to the task with the least vtime, boosted or not, at least once
+ *    per (window - budget), and serves nothing else first once boosted tasks used more than
+ *    boost_share_percent of it in the current window. A boosted task that the boosted queue starves is
+ *    served there as if unboosted: being boosted never costs a task the share it would get unboosted.
+ *  - a boosted task that used more than boost_share_percent of a CPU in its window runs unboosted until
+ *    the window ends.
  *
- * docs/scheduler.md explains each choice.
+ * docs/scheduler.md explains each choice and states the bounded wait.
  */
 /* vmlinux.h's ops table is the newest kernel's: ours is declared below (see "The ops table"). */
 #define sched_ext_ops sched_ext_ops___vmlinux
@@ -34,16 +41,22 @@ char _license[] SEC("license") = "GPL";
 void scx_bpf_dispatch(struct task_struct *p, u64 dsq_id, u64 slice, u64 enq_flags) __ksym;
 void scx_bpf_dispatch_vtime(struct task_struct *p, u64 dsq_id, u64 slice, u64 vtime, u64 enq_flags) __ksym;
 bool scx_bpf_consume(u64 dsq_id) __ksym;
+bool scx_bpf_dispatch_from_dsq(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
+			       u64 enq_flags) __ksym;
 #define dsq_insert scx_bpf_dispatch
 #define dsq_insert_vtime scx_bpf_dispatch_vtime
 #define dsq_move_to_local scx_bpf_consume
+#define dsq_move scx_bpf_dispatch_from_dsq
 #else
 void scx_bpf_dsq_insert(struct task_struct *p, u64 dsq_id, u64 slice, u64 enq_flags) __ksym;
 void scx_bpf_dsq_insert_vtime(struct task_struct *p, u64 dsq_id, u64 slice, u64 vtime, u64 enq_flags) __ksym;
 bool scx_bpf_dsq_move_to_local(u64 dsq_id) __ksym;
+bool scx_bpf_dsq_move(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
+		      u64 enq_flags) __ksym;
 #define dsq_insert scx_bpf_dsq_insert
 #define dsq_insert_vtime scx_bpf_dsq_insert_vtime
 #define dsq_move_to_local scx_bpf_dsq_move_to_local
+#define dsq_move scx_bpf_dsq_move
 #endif
 s32 scx_bpf_create_dsq(u64 dsq_id, s32 node) __ksym;
 s32 scx_bpf_select_cpu_dfl(struct task_struct *p, s32 prev_cpu, u64 wake_flags, bool *is_idle) __ksym;
@@ -53,6 +66,15 @@ s32 scx_bpf_dsq_nr_queued(u64 dsq_id) __ksym;
 void scx_bpf_kick_cpu(s32 cpu, u64 flags) __ksym;
 bool bpf_cpumask_test_cpu(u32 cpu, const struct cpumask *cpumask) __ksym;
 u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
+u32 scx_bpf_reenqueue_local(void) __ksym;
+const struct cpumask *scx_bpf_get_online_cpumask(void) __ksym;
+void scx_bpf_put_cpumask(const struct cpumask *cpumask) __ksym;
+int bpf_iter_scx_dsq_new(struct bpf_iter_scx_dsq *it, u64 dsq_id, u64 flags) __ksym;
+struct task_struct *bpf_iter_scx_dsq_next(struct bpf_iter_scx_dsq *it) __ksym;
+void bpf_iter_scx_dsq_destroy(struct bpf_iter_scx_dsq *it) __ksym;
+int bpf_iter_num_new(struct bpf_iter_num *it, int start, int end) __ksym;
+int *bpf_iter_num_next(struct bpf_iter_num *it) __ksym;
+void bpf_iter_num_destroy(struct bpf_iter_num *it) __ksym;
 
 #define OP(name, args...) SEC("struct_ops/" #name) BPF_PROG(name, ##args)
 
@@ -71,12 +93,15 @@ u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
 
 #define BOOST_DSQ 1
 #define FAIR_DSQ 2
-#define MAX_CPUS 512
 #define USER_HZ 100
 #define PF_EXITING 0x00000004
 #define PF_KTHREAD 0x00200000
 /* The agent's own threads rank above every intent's priority. */
 #define AGENT_PRIORITY (GTHULHU_PRIORITY_MAX + 1)
+/* Deadline distance between adjacent priorities in BOOST_DSQ: priority 1 waits at most 40 ms more than 20. */
+#define BOOST_STEP_NS 2000000ULL
+/* Boosted tasks a reserve turn looks at: the queue is in deadline order, so the starved ones are in front. */
+#define RESERVE_SCAN 16
 
 const volatile struct gthulhu_settings settings = {
 	.default_slice_ns = 5000000,
@@ -89,10 +114,6 @@ struct gthulhu_bss bss;
 
 /* Scheduler-internal state, not part of the layout shared with Python. */
 static u64 vtime_now SEC(".data") = 0;
-static u64 boost_seq SEC(".data") = 0;
-static u64 node_window_start SEC(".data") = 0;
-static u64 node_boost_used SEC(".data") = 0;
-static u64 throttled_until SEC(".data") = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -111,15 +132,20 @@ struct {
 } tgid_map SEC(".maps");
 
 struct task_ctx {
-	u64 vtime;        /* fair virtual time, charged for unboosted runs */
+	u64 vtime;        /* fair virtual time, charged for every run */
 	u64 started_at;   /* when the current run began */
 	u64 window_start; /* start of this task's boost accounting window */
 	u64 window_used;  /* boosted run time inside it */
 	u64 demoted_until;
 	u64 group;        /* task group counted in group_weights while runnable, 0 none */
+	u64 slice;        /* the slice of the current/queued run, for a prev kept by dispatch */
+	u64 cached_slice; /* the strategy select_cpu looked up for the enqueue of the same wakeup */
+	u32 cached_prio;
+	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
 	u32 group_weight; /* what this task added to that group's sum */
 	u32 group_share;  /* the group's weight (cpu.weight, autogroup nice), 100 for the default */
 	u32 prio;         /* effective priority of the current/queued run: 0 fair */
+	u32 pad;
 };
 
 struct {
@@ -141,16 +167,20 @@ struct {
 	__type(value, s64);
 } group_weights SEC(".maps");
 
+/* Written only by its own CPU (running, stopping, dispatch, hotplug callbacks of that CPU). */
 struct cpu_ctx {
-	u64 last_fair; /* when this CPU last took a task from FAIR_DSQ */
-	u64 vtime;     /* vtime of the unboosted task it runs */
-	u32 prio;      /* what it runs now: 0 unboosted or idle, else the boosted priority */
+	u64 last_reserve; /* when this CPU last gave the reserve a turn */
+	u64 vtime;        /* vtime of the unboosted task it runs */
+	u64 window_start; /* this CPU's boost accounting window */
+	u64 boost_used;   /* boosted run time on this CPU inside it */
+	u32 prio;         /* what it runs now: 0 unboosted or idle, else the boosted priority */
 	u32 pad;
 };
 
+/* One entry per possible CPU: the loader sets max_entries to nr_cpu_ids, so no CPU is left out. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, MAX_CPUS);
+	__uint(max_entries, 1);
 	__type(key, u32);
 	__type(value, struct cpu_ctx);
 } cpu_ctxs SEC(".maps");
@@ -168,6 +198,12 @@ static __always_inline void count(u64 *counter)
 static __always_inline u64 ticks(u64 boottime_ns)
 {
 	return boottime_ns / (1000000000ULL / USER_HZ);
+}
+
+/* vtime and deadlines wrap: compare by signed difference, as the kernel's DSQ ordering does. */
+static __always_inline bool before(u64 a, u64 b)
+{
+	return (s64)(a - b) < 0;
 }
 
 static __always_inline void take(struct strategy *s, const struct gthulhu_entry *e)
@@ -215,15 +251,27 @@ static void lookup_strategy(struct task_struct *p, struct strategy *s)
 	}
 }
 
+/* One lookup per wakeup: select_cpu's result is kept for the enqueue that follows it. */
+static void strategy_of(struct task_struct *p, struct task_ctx *tctx, struct strategy *s)
+{
+	if (tctx && tctx->cached) {
+		tctx->cached = 0;
+		s->prio = tctx->cached_prio;
+		s->slice = tctx->cached_slice;
+		return;
+	}
+	lookup_strategy(p, s);
+}
+
 static __always_inline u64 boost_budget(void)
 {
 	return settings.boost_window_ns * settings.boost_share_percent / 100;
 }
 
-/* The starvation guard: a boosted task over its share, or a node over its boost share, runs fair. */
+/* The per-task guard: a boosted task over its share of one CPU runs fair until its window ends. */
 static u32 effective_prio(struct task_ctx *tctx, u32 prio, u64 now)
 {
-	if (!prio || now < tctx->demoted_until || now < throttled_until)
+	if (!prio || before(now, tctx->demoted_until))
 		return 0;
 	return prio;
 }
@@ -257,12 +305,16 @@ static __always_inline u32 prio_on(s32 cpu)
 	return c ? c->prio : 0;
 }
 
-static __always_inline void set_prio_on(s32 cpu, u32 prio)
+/* Whether boosted tasks used more than their share of this CPU in its current window. */
+static __always_inline bool cpu_throttled(struct cpu_ctx *c, u64 now)
 {
-	struct cpu_ctx *c = cpu_ctx_of(cpu);
+	return now - c->window_start < settings.boost_window_ns && c->boost_used > boost_budget();
+}
 
-	if (c)
-		c->prio = prio;
+/* The reserve's turn on this CPU: it is throttled, or (window - budget) passed since the last turn. */
+static __always_inline bool reserve_due(struct cpu_ctx *c, u64 now)
+{
+	return cpu_throttled(c, now) || now - c->last_reserve >= settings.boost_window_ns - boost_budget();
 }
 
 /* Wake an idle CPU the task may run on, so a queued task does not wait for the next tick. */
@@ -275,6 +327,32 @@ static __always_inline void kick_idle(struct task_struct *p)
 }
 
 /*
+ * An online CPU the task may use that runs something less important than prio, searched from the CPU
+ * after `from` so boosted wakers spread instead of piling onto low-numbered CPUs; -1 if none.
+ */
+static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
+{
+	const struct cpumask *online = scx_bpf_get_online_cpumask();
+	u32 n = settings.nr_cpus;
+	struct bpf_iter_num it;
+	s32 found = -1, cpu;
+	int *i;
+
+	bpf_iter_num_new(&it, 1, n);
+	while ((i = bpf_iter_num_next(&it))) {
+		cpu = ((u32)from + (u32)*i) % n;
+		if (prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr) &&
+		    bpf_cpumask_test_cpu(cpu, online)) {
+			found = cpu;
+			break;
+		}
+	}
+	bpf_iter_num_destroy(&it);
+	scx_bpf_put_cpumask(online);
+	return found;
+}
+
+/*
  * Boosted wakers go straight to a CPU that runs something less important (prefer the one the default
  * policy picked), so enqueue can insert them into that CPU's local DSQ and preempt.
  */
@@ -283,83 +361,109 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	struct task_ctx *tctx = ctx_of(p);
 	struct strategy s;
 	bool idle = false;
-	s32 cpu, i;
+	s32 cpu, victim;
 	u32 prio;
 
 	cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
-	if (!tctx)
-		return cpu;
 	lookup_strategy(p, &s);
-	prio = effective_prio(tctx, s.prio, bpf_ktime_get_ns());
+	prio = tctx ? effective_prio(tctx, s.prio, bpf_ktime_get_ns()) : 0;
+	/* The default policy claimed an idle CPU for us: run there now, or that CPU idles until kicked. */
 	if (idle) {
-		tctx->prio = prio;
+		if (tctx) {
+			tctx->prio = prio;
+			tctx->slice = s.slice;
+		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, 0);
 		count(&bss.stats.direct_dispatches);
 		count(prio ? &bss.stats.boosted_dispatches : &bss.stats.fair_dispatches);
 		return cpu;
 	}
+	if (!tctx)
+		return cpu;
+	tctx->cached_prio = s.prio;
+	tctx->cached_slice = s.slice;
+	tctx->cached = 1;
 	if (!prio || prio_on(cpu) < prio || p->nr_cpus_allowed == 1)
 		return cpu;
-	for (i = 0; i < MAX_CPUS && i < settings.nr_cpus; i++) {
-		if (prio_on(i) < prio && bpf_cpumask_test_cpu(i, p->cpus_ptr))
-			return i;
+	victim = find_victim(p, cpu, prio);
+	return victim >= 0 ? victim : cpu;
+}
+
+/* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
+static __always_inline u64 fair_vtime(struct task_ctx *tctx)
+{
+	u64 floor = vtime_now - settings.default_slice_ns;
+
+	return before(tctx->vtime, floor) ? floor : tctx->vtime;
+}
+
+static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio, u64 enq_flags, u64 now)
+{
+	s32 cpu = scx_bpf_task_cpu(p);
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	count(&bss.stats.boosted_dispatches);
+	/*
+	 * A waking boosted task: local DSQ + ENQ_PREEMPT, so it runs the moment its CPU reschedules instead
+	 * of at that CPU's next dispatch. Only wakeups: a task requeued at the end of its slice goes through
+	 * BOOST_DSQ, so it never jumps ahead of tasks already handed to this CPU. Only the task's own CPU:
+	 * affinity and migration-disabled tasks stay safe. Not on a CPU whose boost share is spent: the
+	 * unboosted tasks' turn there must not be cut short.
+	 */
+	if ((enq_flags & ENQ_WAKEUP) && c && c->prio < prio && !cpu_throttled(c, now) &&
+	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+		dsq_insert(p, DSQ_LOCAL_ON | cpu, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
+		count(&bss.stats.preemptions);
+		return;
 	}
-	return cpu;
+	/* Earliest deadline first: priority buys a head start, waiting catches up with it. */
+	dsq_insert_vtime(p, BOOST_DSQ, s->slice, now + (u64)(AGENT_PRIORITY - prio) * BOOST_STEP_NS, enq_flags);
+	kick_idle(p);
 }
 
 void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 {
 	struct task_ctx *tctx = ctx_of(p);
+	u64 now = bpf_ktime_get_ns(), vtime;
 	struct cpu_ctx *c;
 	struct strategy s;
-	u64 vtime, floor;
 	s32 cpu;
 	u32 prio;
 
-	lookup_strategy(p, &s);
+	strategy_of(p, tctx, &s);
+	/* A per-CPU kernel thread (ksoftirqd, kworker/N) can only run there: queue it there, not globally. */
+	if ((p->flags & PF_KTHREAD) && p->nr_cpus_allowed == 1) {
+		if (tctx) {
+			tctx->prio = 0;
+			tctx->slice = s.slice;
+		}
+		dsq_insert(p, DSQ_LOCAL, s.slice, enq_flags);
+		count(&bss.stats.fair_dispatches);
+		return;
+	}
 	if (!tctx) {
 		dsq_insert(p, FAIR_DSQ, s.slice, enq_flags);
 		return;
 	}
-	prio = effective_prio(tctx, s.prio, bpf_ktime_get_ns());
+	prio = effective_prio(tctx, s.prio, now);
 	tctx->prio = prio;
-
+	tctx->slice = s.slice;
 	if (prio) {
-		count(&bss.stats.boosted_dispatches);
-		/*
-		 * A waking boosted task: local DSQ + ENQ_PREEMPT, so it runs the moment its CPU reschedules
-		 * instead of at that CPU's next dispatch (LAB.md: this path matters most). Only wakeups: a task
-		 * requeued at the end of its slice goes through BOOST_DSQ, so it never jumps ahead of unboosted
-		 * tasks already handed to this CPU. Only the task's own CPU: affinity and migration-disabled
-		 * tasks stay safe.
-		 */
-		cpu = scx_bpf_task_cpu(p);
-		if ((enq_flags & ENQ_WAKEUP) && prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
-			dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
-			count(&bss.stats.preemptions);
-			return;
-		}
-		/* Higher priority first, FIFO within one priority. */
-		vtime = ((u64)(AGENT_PRIORITY - prio) << 56) | (__sync_fetch_and_add(&boost_seq, 1) & ((1ULL << 56) - 1));
-		dsq_insert_vtime(p, BOOST_DSQ, s.slice, vtime, enq_flags);
-		kick_idle(p);
+		enqueue_boosted(p, &s, prio, enq_flags, now);
 		return;
 	}
 
 	count(&bss.stats.fair_dispatches);
-	/* A sleeper keeps at most one default slice of credit, so waking up never buys a burst. */
-	vtime = tctx->vtime;
-	floor = vtime_now > settings.default_slice_ns ? vtime_now - settings.default_slice_ns : 0;
-	if (vtime < floor)
-		vtime = floor;
+	vtime = fair_vtime(tctx);
 	/*
 	 * Wakeup preemption, as the fair class does it: a waking task that is behind the unboosted task on its
-	 * CPU by more than half a default slice runs now, instead of after that task's whole slice.
+	 * CPU by more than half a default slice runs now, instead of after that task's whole slice. Not while
+	 * boosted tasks wait: they go first.
 	 */
 	cpu = scx_bpf_task_cpu(p);
 	c = cpu_ctx_of(cpu);
-	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio && vtime + settings.default_slice_ns / 2 < c->vtime &&
-	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio && before(vtime + settings.default_slice_ns / 2, c->vtime) &&
+	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && !scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT);
 		count(&bss.stats.fair_preemptions);
 		return;
@@ -368,12 +472,70 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	kick_idle(p);
 }
 
-static __always_inline bool take_fair(struct cpu_ctx *c, u64 now)
+/* The vtime at the head of FAIR_DSQ, if it has a task. */
+static bool fair_head(u64 *vtime)
 {
-	if (!dsq_move_to_local(FAIR_DSQ))
+	struct bpf_iter_scx_dsq it;
+	struct task_struct *p;
+	bool found = false;
+
+	bpf_iter_scx_dsq_new(&it, FAIR_DSQ, 0);
+	p = bpf_iter_scx_dsq_next(&it);
+	if (p) {
+		*vtime = p->scx.dsq_vtime;
+		found = true;
+	}
+	bpf_iter_scx_dsq_destroy(&it);
+	return found;
+}
+
+/*
+ * A boosted task, first in deadline order, whose vtime is behind the fair pool's head, moved to this CPU
+ * to run as unboosted. That is how the boosted queue's losers get the reserve they would have had
+ * unboosted.
+ */
+static bool reserve_from_boosted(s32 cpu, u64 head)
+{
+	struct bpf_iter_scx_dsq it;
+	struct task_struct *p;
+	struct task_ctx *tctx;
+	bool moved = false;
+	u32 seen = 0;
+
+	bpf_iter_scx_dsq_new(&it, BOOST_DSQ, 0);
+	while ((p = bpf_iter_scx_dsq_next(&it)) && seen++ < RESERVE_SCAN) {
+		tctx = ctx_of(p);
+		if (!tctx || !before(fair_vtime(tctx), head))
+			continue;
+		/* Moving a task to a CPU it may not use is a scheduler error: the kernel would eject us. */
+		if (!bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
+		    (p->migration_disabled && scx_bpf_task_cpu(p) != cpu))
+			continue;
+		if (dsq_move(&it, p, DSQ_LOCAL, 0)) {
+			tctx->prio = 0; /* a reserve run: charged as unboosted, preemptible as one */
+			moved = true;
+			break;
+		}
+	}
+	bpf_iter_scx_dsq_destroy(&it);
+	return moved;
+}
+
+/*
+ * The reserve's turn, when unboosted work waits: the least vtime among FAIR_DSQ's head and the waiting
+ * boosted tasks runs. With nothing unboosted waiting there is nothing to reserve for.
+ */
+static bool serve_reserve(s32 cpu, struct cpu_ctx *c, u64 now)
+{
+	u64 head = 0;
+
+	if (!fair_head(&head))
 		return false;
-	if (c)
-		c->last_fair = now;
+	if (reserve_from_boosted(cpu, head))
+		count(&bss.stats.reserve_boosted);
+	else if (!dsq_move_to_local(FAIR_DSQ))
+		return false;
+	c->last_reserve = now;
 	return true;
 }
 
@@ -381,30 +543,32 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 	u64 now = bpf_ktime_get_ns();
-	u64 gap = settings.boost_window_ns - boost_budget();
 	struct task_ctx *tctx;
 
-	/*
-	 * Unboosted tasks go first while the node is over its boost share, and on each CPU at least once per
-	 * (window - budget): a floor under the guard that no mix of boosted tasks can take away.
-	 */
-	if (now < throttled_until || (c && gap && now - c->last_fair >= gap)) {
-		if (!take_fair(c, now))
-			dsq_move_to_local(BOOST_DSQ);
+	if (!c) {
+		if (!dsq_move_to_local(BOOST_DSQ))
+			dsq_move_to_local(FAIR_DSQ);
 		return;
 	}
+	/* The reserve's turn: a floor under the boost that no mix of boosted tasks can take away. */
+	if (reserve_due(c, now) && serve_reserve(cpu, c, now))
+		return;
 	if (dsq_move_to_local(BOOST_DSQ))
 		return;
 	/*
-	 * A boosted prev that may go on keeps its CPU (returning empty-handed lets the kernel keep it);
-	 * pulling an unboosted task here would only park it in this CPU's local DSQ behind prev.
+	 * A boosted prev that may go on keeps its CPU (returning empty-handed lets the kernel keep it), with
+	 * its own slice: left alone the kernel would refill the default 20 ms. Pulling an unboosted task here
+	 * would only park it in this CPU's local DSQ behind prev.
 	 */
 	if (prev && (prev->scx.flags & TASK_QUEUED)) {
 		tctx = ctx_of(prev);
-		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now))
+		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now)) {
+			prev->scx.slice = tctx->slice;
 			return;
+		}
 	}
-	take_fair(c, now);
+	if (dsq_move_to_local(FAIR_DSQ))
+		c->last_reserve = now;
 }
 
 void OP(gthulhu_running, struct task_struct *p)
@@ -415,7 +579,7 @@ void OP(gthulhu_running, struct task_struct *p)
 	if (!tctx)
 		return;
 	tctx->started_at = bpf_ktime_get_ns();
-	if (!tctx->prio && (s64)(tctx->vtime - vtime_now) > 0)
+	if (!tctx->prio && before(vtime_now, tctx->vtime))
 		vtime_now = tctx->vtime;
 	c = cpu_ctx_of(scx_bpf_task_cpu(p));
 	if (c) {
@@ -492,9 +656,9 @@ void OP(gthulhu_quiescent, struct task_struct *p, u64 deq_flags)
 }
 
 /*
- * The vtime an unboosted run of `used` ns costs: used / weight, where a grouped task's weight is its part
- * of the group's share (task weight / runnable weight of the group x group share). Eight hogs in one
- * session then cost eight times what a lone thread in another session pays, as under EEVDF.
+ * The vtime a run of `used` ns costs: used / weight, where a grouped task's weight is its part of the
+ * group's share (task weight / runnable weight of the group x group share). Eight hogs in one session
+ * then cost eight times what a lone thread in another session pays, as under EEVDF.
  */
 static u64 fair_charge(struct task_struct *p, struct task_ctx *tctx, u64 used)
 {
@@ -509,8 +673,8 @@ static u64 fair_charge(struct task_struct *p, struct task_ctx *tctx, u64 used)
 	return used * 100 * (u64)*sum / ((u64)tctx->group_weight * tctx->group_share);
 }
 
-/* Charge boosted run time to the task's window and to the node's; start the guard when over budget. */
-static void charge_boost(struct task_ctx *tctx, u64 used, u64 now)
+/* Charge boosted run time to the task's window and to its CPU's; start the guard when over budget. */
+static void charge_boost(struct task_ctx *tctx, struct cpu_ctx *c, u64 used, u64 now)
 {
 	u64 window = settings.boost_window_ns;
 
@@ -519,64 +683,109 @@ static void charge_boost(struct task_ctx *tctx, u64 used, u64 now)
 		tctx->window_used = 0;
 	}
 	tctx->window_used += used;
-	if (tctx->window_used > boost_budget() && now >= tctx->demoted_until) {
+	if (tctx->window_used > boost_budget() && !before(now, tctx->demoted_until)) {
 		tctx->demoted_until = tctx->window_start + window;
 		count(&bss.stats.demotions);
 	}
-
-	if (now - node_window_start >= window) {
-		node_window_start = now;
-		node_boost_used = 0;
+	if (!c)
+		return;
+	if (now - c->window_start >= window) {
+		c->window_start = now;
+		c->boost_used = 0;
 	}
-	__sync_fetch_and_add(&node_boost_used, used);
-	if (node_boost_used > boost_budget() * settings.nr_cpus && now >= throttled_until) {
-		throttled_until = node_window_start + window;
+	if (c->boost_used <= boost_budget() && c->boost_used + used > boost_budget())
 		count(&bss.stats.throttled_windows);
-	}
+	c->boost_used += used;
 }
 
 void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 {
 	struct task_ctx *tctx = ctx_of(p);
-	u64 now = bpf_ktime_get_ns(), used;
+	struct cpu_ctx *c = cpu_ctx_of(scx_bpf_task_cpu(p));
+	u64 now = bpf_ktime_get_ns(), used, lead;
 
-	set_prio_on(scx_bpf_task_cpu(p), 0);
+	if (c)
+		c->prio = 0;
 	if (!tctx)
 		return;
 	/* A task already running when the scheduler was enabled has no start: charge nothing for that run. */
 	used = tctx->started_at ? now - tctx->started_at : 0;
 	tctx->started_at = 0;
+	tctx->vtime += fair_charge(p, tctx, used);
+	if (!tctx->prio)
+		return;
+	charge_boost(tctx, c, used, now);
 	/*
-	 * Boosted time is paid for by the guard, not by vtime: charging it too would leave a demoted task so
-	 * far behind that it never ran in its fair turn, and stayed stuck there after its window passed.
+	 * Boosted runs cost vtime too, so the reserve goes to whoever got least CPU, boosted or not; but a
+	 * boosted task leads the fair pool by at most one default slice, so once demoted it waits at most
+	 * that long behind it instead of paying for every boosted run it had.
 	 */
-	if (tctx->prio)
-		charge_boost(tctx, used, now);
-	else
-		tctx->vtime += fair_charge(p, tctx, used);
+	lead = vtime_now + settings.default_slice_ns;
+	if (before(lead, tctx->vtime))
+		tctx->vtime = lead;
 }
 
 /*
- * Per tick: end a boosted run that went over its share (a long slice must not outrun the guard), and end
- * an unboosted run when a boosted task waits.
+ * Per tick: end a boosted run that went over its share (a long slice must not outrun the guard) or that
+ * holds a throttled CPU while others wait, and end an unboosted run when a boosted task waits, unless it
+ * is the reserve's turn.
  */
 void OP(gthulhu_tick, struct task_struct *p)
 {
 	struct task_ctx *tctx = ctx_of(p);
+	struct cpu_ctx *c = cpu_ctx_of(scx_bpf_task_cpu(p));
 	u64 now = bpf_ktime_get_ns();
 
 	if (bpf_get_smp_processor_id() == 0) {
 		bss.stats.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
 		bss.stats.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
 	}
-	if (!tctx)
+	if (!tctx || !c)
 		return;
 	if (tctx->prio) {
-		if (over_budget(tctx, now) || (now < throttled_until && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
+		if (over_budget(tctx, now) || (cpu_throttled(c, now) && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
 			p->scx.slice = 0;
-	} else if (now >= throttled_until && scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
+	} else if (!reserve_due(c, now) && now - c->last_reserve > tctx->slice &&
+		   scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
 		p->scx.slice = 0;
 	}
+}
+
+/* An RT or deadline task took this CPU: hand its queued tasks back so other CPUs can run them. */
+void OP(gthulhu_cpu_release, s32 cpu, struct scx_cpu_release_args *args)
+{
+	u32 n = scx_bpf_reenqueue_local();
+
+	if (n)
+		__sync_fetch_and_add(&bss.stats.reenqueued, n);
+}
+
+/*
+ * CPU hotplug: a scheduler without these callbacks is ejected by the kernel on every hotplug event. A CPU
+ * coming or going starts clean: no priority, a fresh boost window, the reserve due at once.
+ */
+static void reset_cpu(s32 cpu, u32 prio)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	count(&bss.stats.hotplug_events);
+	if (!c)
+		return;
+	c->prio = prio;
+	c->boost_used = 0;
+	c->window_start = 0;
+	c->last_reserve = 0;
+}
+
+void OP(gthulhu_cpu_online, s32 cpu)
+{
+	reset_cpu(cpu, 0);
+}
+
+/* An offline CPU looks as busy as can be, so no boosted waker is sent there. */
+void OP(gthulhu_cpu_offline, s32 cpu)
+{
+	reset_cpu(cpu, ~0U);
 }
 
 s32 OP(gthulhu_init_task, struct task_struct *p, struct scx_init_task_args *args)
@@ -658,8 +867,11 @@ struct sched_ext_ops {
 	void (*running)(struct task_struct *p);
 	void (*stopping)(struct task_struct *p, bool runnable);
 	void (*quiescent)(struct task_struct *p, u64 deq_flags);
+	void (*cpu_release)(s32 cpu, struct scx_cpu_release_args *args);
 	s32 (*init_task)(struct task_struct *p, struct scx_init_task_args *args);
 	void (*exit_task)(struct task_struct *p, struct scx_exit_task_args *args);
+	void (*cpu_online)(s32 cpu);
+	void (*cpu_offline)(s32 cpu);
 	s32 (*init)(void);
 	void (*exit)(struct scx_exit_info *info);
 	u32 timeout_ms;
@@ -679,8 +891,11 @@ struct sched_ext_ops gthulhu_ops = {
 	.quiescent = (void *)gthulhu_quiescent,
 	.stopping = (void *)gthulhu_stopping,
 	.tick = (void *)gthulhu_tick,
+	.cpu_release = (void *)gthulhu_cpu_release,
 	.init_task = (void *)gthulhu_init_task,
 	.exit_task = (void *)gthulhu_exit_task,
+	.cpu_online = (void *)gthulhu_cpu_online,
+	.cpu_offline = (void *)gthulhu_cpu_offline,
 	.init = (void *)gthulhu_init,
 	.exit = (void *)gthulhu_exit,
 	.timeout_ms = 0, /* the loader patches it from config.scheduler.watchdog_timeout_ms */

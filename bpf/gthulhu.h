@@ -32,7 +32,7 @@ struct gthulhu_settings {
 	u64 boost_window_ns;
 	u32 boost_share_percent; /* of one CPU per task, and of all CPUs for all boosted tasks together */
 	u32 agent_tgid;          /* the agent's own process: boosted above every intent (0: off) */
-	u32 nr_cpus;             /* possible CPUs, for the per-CPU array */
+	u32 nr_cpus;             /* possible CPUs (nr_cpu_ids): the per-CPU array has this many entries */
 	u32 pad;
 };
 
@@ -48,12 +48,15 @@ struct gthulhu_stats {
 	u64 preemptions;        /* a waking boosted task preempted an unboosted one */
 	u64 fair_preemptions;   /* a waking unboosted task preempted one far ahead of it in vtime */
 	u64 demotions;          /* a boosted task exceeded its share and runs unboosted until the window ends */
-	u64 throttled_windows;  /* all boosted tasks together exceeded their share of the node */
+	u64 throttled_windows;  /* a CPU's boosted run time exceeded its share: it serves the reserve first */
 	u64 exit_deleted_tid;   /* TID entries removed because their task exited */
 	u64 exit_deleted_tgid;  /* TGID entries removed because their whole process exited */
 	u64 agent_boosts;       /* the agent's own threads queued as boosted */
 	u64 live_tid_entries;   /* entries in tid_map */
 	u64 live_tgid_entries;  /* entries in tgid_map */
+	u64 reserve_boosted;    /* boosted tasks that were served a CPU's reserve turn (behind the fair pool) */
+	u64 hotplug_events;     /* CPUs that went online or offline while the scheduler ran */
+	u64 reenqueued;         /* tasks taken back from a CPU that a real-time task took over */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */

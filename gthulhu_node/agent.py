@@ -26,7 +26,7 @@ import structlog
 from gthulhu_node import __version__
 from gthulhu_node.api.server import ApiServer, ApiStats
 from gthulhu_node.backends.base import Backend, BackendState, MapFullError, SchedulerRefused
-from gthulhu_node.backends.select import fallback_after_refusal, select_backend
+from gthulhu_node.backends.select import fallback_after_ejections, fallback_after_refusal, select_backend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
@@ -113,6 +113,7 @@ class Agent:
         self.backend: Backend | None = backend
         self.backend_reason = "given by the caller" if backend is not None else ""
         self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
+        self.sched_ext_given_up = ""  # why the engine stopped reloading an ejected scheduler, else ""
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
@@ -163,6 +164,16 @@ class Agent:
                     fallback=True)
         self.backend.start()
 
+    def _give_up_sched_ext(self, reason: str) -> Backend:
+        """The engine's replacement for a scheduler the kernel keeps ejecting (runs on the engine thread):
+        the next best backend, as for a refusal at start, started and named in status and metrics."""
+        self.sched_ext_given_up = reason
+        backend, why = fallback_after_ejections(self.config, reason)
+        backend.start()
+        self.backend, self.backend_reason = backend, why
+        log.warning("backend_selected", backend=backend.name, reason=why, fallback=True)
+        return backend
+
     def _start(self) -> None:
         if self.config.rest.enabled and self.config.rest.runtime_config_allow:
             self._apply_runtime_config()
@@ -181,7 +192,7 @@ class Agent:
         effect, policy = self._build_policy()
         self._effect = effect
         reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
-        self.engine = Engine.from_config(reconciler, self.config)
+        self.engine = Engine.from_config(reconciler, self.config, on_give_up=self._give_up_sched_ext)
         self.engine.start()
         self.local.start_polling()
         self._status_thread = threading.Thread(target=self._status_loop, name="intent-status", daemon=True)

@@ -47,17 +47,37 @@ class BackendConfig(_Section):
     dry_run_record: Path | None = None
 
 
+WATCHDOG_MAX_MS = 30_000  # the kernel's SCX_WATCHDOG_MAX_TIMEOUT (30 s): a longer timeout is refused at load
+
+
 class SchedulerConfig(_Section):
-    """Settings of the sched_ext scheduler, fixed before it is loaded."""
+    """Settings of the sched_ext scheduler, fixed before it is loaded. Values the scheduler or the kernel
+    cannot honour are refused here, with the valid range, instead of at load (docs/scheduler.md)."""
 
     bpf_object: Path | None = None  # default: the object built into the package
     default_slice_ns: int = Field(default=5_000_000, ge=50_000, le=1_000_000_000)
-    boost_share_percent: int = Field(default=75, ge=1, le=100)
+    # at most 95: the rest of each window is the unboosted tasks' reserve on every CPU, and must exist
+    boost_share_percent: int = Field(default=75, ge=1, le=95)
     boost_window_ns: int = Field(default=100_000_000, ge=1_000_000, le=10_000_000_000)
     map_capacity: int = Field(default=65_536, ge=1, le=4_194_304)
-    watchdog_timeout_ms: int = Field(default=0, ge=0)  # 0: the kernel's default
+    watchdog_timeout_ms: int = Field(default=0, ge=0, le=WATCHDOG_MAX_MS)  # 0: the kernel's default (30 s)
     reload_backoff_initial_s: float = Field(default=1.0, gt=0)
     reload_backoff_max_s: float = Field(default=60.0, gt=0)
+    # this many ejections within ejection_window_s: stop reloading, run the eevdf backend instead
+    ejection_limit: int = Field(default=3, ge=1, le=1000)
+    ejection_window_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _watchdog_above_the_guard(self) -> SchedulerConfig:
+        """The watchdog must leave room for the bounded wait: at least ten boost windows and 1 s, so a
+        guarded task is never reported stalled while it waits its stated turn."""
+        low = max(1000, 10 * self.boost_window_ns // 1_000_000)
+        if self.watchdog_timeout_ms and not low <= self.watchdog_timeout_ms <= WATCHDOG_MAX_MS:
+            raise ValueError(
+                f"watchdog_timeout_ms {self.watchdog_timeout_ms} is outside {low}-{WATCHDOG_MAX_MS} "
+                f"(0 for the kernel's default): at least 10 boost windows and 1 s, at most the kernel's 30 s"
+            )
+        return self
 
 
 class WatchConfig(_Section):

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from gthulhu_node.backends.base import BackendError, BackendState
+from gthulhu_node.backends.base import Backend, BackendError, BackendState
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
 
@@ -53,6 +53,7 @@ class EngineStats:
     backend_reload_failures: int = 0
     last_ejection_reason: str = ""
     hook_failures: int = 0
+    gave_up_reason: str = ""  # why the engine stopped reloading the backend and replaced it, else ""
 
 
 @dataclass(slots=True, eq=False)
@@ -74,14 +75,23 @@ class Engine:
         health_interval_s: float = 1.0,
         reload_backoff_initial_s: float = 1.0,
         reload_backoff_max_s: float = 60.0,
+        ejection_limit: int = 3,
+        ejection_window_s: float = 600.0,
+        on_give_up: Callable[[str], Backend] | None = None,
         use_events: bool = True,
         events: ProcEventSource | None = None,
     ) -> None:
+        """`on_give_up(reason)` returns a started replacement backend once the backend was ejected
+        `ejection_limit` times within `ejection_window_s`; without it the engine reloads forever."""
         self.reconciler = reconciler
         self.rescan_interval_s = rescan_interval_s
         self.health_interval_s = health_interval_s
         self.reload_backoff_initial_s = reload_backoff_initial_s
         self.reload_backoff_max_s = reload_backoff_max_s
+        self.ejection_limit = ejection_limit
+        self.ejection_window_s = ejection_window_s
+        self._on_give_up = on_give_up
+        self._ejection_times: collections.deque[float] = collections.deque()
         self._use_events = use_events
         self._events = events if events is not None else ProcEventSource()
         self._work: collections.deque[tuple[Callable[[Reconciler], Any], concurrent.futures.Future[Any]]] = (
@@ -101,13 +111,18 @@ class Engine:
         self._stats = EngineStats()
 
     @classmethod
-    def from_config(cls, reconciler: Reconciler, config: Any) -> Engine:
+    def from_config(
+        cls, reconciler: Reconciler, config: Any, on_give_up: Callable[[str], Backend] | None = None
+    ) -> Engine:
         """Build from an AgentConfig (its `watch` and `scheduler` sections)."""
         return cls(
             reconciler,
             rescan_interval_s=config.watch.rescan_interval_s,
             reload_backoff_initial_s=config.scheduler.reload_backoff_initial_s,
             reload_backoff_max_s=config.scheduler.reload_backoff_max_s,
+            ejection_limit=config.scheduler.ejection_limit,
+            ejection_window_s=config.scheduler.ejection_window_s,
+            on_give_up=on_give_up,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -338,6 +353,9 @@ class Engine:
             self._backoff_s = self.reload_backoff_initial_s
             self._next_reload = now
             log.error("scheduler_ejected", backend=backend.name, reason=health.reason)
+            if self._too_many_ejections(now):
+                self._give_up(backend, health.reason)
+                return
         if now < self._next_reload:
             return
         try:
@@ -358,4 +376,40 @@ class Engine:
         self._stats.backend_reloads += 1
         self._stats.backend_state = backend.health().state.value
         log.info("backend_reloaded", backend=backend.name)
+        r.resync()
+
+    def _too_many_ejections(self, now: float) -> bool:
+        """Count this ejection; True once `ejection_limit` fell within the last `ejection_window_s`."""
+        self._ejection_times.append(now)
+        while self._ejection_times and now - self._ejection_times[0] > self.ejection_window_s:
+            self._ejection_times.popleft()
+        return self._on_give_up is not None and len(self._ejection_times) >= self.ejection_limit
+
+    def _give_up(self, backend: Backend, reason: str) -> None:
+        """A scheduler the kernel keeps ejecting is not reloaded again (each reload leaves the policies
+        unapplied for a while, and each ejection is a kernel error): the replacement backend takes over,
+        every entry is written to it, and it stays until the agent restarts."""
+        r = self.reconciler
+        why = (f"{len(self._ejection_times)} ejections within {self.ejection_window_s:g} s "
+               f"(scheduler.ejection_limit {self.ejection_limit}); the last: {reason}")
+        assert self._on_give_up is not None
+        try:
+            backend.stop()
+        except BackendError as exc:
+            log.warning("backend_stop_failed", backend=backend.name, error=str(exc))
+        try:
+            replacement = self._on_give_up(why)
+        except Exception as exc:
+            # Nothing to run instead: keep reloading what we had, as without a limit.
+            log.error("backend_replacement_failed", backend=backend.name, error=str(exc))
+            self._on_give_up = None
+            return
+        r.backend = replacement
+        self._ejected = False
+        self._ejection_times.clear()
+        r.hold_writes = False
+        self._stats.gave_up_reason = why
+        self._stats.backend_state = replacement.health().state.value
+        log.error("backend_given_up", backend=backend.name, replacement=replacement.name, reason=why,
+                  action="systemctl restart gthulhu-node tries the scheduler again")
         r.resync()

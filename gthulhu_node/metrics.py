@@ -359,6 +359,12 @@ class AgentCollector(Collector):
                                 "1 when the kernel refused our sched_ext scheduler and backend auto fell "
                                 "back to another backend (the reason is in gthulhu_node_backend_info).",
                                 value=1.0 if refused else 0.0)
+        given_up = str(getattr(self.agent, "sched_ext_given_up", ""))
+        yield GaugeMetricFamily(PREFIX + "sched_ext_given_up",
+                                "1 when the kernel ejected our sched_ext scheduler scheduler.ejection_limit "
+                                "times within scheduler.ejection_window_s and the agent stopped reloading it "
+                                "(another backend runs; a restart tries the scheduler again).",
+                                value=1.0 if given_up else 0.0)
         state = str(snap.engine.get("backend_state") or "")
         reason = str(snap.engine.get("last_ejection_reason") or "")
         if snap.health is not None:

@@ -63,6 +63,12 @@ def _auto_without_sched_ext(config: Any, why: str) -> tuple[Backend, str]:
     )
 
 
+def fallback_after_ejections(config: Any, why: str) -> tuple[Backend, str]:
+    """What runs once the kernel ejected our scheduler too often (scheduler.ejection_limit): the next best
+    backend, whatever backend.kind asked for, since reloading again would only be ejected again."""
+    return _auto_without_sched_ext(config, f"the sched_ext scheduler was given up: {why}")
+
+
 def fallback_after_refusal(config: Any, refusal: str) -> tuple[Backend, str]:
     """What `auto` runs when the kernel refused our sched_ext scheduler: the next best backend, with the
     refusal in the reason (status, logs and the backend info metric show it)."""

@@ -49,6 +49,9 @@ STAT_NAMES = (
     "agent_boosts",
     "live_tid_entries",
     "live_tgid_entries",
+    "reserve_boosted",
+    "hotplug_events",
+    "reenqueued",
 )
 
 

@@ -34,7 +34,6 @@ OPS_MAP = "gthulhu_ops"
 SCHED_EXT = Path("/sys/kernel/sched_ext")
 KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
 LOCK_PATH = Path("/run/gthulhu-node/scheduler.lock")
-MAX_CPUS = 512  # MAX_CPUS in gthulhu.bpf.c (the per-CPU array)
 SLEEPABLE_PROGRAMS = ("gthulhu_init",)
 ATTACH_TIMEOUT_S = 30.0
 
@@ -94,8 +93,10 @@ def object_path(flavour: str, override: Path | None = None) -> Path:
     return path
 
 
-def _possible_cpus() -> int:
-    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
+    """nr_cpu_ids: the highest possible CPU plus one. The scheduler's per-CPU array gets that many entries,
+    so every CPU the kernel can ever bring online has one (hotplug included); there is no compiled-in cap."""
+    text = path.read_text().strip()
     last = text.split(",")[-1].split("-")[-1]
     return int(last) + 1
 
@@ -277,6 +278,8 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
     try:
         for name in ("tid_map", "tgid_map"):
             obj.map(name).set_max_entries(settings.map_capacity)
+        nr_cpus = possible_cpus()
+        obj.map("cpu_ctxs").set_max_entries(nr_cpus)
         rodata = _internal_map(obj, ".rodata")
         if len(rodata.initial_value()) != ctypes.sizeof(GthulhuSettings):
             raise BackendUnavailable(".rodata of the BPF object does not match struct gthulhu_settings")
@@ -287,7 +290,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             boost_window_ns=settings.boost_window_ns,
             boost_share_percent=settings.boost_share_percent,
             agent_tgid=settings.agent_tgid,
-            nr_cpus=min(_possible_cpus(), MAX_CPUS),
+            nr_cpus=nr_cpus,
         )
         rodata.set_initial_value(bytes(values))
         for prog in SLEEPABLE_PROGRAMS:
@@ -319,6 +322,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         kfuncs=flavour,
         object=str(path),
         capacity=settings.map_capacity,
+        cpus=nr_cpus,
         timeout_ms=settings.watchdog_timeout_ms,
     )
     return loaded

@@ -132,3 +132,52 @@ def test_ejected_backend_is_reloaded_with_backoff_and_resynced(proc: FakeProc, e
     assert "watchdog" in st.last_ejection_reason
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
     assert e.call(lambda r: r.stats().resyncs) == 1
+
+
+def test_a_backend_ejected_too_often_is_replaced_not_reloaded_forever(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    """Before the limit the engine reloaded an ejected scheduler forever; now the third ejection within
+    the window hands the node to the replacement, which gets every entry."""
+    proc.add(60, 60, "EngineCore", 4)
+    b = FlakyBackend(failures=0)
+    replacement = DryRunBackend()
+    reasons: list[str] = []
+
+    def give_up(why: str) -> DryRunBackend:
+        reasons.append(why)
+        replacement.start()
+        return replacement
+
+    b.start()
+    r = Reconciler(b, proc_root=proc.root)
+    e = Engine(r, use_events=False, health_interval_s=0.02, reload_backoff_initial_s=0.01,
+               ejection_limit=3, ejection_window_s=60.0, on_give_up=give_up)
+    engines.append(e)
+    e.start()
+    e.call(lambda r: r.set_policy(vllm()))
+    for n in (1, 2):
+        b.eject(f"disabled by sysrq-S ({n})")
+        wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
+    assert not reasons and r.backend is b
+    b.eject("disabled by sysrq-S (3)")
+    wait_for(lambda: bool(e.stats().gave_up_reason))
+    assert r.backend is replacement
+    assert len(reasons) == 1 and "3 ejections within 60 s" in reasons[0] and "(3)" in reasons[0]
+    assert e.stats().backend_reloads == 2 and b.starts == 3
+    wait_for(lambda: EntryKey(KeyKind.TID, 60) in replacement.table)
+
+
+def test_ejections_spread_wider_than_the_window_do_not_give_up(proc: FakeProc, engines: list[Engine]) -> None:
+    b = FlakyBackend(failures=0)
+    b.start()
+    r = Reconciler(b, proc_root=proc.root)
+    e = Engine(r, use_events=False, health_interval_s=0.02, reload_backoff_initial_s=0.01,
+               ejection_limit=2, ejection_window_s=0.3, on_give_up=lambda why: DryRunBackend())
+    engines.append(e)
+    e.start()
+    for n in (1, 2, 3):
+        b.eject("watchdog")
+        wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
+        time.sleep(0.4)
+    assert r.backend is b and not e.stats().gave_up_reason

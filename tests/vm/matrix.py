@@ -2,8 +2,9 @@
 
 A spec is "KERNEL/SHAPE". Kernels (tests/vm/kernel.py): 7.3 (Debian's trixie-backports cloud kernel) and
 6.12 (the LTS, built from Debian's linux-source-6.12). Shapes: 2cpu (the lab's default: 2 vCPUs, one NUMA
-node) and 8cpu-2numa (8 vCPUs over 2 NUMA nodes, 4 per node: function only, since 8 emulated CPUs share
-the machine's 2 cores, shares and latencies there mean nothing).
+node), 8cpu-2numa (8 vCPUs over 2 NUMA nodes, 4 per node: function only, since 8 emulated CPUs share
+the machine's 2 cores, shares and latencies there mean nothing) and 2cpu-600possible (2 vCPUs online of
+600 possible, beyond the scheduler's former 512-CPU cap: sizes).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ class Shape:
     cpus: int
     numa_nodes: int
     memory_mb: int
+    append: tuple[str, ...] = ()  # kernel command line words
 
 
 SHAPES = {
     "2cpu": Shape(cpus=2, numa_nodes=1, memory_mb=2048),
     "8cpu-2numa": Shape(cpus=8, numa_nodes=2, memory_mb=4096),
+    "2cpu-600possible": Shape(cpus=2, numa_nodes=1, memory_mb=2048, append=("possible_cpus=600",)),
 }
 DEFAULT = f"{DEFAULT_KERNEL}/2cpu"
 BOTH_KERNELS = [f"{k}/2cpu" for k in KERNELS]
@@ -43,4 +46,4 @@ def make_lab(init: Init | str, spec: str) -> Lab:
     if init not in ("plain", "systemd"):
         raise ValueError(f"unknown init {init!r}")
     return Lab("plain" if init == "plain" else "systemd", kernel=lab_kernel(kernel), cpus=shape.cpus,
-               numa_nodes=shape.numa_nodes, memory_mb=shape.memory_mb)
+               numa_nodes=shape.numa_nodes, memory_mb=shape.memory_mb, append=shape.append)

@@ -1,0 +1,408 @@
+"""Guest side of tests/vm/test_scheduler_safety.py: the scheduler's safety guarantees on a real kernel.
+
+Each scenario loads the real scheduler (watchdog lowered to 2 s, so a stall ejects it and the test sees
+that), runs real tasks and prints one JSON object with what it measured. Run inside the lab guest as root:
+`.venv/bin/python tests/vm/safety_workloads.py <scenario>`. Shares are fractions of one CPU from
+/proc/PID/schedstat; single waits come from the BCC run-queue probe (gthulhu_node/probe), since schedstat
+only has sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
+from gthulhu_node.scheduler.backend import SchedExtBackend
+from tests.vm.sched_workloads import (
+    busy_fraction,
+    cpu_shares,
+    fork_worker,
+    key_for,
+    scheduler,
+    spin,
+    state,
+    workers,
+)
+
+WATCHDOG_MS = 2000
+CPU_ONLINE = "/sys/devices/system/cpu/cpu{}/online"
+
+
+def boost(backend: SchedExtBackend, prios: dict[int, int]) -> None:
+    """TID entries giving each pid its priority (0: no entry)."""
+    upserts: dict[EntryKey, Entry] = {}
+    for pid, prio in prios.items():
+        if prio:
+            key, start = key_for(KeyKind.TID, pid)
+            upserts[key] = Entry(prio, 0, start)
+    backend.apply(upserts, [])
+
+
+def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float,
+            probe: Any = None) -> dict[str, Any]:
+    """Start the threads of `mix` ((priority, kind) with kind "spin" or "periodic"), boost them, measure
+    each one's share (and its waits, when a probe is given), stop them."""
+    bodies: dict[str, Callable[[], None]] = {"spin": spin, "periodic": busy_fraction(2, 6)}
+    with workers() as pids:
+        started = [fork_worker(bodies[kind], f"mix{i}") for i, (_, kind) in enumerate(mix)]
+        pids += started
+        time.sleep(0.2)
+        boost(backend, {pid: prio for pid, (prio, _) in zip(started, mix, strict=True)})
+        if probe is not None:
+            for i, pid in enumerate(started):
+                probe.add_target(pid, i)
+        shares = cpu_shares({str(pid): pid for pid in started}, seconds)
+        waits: dict[int, Any] = {}
+        if probe is not None:
+            hists = probe.thread_histograms()
+            for pid in started:
+                hist = hists.get(pid)
+                waits[pid] = None if hist is None else {
+                    "max_ms": hist.max_ns / 1e6, "p99_ms": hist.percentile_ns(99) / 1e6, "count": hist.count,
+                    "hist": hist,
+                }
+                probe.remove_target(pid)
+    return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits}
+
+
+def inversion(args: argparse.Namespace) -> dict[str, Any]:
+    """Six CPU-bound threads at priority 20 and one at 5 (the issue's case), then the same with that one
+    unboosted, in the same boot: the priority-5 thread must get at least the unboosted share."""
+    out: dict[str, Any] = {}
+    with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend:
+        for case, low in (("boosted", 5), ("unboosted", 0)):
+            res = run_mix(backend, [(20, "spin")] * 6 + [(low, "spin")], args.seconds)
+            out[case] = {"low_share": res["shares"][-1], "high_shares": res["shares"][:-1]}
+        out["health"] = backend.health().state.value
+        out["counters"] = backend.counters()
+    out["state"] = state()
+    return out
+
+
+def _bound_ms(threads: int, ncpu: int, slice_ms: float = 5.0, window_ms: float = 100.0,
+              share: float = 0.75, tick_ms: float = 4.0) -> float:
+    """docs/scheduler.md's bound on any single wait: one window, plus (2 + lead/slice) reserve turns per
+    runnable task per CPU, each at most (window - budget) + a slice rounded up to the tick."""
+    per_cpu = -(-(threads + 1) // ncpu)  # the mix and the driver
+    turn = window_ms * (1 - share) + (-(-slice_ms // tick_ms) + 1) * tick_ms
+    return window_ms + 3 * per_cpu * turn
+
+
+def mixed(args: argparse.Namespace) -> dict[str, Any]:
+    """Random mixes of boosted priorities 1-20 (CPU-bound or periodic) and unboosted CPU-bound threads,
+    from fewer threads than CPUs to 4x as many. Per seed: the mix, then the mix with its lowest and its
+    highest boosted priority unboosted (one at a time), for the "never worse off" comparison; every
+    thread's longest single wait from the probe."""
+    from gthulhu_node.probe.loader import RunqueueProbe
+
+    ncpu = os.cpu_count() or 1
+    seeds = [int(s) for s in args.arg.split(",")] if args.arg else [1, 2, 3]
+    out: dict[str, Any] = {"ncpu": ncpu, "seeds": {}}
+    with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, RunqueueProbe(per_thread=True) as probe:
+        for seed in seeds:
+            rng = random.Random(seed)
+            n = rng.randint(1, 4 * ncpu)
+            mix = [(rng.randint(1, 20), rng.choice(("spin", "periodic")))
+                   if rng.random() < 0.6 else (0, "spin") for _ in range(n)]
+            if not any(p for p, _ in mix):
+                mix[0] = (rng.randint(1, 20), "spin")
+            res = run_mix(backend, mix, args.seconds, probe)
+            boosted = [i for i, (p, _) in enumerate(mix) if p]
+            low = min(boosted, key=lambda i: mix[i][0])
+            high = max(boosted, key=lambda i: mix[i][0])
+            compare = {}
+            for role, i in (("lowest", low), ("highest", high)):
+                alt = list(mix)
+                alt[i] = (0, mix[i][1])
+                cf = run_mix(backend, alt, args.seconds)
+                compare[role] = {"prio": mix[i][0], "kind": mix[i][1], "boosted": res["shares"][i],
+                                 "unboosted": cf["shares"][i]}
+            waits = [res["waits"].get(pid) for pid in res["pids"]]
+            out["seeds"][seed] = {
+                "mix": mix,
+                "shares": res["shares"],
+                "max_wait_ms": [None if w is None else w["max_ms"] for w in waits],
+                "bound_ms": _bound_ms(n, ncpu),
+                "compare": compare,
+            }
+        out["health"] = backend.health().state.value
+    out["state"] = state()
+    return out
+
+
+def priorities(args: argparse.Namespace) -> dict[str, Any]:
+    """Boosted demand within budget: periodic threads at priorities 20, 15, 10, 5 (each 2 ms busy, 6 ms
+    asleep) beside CPU-bound unboosted hogs; each priority's p99 wait from the probe."""
+    from gthulhu_node.probe.histogram import WaitHistogram
+    from gthulhu_node.probe.loader import RunqueueProbe
+
+    ncpu = os.cpu_count() or 1
+    prios = (20, 15, 10, 5)
+    mix = [(p, "periodic") for p in prios for _ in range(2)] + [(0, "spin")] * (2 * ncpu)
+    out: dict[str, Any] = {}
+    with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, RunqueueProbe(per_thread=True) as probe:
+        res = run_mix(backend, mix, args.seconds, probe)
+        per_prio: dict[int, WaitHistogram] = {}
+        for pid, (prio, _) in zip(res["pids"], mix, strict=True):
+            w = res["waits"].get(pid)
+            if prio and w is not None:
+                per_prio.setdefault(prio, WaitHistogram()).merge(w["hist"])
+        out["p99_ms"] = {p: per_prio[p].percentile_ns(99) / 1e6 for p in prios if p in per_prio}
+        out["counts"] = {p: per_prio[p].count for p in prios if p in per_prio}
+        out["boosted_demand_cpus"] = sum(0.25 for p, _ in mix if p)
+        out["health"] = backend.health().state.value
+    out["state"] = state()
+    return out
+
+
+@contextlib.contextmanager
+def _state_watch() -> Iterator[list[str]]:
+    """Every sched_ext state other than `enabled` seen while the block runs (polled every 20 ms)."""
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            s = state()
+            if s != {"state": "enabled", "ops": "gthulhu"}:
+                seen.append(f"{s['state']}/{s['ops']}")
+            time.sleep(0.02)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        t.join()
+
+
+def _dmesg_mark() -> int:
+    return len(subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout.splitlines())
+
+
+def _dmesg_since(mark: int) -> list[str]:
+    return subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout.splitlines()[mark:]
+
+
+def hotplug(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU hotplug under `stress-ng --cpu 8` with boosted threads: the last CPU goes offline and online
+    `--threads` times; the scheduler must stay enabled with its entries, and boosted threads favoured."""
+    ncpu = os.cpu_count() or 1
+    cpu = ncpu - 1
+    out: dict[str, Any] = {"cpu": cpu}
+    mark = _dmesg_mark()
+    stress = subprocess.Popen(["stress-ng", "--cpu", "8", "--quiet"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
+            boosted = fork_worker(spin, "hp-boosted")
+            twin = fork_worker(spin, "hp-twin")
+            periodic = [fork_worker(busy_fraction(2, 6), f"hp-periodic{i}") for i in range(2)]
+            pids += [boosted, twin, *periodic]
+            time.sleep(0.3)
+            boost(backend, {boosted: 20, **{p: 10 for p in periodic}})
+            written = backend.read_back()
+            online = Path(CPU_ONLINE.format(cpu))
+            durations = []
+            with _state_watch() as left_enabled:
+                for _ in range(args.threads):
+                    t0 = time.monotonic()
+                    online.write_text("0")
+                    time.sleep(0.2)
+                    online.write_text("1")
+                    durations.append(time.monotonic() - t0)
+                    time.sleep(0.2)
+            out["left_enabled"] = left_enabled
+            out["cycles"] = len(durations)
+            out["cycle_s_max"] = max(durations)
+            out["entries_intact"] = backend.read_back() == written
+            out["entries"] = len(written)
+            out["counters"] = backend.counters()
+            out["shares_after"] = cpu_shares({"boosted": boosted, "twin": twin}, args.seconds)
+            out["health"] = backend.health().state.value
+    finally:
+        stress.kill()
+        stress.wait()
+    out["dmesg_disabled"] = [line for line in _dmesg_since(mark) if "disabled" in line or "sched_ext" in line]
+    out["state"] = state()
+    return out
+
+
+def _cpuset_cgroup(name: str, cpus: str) -> Path:
+    root = Path("/sys/fs/cgroup")
+    if "cpuset" not in (root / "cgroup.subtree_control").read_text().split():
+        (root / "cgroup.subtree_control").write_text("+cpuset")
+    cg = root / name
+    cg.mkdir(exist_ok=True)
+    (cg / "cpuset.cpus").write_text(cpus)
+    return cg
+
+
+def cpuset(args: argparse.Namespace) -> dict[str, Any]:
+    """Two CPU-bound boosted threads and two unboosted hogs confined to one CPU by a cpuset (as
+    Kubernetes' static CPU manager confines a pod): the unboosted ones must still get the CPU's reserve,
+    (100 - boost_share_percent) %, although neither boosted thread alone crosses its own share."""
+    ncpu = os.cpu_count() or 1
+    cg = _cpuset_cgroup("gthulhu-cpuset", str(ncpu - 1))
+    out: dict[str, Any] = {"cpu": ncpu - 1}
+    try:
+        with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
+            tasks = {name: fork_worker(spin, name) for name in ("cs-b0", "cs-b1", "cs-u0", "cs-u1")}
+            pids += tasks.values()
+            for pid in tasks.values():
+                (cg / "cgroup.procs").write_text(str(pid))
+            outside = [fork_worker(spin, f"cs-out{i}") for i in range(ncpu)]
+            pids += outside
+            time.sleep(0.3)
+            boost(backend, {tasks["cs-b0"]: 20, tasks["cs-b1"]: 20})
+            shares = cpu_shares(tasks, args.seconds)
+            out["shares"] = shares
+            out["unboosted_total"] = shares["cs-u0"] + shares["cs-u1"]
+            out["boosted_total"] = shares["cs-b0"] + shares["cs-b1"]
+            out["counters"] = backend.counters()
+            out["health"] = backend.health().state.value
+    finally:
+        time.sleep(0.3)
+        with contextlib.suppress(OSError):
+            cg.rmdir()
+    out["state"] = state()
+    return out
+
+
+def sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """More possible CPUs than online ones (the guest boots with possible_cpus= beyond the old 512 cap):
+    the per-CPU array covers them all, and a boosted thread still beats its twin."""
+    from gthulhu_node.scheduler.loader import possible_cpus
+
+    out: dict[str, Any] = {"possible": possible_cpus(), "online": os.cpu_count()}
+    with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
+        boosted = fork_worker(spin, "sz-boosted")
+        twin = fork_worker(spin, "sz-twin")
+        pids += [boosted, twin, *[fork_worker(spin, f"sz-hog{i}") for i in range(4)]]
+        time.sleep(0.3)
+        boost(backend, {boosted: 10})
+        out["shares"] = cpu_shares({"boosted": boosted, "twin": twin}, args.seconds)
+        # the map's real size is what this test is about
+        out["cpu_ctxs_entries"] = backend._loaded().obj.map("cpu_ctxs").max_entries
+        out["health"] = backend.health().state.value
+    out["state"] = state()
+    return out
+
+
+AGENT_DIR = Path("/tmp/gn-ejections")
+
+
+def _agent_status(config: Path) -> str:
+    exe = Path(sys.executable).with_name("gthulhu-node")
+    out = subprocess.run([str(exe), "status", "-o", "json", "--config", str(config)], capture_output=True,
+                         text=True, check=False)
+    return out.stdout if out.returncode == 0 else ""
+
+
+def ejections(args: argparse.Namespace) -> dict[str, Any]:
+    """The real agent (backend auto) while the scheduler is ejected by sysrq-S, `--threads` times, each as
+    soon as the agent has reloaded it: after scheduler.ejection_limit (3) it must stop reloading, run the
+    eevdf backend with the intent applied there, and say so in status, log and metric."""
+    import urllib.request
+
+    AGENT_DIR.mkdir(parents=True, exist_ok=True)
+    (AGENT_DIR / "policies.d").mkdir(exist_ok=True)
+    (AGENT_DIR / "policies.d" / "ej.json").write_text(json.dumps(
+        [{"id": "ej", "commandRegex": "^ej-worker$", "priority": 10}]))
+    config = AGENT_DIR / "config.yaml"
+    config.write_text(json.dumps({
+        "backend": {"kind": "auto"},
+        "api": {"socket": str(AGENT_DIR / "api.sock")},
+        "policies": {"directory": str(AGENT_DIR / "policies.d")},
+        "state": {"directory": str(AGENT_DIR / "state")},
+        "metrics": {"listen": "127.0.0.1:9813"},
+        "log": {"format": "json"},
+        "scheduler": {"reload_backoff_initial_s": 0.5, "ejection_limit": 3, "ejection_window_s": 60},
+    }))
+    exe = Path(sys.executable).with_name("gthulhu-node")
+    out: dict[str, Any] = {"sysrq": []}
+    with workers() as pids, (AGENT_DIR / "agent.log").open("wb") as log:
+        pids.append(fork_worker(lambda: time.sleep(600), "ej-worker"))
+        agent = subprocess.Popen([str(exe), "run", "--config", str(config)], stdout=log,
+                                 stderr=subprocess.STDOUT)
+        try:
+            t0 = time.monotonic()
+            for _ in range(args.threads):
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and state() != {"state": "enabled", "ops": "gthulhu"}:
+                    if "given up" in _agent_status(config):
+                        break
+                    time.sleep(0.1)
+                was = state()
+                Path("/proc/sysrq-trigger").write_text("S")
+                out["sysrq"].append({"at_s": round(time.monotonic() - t0, 1), "state_before": was["state"]})
+                time.sleep(1.0)
+            deadline = time.monotonic() + 60
+            status = ""
+            while time.monotonic() < deadline and "eevdf" not in status:
+                status = _agent_status(config)
+                time.sleep(0.5)
+            time.sleep(3)  # a reload would have happened by now
+            out["status"] = json.loads(status) if status else {}
+            out["state_after"] = state()
+            with urllib.request.urlopen("http://127.0.0.1:9813/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
+            out["metric_lines"] = [line for line in metrics.splitlines()
+                                   if line.startswith(("gthulhu_node_sched_ext_given_up ",
+                                                       "gthulhu_node_scheduler_ejections_total",
+                                                       "gthulhu_node_scheduler_reloads_total"))]
+            out["agent_alive"] = agent.poll() is None
+        finally:
+            agent.terminate()
+            agent.wait(60)
+    logged = (AGENT_DIR / "agent.log").read_text(errors="replace").splitlines()
+    out["log_given_up"] = [line for line in logged if "backend_given_up" in line]
+    return out
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "inversion": inversion,
+    "mixed": mixed,
+    "priorities": priorities,
+    "hotplug": hotplug,
+    "cpuset": cpuset,
+    "sizes": sizes,
+    "ejections": ejections,
+}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items() if k != "hist"}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("arg", nargs="?", default="")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=20)
+    args = parser.parse_args()
+    print(json.dumps(_jsonable(SCENARIOS[args.scenario](args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
