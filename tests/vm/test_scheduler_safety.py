@@ -118,7 +118,7 @@ def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any)
     assert out["state_after"] == {"state": "disabled", "ops": ""}, out
     agent = out["status"]["agent"]
     assert agent["backend"] == "eevdf" and "given up" in agent["backendReason"], out
-    assert "3 ejections within 60 s" in agent["backendReason"], out
+    assert "3 ejections within 300 s" in agent["backendReason"], out
     assert "gthulhu_node_sched_ext_given_up 1.0" in out["metric_lines"], out
     assert len(out["log_given_up"]) == 1, out
     applied = [i for i in out["status"]["intents"] if i["key"].endswith("ej")]
