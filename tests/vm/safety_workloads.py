@@ -236,10 +236,11 @@ def hotplug(args: argparse.Namespace) -> dict[str, Any]:
             out["shares_after"] = cpu_shares({"boosted": boosted, "twin": twin}, args.seconds)
             out["health"] = backend.health().state.value
             out["state"] = state()
+            # read before our own unload, which logs "disabled (unregistered from user space)"
+            out["dmesg_disabled"] = [line for line in _dmesg_since(mark) if "disabled" in line]
     finally:
         stress.kill()
         stress.wait()
-    out["dmesg_disabled"] = [line for line in _dmesg_since(mark) if "disabled" in line or "sched_ext" in line]
     return out
 
 
