@@ -14,12 +14,14 @@
  *  - no entry: fair (weighted vtime) with the default slice, in FAIR_DSQ. Like the kernel's fair class,
  *    the share is split between task groups (cgroups, or sessions through autogroup) first, then between
  *    the group's runnable tasks.
- *  - every run, boosted or not, is charged to the task's vtime, which may lead the fair pool by at most
- *    one default slice.
- *  - the reserve: each CPU gives a turn to the task with the least vtime, boosted or not, at least once
- *    per (window - budget), and serves nothing else first once boosted tasks used more than
- *    boost_share_percent of it in the current window. A boosted task that the boosted queue starves is
- *    served there as if unboosted: being boosted never costs a task the share it would get unboosted.
+ *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
+ *    pool by at most one default slice (so a demoted task waits little), and its `served` measure by at
+ *    most one window.
+ *  - the reserve: each CPU gives a turn to the task served least, unboosted (by vtime) or boosted (by
+ *    served), at least once per (window - budget), and serves nothing else first once boosted tasks used
+ *    more than boost_share_percent of it in the current window. A boosted task that the boosted queue
+ *    starves is served there as if unboosted: being boosted never costs a task the share it would get
+ *    unboosted.
  *  - a boosted task that used more than boost_share_percent of a CPU in its window runs unboosted until
  *    the window ends.
  *
@@ -137,6 +139,7 @@ struct task_ctx {
 	u64 window_start; /* start of this task's boost accounting window */
 	u64 window_used;  /* boosted run time inside it */
 	u64 demoted_until;
+	u64 served;       /* like vtime, but leads the pool by up to a window: the reserve's measure */
 	u64 group;        /* task group counted in group_weights while runnable, 0 none */
 	u64 slice;        /* the slice of the current/queued run, for a prev kept by dispatch */
 	u64 cached_slice; /* the strategy select_cpu looked up for the enqueue of the same wakeup */
@@ -489,12 +492,47 @@ static bool fair_head(u64 *vtime)
 	return found;
 }
 
-/*
- * A boosted task, first in deadline order, whose vtime is behind the fair pool's head, moved to this CPU
- * to run as unboosted. That is how the boosted queue's losers get the reserve they would have had
- * unboosted.
- */
-static bool reserve_from_boosted(s32 cpu, u64 head)
+/* A boosted task's claim on the reserve: what it was served, with a sleeper's floor. */
+static __always_inline u64 reserve_key(struct task_ctx *tctx)
+{
+	u64 floor = vtime_now - settings.default_slice_ns;
+
+	return before(tctx->served, floor) ? floor : tctx->served;
+}
+
+/* Whether a reserve turn on `cpu` may take p: moving a task to a CPU it may not use ejects us. */
+static __always_inline bool may_take(struct task_struct *p, s32 cpu)
+{
+	return bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && (!p->migration_disabled || scx_bpf_task_cpu(p) == cpu);
+}
+
+/* The least reserve key among the first RESERVE_SCAN boosted tasks this CPU may take. */
+static bool least_boosted(s32 cpu, u64 *least)
+{
+	struct bpf_iter_scx_dsq it;
+	struct task_struct *p;
+	struct task_ctx *tctx;
+	bool found = false;
+	u32 seen = 0;
+	u64 key;
+
+	bpf_iter_scx_dsq_new(&it, BOOST_DSQ, 0);
+	while ((p = bpf_iter_scx_dsq_next(&it)) && seen++ < RESERVE_SCAN) {
+		tctx = ctx_of(p);
+		if (!tctx || !may_take(p, cpu))
+			continue;
+		key = reserve_key(tctx);
+		if (!found || before(key, *least)) {
+			*least = key;
+			found = true;
+		}
+	}
+	bpf_iter_scx_dsq_destroy(&it);
+	return found;
+}
+
+/* Move the first boosted task (deadline order) whose reserve key is `key` to this CPU, as unboosted. */
+static bool take_boosted(s32 cpu, u64 key)
 {
 	struct bpf_iter_scx_dsq it;
 	struct task_struct *p;
@@ -505,11 +543,7 @@ static bool reserve_from_boosted(s32 cpu, u64 head)
 	bpf_iter_scx_dsq_new(&it, BOOST_DSQ, 0);
 	while ((p = bpf_iter_scx_dsq_next(&it)) && seen++ < RESERVE_SCAN) {
 		tctx = ctx_of(p);
-		if (!tctx || !before(fair_vtime(tctx), head))
-			continue;
-		/* Moving a task to a CPU it may not use is a scheduler error: the kernel would eject us. */
-		if (!bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-		    (p->migration_disabled && scx_bpf_task_cpu(p) != cpu))
+		if (!tctx || reserve_key(tctx) != key || !may_take(p, cpu))
 			continue;
 		if (dsq_move(&it, p, DSQ_LOCAL, 0)) {
 			tctx->prio = 0; /* a reserve run: charged as unboosted, preemptible as one */
@@ -522,18 +556,19 @@ static bool reserve_from_boosted(s32 cpu, u64 head)
 }
 
 /*
- * The reserve's turn, when unboosted work waits: the least vtime among FAIR_DSQ's head and the waiting
- * boosted tasks runs. With nothing unboosted waiting there is nothing to reserve for.
+ * The reserve's turn: whoever was served least runs, unboosted or boosted (measured by vtime; a boosted
+ * task's by `served`). That is how the boosted queue's losers get the reserve they would have had
+ * unboosted, and why boosted tasks that got their fill through the boost do not take it.
  */
 static bool serve_reserve(s32 cpu, struct cpu_ctx *c, u64 now)
 {
-	u64 head = 0;
+	u64 head = 0, least = 0;
+	bool have_head = fair_head(&head);
+	bool have_boosted = least_boosted(cpu, &least);
 
-	if (!fair_head(&head))
-		return false;
-	if (reserve_from_boosted(cpu, head))
+	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, least))
 		count(&bss.stats.reserve_boosted);
-	else if (!dsq_move_to_local(FAIR_DSQ))
+	else if (!have_head || !dsq_move_to_local(FAIR_DSQ))
 		return false;
 	c->last_reserve = now;
 	return true;
@@ -702,7 +737,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 {
 	struct task_ctx *tctx = ctx_of(p);
 	struct cpu_ctx *c = cpu_ctx_of(scx_bpf_task_cpu(p));
-	u64 now = bpf_ktime_get_ns(), used, lead;
+	u64 now = bpf_ktime_get_ns(), used, lead, charge;
 
 	if (c)
 		c->prio = 0;
@@ -711,10 +746,15 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	/* A task already running when the scheduler was enabled has no start: charge nothing for that run. */
 	used = tctx->started_at ? now - tctx->started_at : 0;
 	tctx->started_at = 0;
-	tctx->vtime += fair_charge(p, tctx, used);
+	charge = fair_charge(p, tctx, used);
+	tctx->vtime += charge;
+	tctx->served += charge;
 	if (!tctx->prio)
 		return;
 	charge_boost(tctx, c, used, now);
+	lead = vtime_now + settings.boost_window_ns;
+	if (before(lead, tctx->served))
+		tctx->served = lead;
 	/*
 	 * Boosted runs cost vtime too, so the reserve goes to whoever got least CPU, boosted or not; but a
 	 * boosted task leads the fair pool by at most one default slice, so once demoted it waits at most
@@ -796,6 +836,7 @@ s32 OP(gthulhu_init_task, struct task_struct *p, struct scx_init_task_args *args
 	if (!tctx)
 		return -12; /* -ENOMEM */
 	tctx->vtime = vtime_now;
+	tctx->served = vtime_now;
 	return 0;
 }
 

@@ -3,8 +3,8 @@
 A spec is "KERNEL/SHAPE". Kernels (tests/vm/kernel.py): 7.3 (Debian's trixie-backports cloud kernel) and
 6.12 (the LTS, built from Debian's linux-source-6.12). Shapes: 2cpu (the lab's default: 2 vCPUs, one NUMA
 node), 8cpu-2numa (8 vCPUs over 2 NUMA nodes, 4 per node: function only, since 8 emulated CPUs share
-the machine's 2 cores, shares and latencies there mean nothing) and 2cpu-600possible (2 vCPUs online of
-600 possible, beyond the scheduler's former 512-CPU cap: sizes).
+the machine's 2 cores, shares and latencies there mean nothing) and 2cpu-of-64 (2 vCPUs online of 64
+possible: qemu's maxcpus, the CPUs a host could hot-add).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ class Shape:
     cpus: int
     numa_nodes: int
     memory_mb: int
-    append: tuple[str, ...] = ()  # kernel command line words
+    max_cpus: int | None = None  # possible CPUs, when more than the online ones
 
 
 SHAPES = {
     "2cpu": Shape(cpus=2, numa_nodes=1, memory_mb=2048),
     "8cpu-2numa": Shape(cpus=8, numa_nodes=2, memory_mb=4096),
-    "2cpu-600possible": Shape(cpus=2, numa_nodes=1, memory_mb=2048, append=("possible_cpus=600",)),
+    "2cpu-of-64": Shape(cpus=2, numa_nodes=1, memory_mb=2048, max_cpus=64),
 }
 DEFAULT = f"{DEFAULT_KERNEL}/2cpu"
 BOTH_KERNELS = [f"{k}/2cpu" for k in KERNELS]
@@ -46,4 +46,4 @@ def make_lab(init: Init | str, spec: str) -> Lab:
     if init not in ("plain", "systemd"):
         raise ValueError(f"unknown init {init!r}")
     return Lab("plain" if init == "plain" else "systemd", kernel=lab_kernel(kernel), cpus=shape.cpus,
-               numa_nodes=shape.numa_nodes, memory_mb=shape.memory_mb, append=shape.append)
+               numa_nodes=shape.numa_nodes, memory_mb=shape.memory_mb, max_cpus=shape.max_cpus)

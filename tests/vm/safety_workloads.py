@@ -286,8 +286,8 @@ def cpuset(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """More possible CPUs than online ones (the guest boots with possible_cpus= beyond the old 512 cap):
-    the per-CPU array covers them all, and a boosted thread still beats its twin."""
+    """More possible CPUs than online ones (qemu's maxcpus): the per-CPU array covers them all, and a
+    boosted thread still beats its twin."""
     from gthulhu_node.scheduler.loader import possible_cpus
 
     out: dict[str, Any] = {"possible": possible_cpus(), "online": os.cpu_count()}
