@@ -79,12 +79,15 @@ class Service:
     # ---- the watchdog --------------------------------------------------------------------------------
 
     def _feed_watchdog(self) -> None:
-        """Called from the engine's loop. Pings only if the main loop ticked recently as well."""
+        """Called from the engine's loop. Pings only if the main loop ticked recently as well.
+
+        The notifier's interval is already half of WatchdogSec (systemd.py), the documented ping rate.
+        """
         interval = self.notifier.watchdog_interval_s
         if interval is None:
             return
         now = time.monotonic()
-        if now - self._last_ping < interval / 2:
+        if now - self._last_ping < interval:
             return
         if now - self._main_alive > max(3 * TICK_S, interval):
             return  # the main thread is stuck: let systemd see it
