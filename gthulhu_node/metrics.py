@@ -137,6 +137,7 @@ class EngineSnapshot:
     intents: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     health: Any = None
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    gauges: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class AgentCollector(Collector):
@@ -174,15 +175,18 @@ class AgentCollector(Collector):
         if not getattr(engine, "running", False):
             return snap
 
-        def read(reconciler: Any) -> tuple[Any, Any, Any, Any]:
+        def read(reconciler: Any) -> tuple[Any, Any, Any, Any, Any]:
             backend = reconciler.backend
-            return reconciler.stats(), reconciler.intent_stats(), backend.health(), backend.counters()
+            return (reconciler.stats(), reconciler.intent_stats(), backend.health(), backend.counters(),
+                    _call(backend, "gauges"))
 
         try:
-            stats, per_intent, snap.health, snap.counters = engine.call(read, timeout=ENGINE_CALL_TIMEOUT_S)
+            stats, per_intent, snap.health, snap.counters, gauges = engine.call(
+                read, timeout=ENGINE_CALL_TIMEOUT_S)
         except Exception as exc:  # a busy or stopping engine costs these metrics, not the scrape
             log.warning("metrics_engine_read_failed", error=str(exc))
             return snap
+        snap.gauges = dict(gauges or {})
         snap.reconciler = _fields(stats)
         snap.intents = {str(k): _fields(v) for k, v in (per_intent or {}).items()}
         return snap
@@ -379,6 +383,10 @@ class AgentCollector(Collector):
             yield _labelled(CounterMetricFamily, "scheduler_events_total",
                             "The BPF scheduler's own counters (boosted dispatches, preemptions, ...).",
                             "counter", snap.counters)
+        if snap.gauges:
+            yield _labelled(GaugeMetricFamily, "scheduler_gauges",
+                            "The backend's own current sizes (live map entries, entries held, ...).",
+                            "gauge", snap.gauges)
 
     # -- per-intent matches and run-queue wait ----------------------------------------------------------
 

@@ -126,7 +126,12 @@ class Backend(abc.ABC):
         return BackendHealth(BackendState.RUNNING)
 
     def counters(self) -> dict[str, int]:
-        """Backend-specific counters for metrics (BPF counters for the scheduler)."""
+        """Backend-specific monotonic counts for metrics (BPF counters for the scheduler)."""
+        return {}
+
+    def gauges(self) -> dict[str, int]:
+        """Backend-specific current sizes for metrics (entries held, live map entries): unlike
+        counters() they may go down, so they are exported as gauges."""
         return {}
 
 

@@ -34,7 +34,7 @@ from gthulhu_node.backends.base import (
 )
 from gthulhu_node.config import SchedulerConfig
 from gthulhu_node.scheduler import libbpf
-from gthulhu_node.scheduler.layout import STAT_NAMES, GthulhuEntry
+from gthulhu_node.scheduler.layout import STAT_COUNTERS, STAT_GAUGES, GthulhuEntry
 from gthulhu_node.scheduler.loader import (
     SCHED_EXT,
     SCHED_NAME,
@@ -196,5 +196,12 @@ class SchedExtBackend(Backend):
     def counters(self) -> dict[str, int]:
         if self._sched is None:
             return {}
+        stats = self._sched.bss(refresh_counts=False).stats  # the count program refreshes gauges only
+        return {name: int(getattr(stats, name)) for name in STAT_COUNTERS}
+
+    def gauges(self) -> dict[str, int]:
+        """Live entries per map, counted exactly now (docs/scheduler.md, "Entries")."""
+        if self._sched is None:
+            return {}
         stats = self._sched.bss().stats
-        return {name: int(getattr(stats, name)) for name in STAT_NAMES}
+        return {name: int(getattr(stats, name)) for name in STAT_GAUGES}

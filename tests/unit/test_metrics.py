@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from gthulhu_node.backends.base import BackendHealth, BackendState
+from gthulhu_node.backends.base import BackendHealth, BackendState, Entry, EntryKey, KeyKind
+from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.metrics import Metrics, RunqueueWaitTracker, parse_listen
 from gthulhu_node.rest.app import RestStats
 from tests.prom import Samples, scrape
@@ -244,3 +245,45 @@ def test_parse_listen() -> None:
     assert parse_listen("[::1]:9812") == ("::1", 9812)
     with pytest.raises(ValueError, match=r"metrics\.listen"):
         parse_listen("localhost")
+
+
+class DryRunReconciler(FakeReconciler):
+    backend = DryRunBackend()
+
+
+class DryRunEngine(FakeEngine):
+    reconciler = DryRunReconciler()
+
+
+class DryRunAgent(FakeAgent):
+    backend = DryRunReconciler.backend
+    engine = DryRunEngine()
+
+
+def family_types(metrics: Metrics) -> dict[str, str]:
+    return {f.name: f.type for f in metrics.registry.collect()}
+
+
+def test_backend_sizes_are_gauges_and_counter_families_hold_only_counters() -> None:
+    """A backend's current sizes (the dry run's entries, the scheduler's live map entries) go up and down:
+    inside a counter family, rate() would read every shrink as a reset."""
+    from gthulhu_node.scheduler.layout import STAT_COUNTERS, STAT_GAUGES, STAT_NAMES
+
+    backend = DryRunReconciler.backend
+    backend.start()
+    backend.apply({EntryKey(KeyKind.TID, 7): Entry(5, 0, 1), EntryKey(KeyKind.TID, 8): Entry(5, 0, 1)}, [])
+    metrics = Metrics()
+    metrics.attach(DryRunAgent())
+    metrics.serve("127.0.0.1:0")
+    try:
+        got = scrape_of(metrics)
+    finally:
+        metrics.close()
+        backend.stop()
+    assert (("counter", "entries"),) not in got["gthulhu_node_scheduler_events_total"]
+    assert got["gthulhu_node_scheduler_events_total"][(("counter", "batches"),)] == 1
+    assert got["gthulhu_node_scheduler_gauges"][(("gauge", "entries"),)] == 2
+    assert family_types(metrics)["gthulhu_node_scheduler_gauges"] == "gauge"
+    assert set(STAT_GAUGES) == {"live_tid_entries", "live_tgid_entries"}
+    assert not set(STAT_GAUGES) & set(STAT_COUNTERS)
+    assert set(STAT_GAUGES) | set(STAT_COUNTERS) == set(STAT_NAMES)
