@@ -124,6 +124,8 @@ class Service:
         log.info("service_starting", version=__version__, config=self.config_path or "(defaults)",
                  log_format=setup.format, log_rate_limit_per_s=self.config.log.rate_limit_per_s,
                  watchdog_interval_s=self.notifier.watchdog_interval_s, notify=self.notifier.enabled)
+        for note in self.config.deprecations():
+            log.warning("config_deprecated", detail=note)
         try:
             return self._run(setup)
         finally:
