@@ -1,4 +1,4 @@
-"""The reconciler: owns the desired strategy table and is the only writer to the backend (DESIGN.md).
+"""The reconciler: owns the desired strategy table and is the only writer to the backend (docs/watching.md).
 
 Inputs, all on one thread (the engine's): a policy set (`set_policy`, a full recompute), full /proc
 snapshots (`apply_snapshot`, the ground truth) and proc connector events (`handle_events`, the fast path).

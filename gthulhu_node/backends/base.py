@@ -1,6 +1,6 @@
 """The backend interface: the only thing the reconciler writes to.
 
-One reconciler owns the desired table and is the only writer to the backend (DESIGN.md). The table is
+One reconciler owns the desired table and is the only writer to the backend (docs/watching.md). The table is
 keyed by `EntryKey`: a TID entry covers one thread, a TGID entry covers every thread of a process that has
 no TID entry of its own (the scheduler looks up TID first, then TGID, then uses its default).
 
@@ -136,7 +136,7 @@ class Backend(abc.ABC):
 
 
 def check_entry(key: EntryKey, entry: Entry) -> None:
-    """Refuse an entry outside the contract (DESIGN.md) before it reaches any map."""
+    """Refuse an entry outside the intent contract (intents/model.py) before it reaches any map."""
     from gthulhu_node.intents.model import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
 
     if not 0 <= entry.priority <= PRIORITY_MAX:

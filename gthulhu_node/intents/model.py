@@ -1,4 +1,4 @@
-"""The intent contract shared by every source and backend (DESIGN.md, "The intent contract").
+"""The intent contract shared by every source and backend (docs/intents.md).
 
 Validation lives here and only here, so a local file, a gRPC push and a REST push are refused for the same
 reasons with the same words. Nothing is clamped: a value outside its bounds is an error naming the field.
