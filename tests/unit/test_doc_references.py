@@ -1,5 +1,5 @@
-"""Every document the repository cites is in the repository: a reader who follows `DESIGN.md` or
-`../shared/LAB.md` from a docstring finds nothing, and the fact behind the citation is lost with it."""
+"""Every document the repository cites is in the repository: a reader who follows a citation of design
+or lab notes kept elsewhere finds nothing, and the fact behind the citation is lost with it."""
 
 from __future__ import annotations
 
