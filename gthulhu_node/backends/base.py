@@ -17,6 +17,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gthulhu_node.limits import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
+
 
 class KeyKind(enum.StrEnum):
     TID = "tid"
@@ -137,8 +139,6 @@ class Backend(abc.ABC):
 
 def check_entry(key: EntryKey, entry: Entry) -> None:
     """Refuse an entry outside the intent contract (intents/model.py) before it reaches any map."""
-    from gthulhu_node.intents.model import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
-
     if not 0 <= entry.priority <= PRIORITY_MAX:
         raise InvalidEntryError(f"{key}: priority {entry.priority} is outside 0-{PRIORITY_MAX}")
     if entry.slice_ns != 0 and not SLICE_MIN_NS <= entry.slice_ns <= SLICE_MAX_NS:
