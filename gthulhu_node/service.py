@@ -98,16 +98,8 @@ class Service:
         """Hook metrics and the watchdog into the engine (whatever part of it exists)."""
         engine = getattr(agent, "engine", None)
         reconciler = getattr(engine, "reconciler", None) or getattr(agent, "reconciler", None)
-        if reconciler is not None and hasattr(reconciler, "on_latency"):
-            previous = reconciler.on_latency
-            observe = self.metrics.observe_reaction
-
-            def on_latency(seconds: float) -> None:
-                observe(seconds)
-                if previous is not None:
-                    previous(seconds)
-
-            reconciler.on_latency = on_latency
+        if reconciler is not None and hasattr(reconciler, "add_latency_listener"):
+            reconciler.add_latency_listener(self.metrics.observe_reaction)
         add_periodic = getattr(engine, "add_periodic", None)
         if callable(add_periodic) and self.notifier.watchdog_interval_s is not None:
             add_periodic("systemd-watchdog", min(TICK_S, self.notifier.watchdog_interval_s / 2),
