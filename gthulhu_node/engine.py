@@ -134,6 +134,10 @@ class Engine:
             self._thread.join(timeout)
         self._fail_pending()
 
+    def add_latency_listener(self, listener: Callable[[float], None]) -> None:
+        """Call `listener(seconds)` for every event-caused write (Reconciler.add_latency_listener)."""
+        self.reconciler.add_latency_listener(listener)
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()

@@ -33,6 +33,9 @@ class FakeEngine:
 
         threading.Thread(target=loop, daemon=True).start()
 
+    def add_latency_listener(self, listener: Callable[[float], None]) -> None:
+        pass
+
     def close(self) -> None:
         self._stop.set()
 
