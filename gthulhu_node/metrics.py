@@ -53,15 +53,6 @@ PREFIX = "gthulhu_node_"
 REACTION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 6.0)
 
 
-class MatchedTask(Protocol):
-    @property
-    def tid(self) -> int: ...
-    @property
-    def tgid(self) -> int: ...
-    @property
-    def intent(self) -> str: ...
-
-
 class RunqueueWaitTracker:
     """Per-intent total run-queue wait of matched tasks, monotonic while tasks come and go."""
 
@@ -78,7 +69,7 @@ class RunqueueWaitTracker:
         except (OSError, IndexError, ValueError):
             return None  # the task exited (or schedstat is unavailable): normal
 
-    def sample(self, matches: Iterable[MatchedTask]) -> None:
+    def sample(self, matches: Iterable[MatchRow]) -> None:
         """Add each matched task's wait growth since its previous sample to its intent's total."""
         seen: dict[int, tuple[str, int]] = {}
         with self._lock:

@@ -213,14 +213,19 @@ class BrokenAgent(FakeAgent):
         raise RuntimeError("boom")
 
 
-def test_a_failing_component_costs_only_its_own_metrics() -> None:
+def scrape_agent(agent: Any) -> tuple[Metrics, Samples]:
+    """One scrape over HTTP of a Metrics attached to `agent`."""
     metrics = Metrics()
-    metrics.attach(BrokenAgent())
+    metrics.attach(agent)
     metrics.serve("127.0.0.1:0")
     try:
-        got = scrape_of(metrics)
+        return metrics, scrape_of(metrics)
     finally:
         metrics.close()
+
+
+def test_a_failing_component_costs_only_its_own_metrics() -> None:
+    _, got = scrape_agent(BrokenAgent())
     assert "gthulhu_node_matched_tasks" not in got
     assert got["gthulhu_node_ready"][()] == 1
 
@@ -261,13 +266,9 @@ def test_backend_sizes_are_gauges_and_counter_families_hold_only_counters() -> N
     backend = DryRunReconciler.backend
     backend.start()
     backend.apply({EntryKey(KeyKind.TID, 7): Entry(5, 0, 1), EntryKey(KeyKind.TID, 8): Entry(5, 0, 1)}, [])
-    metrics = Metrics()
-    metrics.attach(DryRunAgent())
-    metrics.serve("127.0.0.1:0")
     try:
-        got = scrape_of(metrics)
+        metrics, got = scrape_agent(DryRunAgent())
     finally:
-        metrics.close()
         backend.stop()
     assert (("counter", "entries"),) not in got["gthulhu_node_scheduler_events_total"]
     assert got["gthulhu_node_scheduler_events_total"][(("counter", "batches"),)] == 1
