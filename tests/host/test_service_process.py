@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.host.agent_support import PYTHON, REPO, NamedThread, short_dir, wait_for, write_config
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from tests.host.agent_support import PYTHON, REPO, NamedThread, client, short_dir, wait_for, write_config
 from tests.prom import scrape
 
 pytestmark = pytest.mark.host
@@ -159,3 +160,50 @@ def test_configuration_errors_of_every_section_exit_2_before_any_socket_opens(
     assert len(lines) == 1 and lines[0].startswith("gthulhu-node: configuration error: "), proc.stderr
     assert words in lines[0]
     assert not (base / "run").exists()  # the API socket's directory was never created
+
+
+CAP_SYS_ADMIN = 1 << 21
+CAP_SYS_NICE = 1 << 23
+
+
+def thread_caps(pid: int) -> dict[int, dict[str, int]]:
+    """{tid: {"CapEff": bits, ...}} of every thread of the process, from the kernel."""
+    out: dict[int, dict[str, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        lines = (task / "status").read_text().splitlines()
+        out[int(task.name)] = {k: int(v, 16) for k, v in (line.split(":\t") for line in lines
+                                                          if line.startswith("Cap"))}
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the agent must start with CAP_SYS_ADMIN to drop it: root")
+def test_the_running_agent_holds_cap_sys_admin_in_no_thread(base: Path) -> None:
+    """It used to hold CAP_SYS_ADMIN for its whole life (issue 18). Capabilities are per thread, so every
+    thread is read: gRPC's, the engine's, the metrics listener's, the file watcher's."""
+    config = write_config(base, metrics={"listen": f"127.0.0.1:{free_port()}"}, log={"format": "json"})
+    listener = NotifyListener(base / "notify")
+    log = base / "agent.log"
+    with log.open("wb") as out:
+        env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(base / "notify"))
+        proc = subprocess.Popen([str(PYTHON), "-m", "gthulhu_node", "run", "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
+        try:
+            wait_for(lambda: listener.first("READY=1"), timeout=60, what="READY=1")
+            threads = thread_caps(proc.pid)
+            assert len(threads) >= 5, threads
+            for tid, caps in threads.items():
+                held = caps["CapEff"] | caps["CapPrm"] | caps["CapInh"] | caps["CapAmb"]
+                assert not held & CAP_SYS_ADMIN, (tid, caps)
+                assert not caps["CapBnd"] & CAP_SYS_ADMIN, (tid, caps)  # root here: CAP_SETPCAP allows it
+                assert caps["CapEff"] & CAP_SYS_NICE, (tid, caps)  # only CAP_SYS_ADMIN went
+            with client(base / "run" / "api.sock") as stub:
+                summary = stub.GetStatus(pb.GetStatusRequest(), timeout=30).agent
+            assert summary.capabilities.startswith("CAP_SYS_ADMIN dropped at start, in every thread"), summary
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            listener.close()
+    assert '"event": "capabilities_dropped"' in log.read_text()
