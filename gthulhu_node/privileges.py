@@ -18,11 +18,11 @@ needs CAP_BPF and CAP_PERFMON only. What is lost: a stale scheduler that appears
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
 from gthulhu_node import capabilities
+from gthulhu_node.config import AgentConfig
 
 log = structlog.get_logger(__name__)
 
@@ -48,13 +48,13 @@ class Released:
         if not self.dropped:
             return f"{wanted} was not held"
         sets = ("every set" if self.bounding
-                else "effective/permitted/inheritable; bounding set kept (no CAP_SETPCAP)")
+                else "effective/permitted/inheritable; bounding set kept: no CAP_SETPCAP")
         held = (" ".join(self.effective) if len(self.effective) <= HELD_NAMES_SHOWN
                 else f"{len(self.effective)} capabilities")
         return f"{' '.join(self.dropped)} dropped at start, in every thread ({sets}); holds {held or 'none'}"
 
 
-def take_over_stale(config: Any) -> int:
+def take_over_stale(config: AgentConfig) -> int:
     """Detach a scheduler of ours that a killed agent left attached, while CAP_SYS_ADMIN is still held.
     Only for the backends that load it (auto, sched_ext); a failure is logged and left to the load, which
     reports it as the start's error."""
@@ -69,7 +69,7 @@ def take_over_stale(config: Any) -> int:
         return 0
 
 
-def release(config: Any) -> Released:
+def release(config: AgentConfig) -> Released:
     """Take over a stale scheduler, then drop CAP_SYS_ADMIN from the process. Call it before any other
     thread exists; a drop that cannot be made is logged as an error and the agent runs on (it then still
     holds CAP_SYS_ADMIN, which status shows)."""
