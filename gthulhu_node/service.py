@@ -2,6 +2,9 @@
 
 Order, and why:
 1. logging first, so even a failed start is in the journal with fields;
+   then, while the process has its only thread, privileges are released (gthulhu_node/privileges.py:
+   a stale scheduler taken over, CAP_SYS_ADMIN dropped): capabilities are per thread, so only a drop
+   made before the first other thread starts covers every thread;
 2. the metrics endpoint, so a start that hangs can be looked at;
 3. `Agent.start()` (scheduler loaded, saved intents applied), then READY=1: systemd reports the unit
    active, and `systemctl start` returns, only when the node is really scheduled as its intents say;
@@ -31,6 +34,7 @@ from gthulhu_node.metrics import Metrics, MetricsSource
 from gthulhu_node.systemd import Notifier
 
 if TYPE_CHECKING:
+    from gthulhu_node.privileges import Released
     from gthulhu_node.probe.continuous import ContinuousProbe
 
 log = structlog.get_logger(__name__)
@@ -53,6 +57,8 @@ class ServedAgent(MetricsSource, Protocol):
     """What the service runs: agent.Agent, or a stand-in in tests. Typed, so a renamed method is a mypy
     error here rather than an AttributeError at 3 a.m."""
 
+    capabilities: str  # set by the service: what was dropped at start (privileges.Released.describe)
+
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -73,12 +79,17 @@ class Service:
 
     def __init__(self, config: AgentConfig, *, config_path: str = "",
                  agent_factory: Callable[[AgentConfig], ServedAgent] = _default_agent,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None,
+                 release_privileges: Callable[[AgentConfig], Released] | None = None) -> None:
+        """`release_privileges` (privileges.release for `gthulhu-node run`) is called before any thread
+        starts; None for tests that run a Service inside their own (root, multi-threaded) process."""
         self.config = config
         self.config_path = config_path
         self.agent_factory = agent_factory
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
+        self.release_privileges = release_privileges
+        self.released: Released | None = None  # what release_privileges returned
         self._agent: ServedAgent | None = None
         self.probe: ContinuousProbe | None = None  # the continuous run-queue probe, when enabled
         self._stop = threading.Event()
@@ -147,6 +158,8 @@ class Service:
                  watchdog_interval_s=self.notifier.watchdog_interval_s, notify=self.notifier.enabled)
         for note in self.config.deprecations():
             log.warning("config_deprecated", detail=note)
+        if self.release_privileges is not None:
+            self.released = self.release_privileges(self.config)
         try:
             return self._run(setup)
         finally:
@@ -161,6 +174,8 @@ class Service:
             log.error("agent_create_failed", error=str(exc), exc_info=True)
             self.notifier.status(f"failed: {exc}")
             return 1
+        if self.released is not None:
+            self.agent.capabilities = self.released.describe()
         self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
         self._serve_metrics()
         if not self._start_agent():

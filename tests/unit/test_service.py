@@ -186,3 +186,34 @@ def test_watchdog_pinged_every_half_watchdog_sec(monkeypatch: pytest.MonkeyPatch
         service._main_alive = clock[0]
         service._feed_watchdog()
     assert notifier.pings == 4
+
+
+def test_privileges_are_released_before_anything_starts_a_thread(
+    notify: tuple[str, socket.socket], restore_signals: None
+) -> None:
+    """Capabilities are per thread (gthulhu_node/capabilities.py): the drop must come before the agent,
+    the metrics listener or the start worker exist, and status shows what it did."""
+    path, _sock = notify
+    events: list[str] = []
+    created: list[FakeAgent] = []
+
+    class Released:
+        def describe(self) -> str:
+            return "CAP_SYS_ADMIN dropped at start"
+
+    def release(cfg: AgentConfig) -> Released:
+        events.append("release")
+        return Released()
+
+    def factory(cfg: AgentConfig) -> FakeAgent:
+        events.append("agent created")
+        agent = FakeAgent(events, fail=True)
+        agent.capabilities = ""  # type: ignore[attr-defined]
+        created.append(agent)
+        return agent
+
+    service = Service(config(), agent_factory=factory, notifier=Notifier({"NOTIFY_SOCKET": path}),
+                      release_privileges=release)
+    assert service.run() == 1
+    assert events[:2] == ["release", "agent created"]
+    assert created[0].capabilities == "CAP_SYS_ADMIN dropped at start"  # type: ignore[attr-defined]
