@@ -153,6 +153,7 @@ class FakeAgent:
     backend = FakeReconciler.backend
     backend_reason = "the kernel has sched_ext"
     sched_ext_refused = ""
+    sched_ext_given_up = ""
     engine = FakeEngine()
 
     def stats(self) -> AgentStats:
