@@ -114,7 +114,8 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
     with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, RunqueueProbe(per_thread=True) as probe:
         for seed in seeds:
             rng = random.Random(seed)
-            n = rng.randint(1, 4 * ncpu)
+            # from fewer threads than CPUs to 4x as many, whatever the seeds draw
+            n = (1, ncpu + 1, 2 * ncpu + 1, 4 * ncpu)[(seed - 1) % 4]
             mix = [(rng.randint(1, 20), rng.choice(("spin", "periodic")))
                    if rng.random() < 0.6 else (0, "spin") for _ in range(n)]
             if not any(p for p, _ in mix):
