@@ -492,11 +492,12 @@ static bool fair_head(u64 *vtime)
 	return found;
 }
 
-/* A boosted task's claim on the reserve: what it was served, with a sleeper's floor. */
-static __always_inline u64 reserve_key(struct task_ctx *tctx)
+/*
+ * A boosted task's claim on the reserve: what it was served, with a sleeper's floor. The floor is taken
+ * once per turn: vtime_now moves under our feet, and both passes over BOOST_DSQ must agree.
+ */
+static __always_inline u64 reserve_key(struct task_ctx *tctx, u64 floor)
 {
-	u64 floor = vtime_now - settings.default_slice_ns;
-
 	return before(tctx->served, floor) ? floor : tctx->served;
 }
 
@@ -507,7 +508,7 @@ static __always_inline bool may_take(struct task_struct *p, s32 cpu)
 }
 
 /* The least reserve key among the first RESERVE_SCAN boosted tasks this CPU may take. */
-static bool least_boosted(s32 cpu, u64 *least)
+static bool least_boosted(s32 cpu, u64 floor, u64 *least)
 {
 	struct bpf_iter_scx_dsq it;
 	struct task_struct *p;
@@ -521,7 +522,7 @@ static bool least_boosted(s32 cpu, u64 *least)
 		tctx = ctx_of(p);
 		if (!tctx || !may_take(p, cpu))
 			continue;
-		key = reserve_key(tctx);
+		key = reserve_key(tctx, floor);
 		if (!found || before(key, *least)) {
 			*least = key;
 			found = true;
@@ -532,7 +533,7 @@ static bool least_boosted(s32 cpu, u64 *least)
 }
 
 /* Move the first boosted task (deadline order) whose reserve key is `key` to this CPU, as unboosted. */
-static bool take_boosted(s32 cpu, u64 key)
+static bool take_boosted(s32 cpu, u64 floor, u64 key)
 {
 	struct bpf_iter_scx_dsq it;
 	struct task_struct *p;
@@ -543,7 +544,7 @@ static bool take_boosted(s32 cpu, u64 key)
 	bpf_iter_scx_dsq_new(&it, BOOST_DSQ, 0);
 	while ((p = bpf_iter_scx_dsq_next(&it)) && seen++ < RESERVE_SCAN) {
 		tctx = ctx_of(p);
-		if (!tctx || reserve_key(tctx) != key || !may_take(p, cpu))
+		if (!tctx || reserve_key(tctx, floor) != key || !may_take(p, cpu))
 			continue;
 		if (dsq_move(&it, p, DSQ_LOCAL, 0)) {
 			tctx->prio = 0; /* a reserve run: charged as unboosted, preemptible as one */
@@ -562,11 +563,11 @@ static bool take_boosted(s32 cpu, u64 key)
  */
 static bool serve_reserve(s32 cpu, struct cpu_ctx *c, u64 now)
 {
-	u64 head = 0, least = 0;
+	u64 head = 0, least = 0, floor = vtime_now - settings.default_slice_ns;
 	bool have_head = fair_head(&head);
-	bool have_boosted = least_boosted(cpu, &least);
+	bool have_boosted = least_boosted(cpu, floor, &least);
 
-	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, least))
+	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, floor, least))
 		count(&bss.stats.reserve_boosted);
 	else if (!have_head || !dsq_move_to_local(FAIR_DSQ))
 		return false;
