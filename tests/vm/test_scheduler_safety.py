@@ -40,7 +40,7 @@ def assert_still_ours(out: dict[str, Any]) -> None:
 def test_a_low_priority_boost_is_never_worse_than_no_boost(lab: Any) -> None:
     # Before the reserve and the deadline order: the priority-5 thread got 0.15 s of 45 s (0.3 % of a
     # CPU) while an unboosted one got at least a quarter of a CPU.
-    out = scenario(lab, "inversion", "--seconds", "4")
+    out = scenario(lab, "inversion", "--seconds", "3")
     assert_still_ours(out)
     boosted, unboosted = out["boosted"]["low_share"], out["unboosted"]["low_share"]
     assert boosted >= 0.9 * unboosted, out
