@@ -359,6 +359,14 @@ class AgentCollector(Collector):
                                 "1 when the kernel refused our sched_ext scheduler and backend auto fell "
                                 "back to another backend (the reason is in gthulhu_node_backend_info).",
                                 value=1.0 if refused else 0.0)
+        # What map use is measured against (the dashboard's gauge, the map-near-full alert): each of the
+        # sched_ext scheduler's maps holds scheduler.map_capacity entries. Backends without such a limit
+        # (EEVDF, an unbounded dry run) export no capacity.
+        capacity = getattr(backend, "capacity", None)
+        if isinstance(capacity, int) and not isinstance(capacity, bool):
+            yield _gauge("backend_capacity_entries", "Entries each of the backend's maps holds at most "
+                         "(scheduler.map_capacity); compare gthulhu_node_backend_entries{table=\"applied\"}.",
+                         float(capacity))
         state = str(snap.engine.get("backend_state") or "")
         reason = str(snap.engine.get("last_ejection_reason") or "")
         if snap.health is not None:
