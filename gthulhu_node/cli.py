@@ -15,6 +15,7 @@ COMMANDS: list[str] = [
     "client",
     "run",
     "probe",
+    "compare",
     "install_service",
 ]
 
