@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -47,6 +47,9 @@ from gthulhu_node.intents.status import (
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.reconciler import IntentStats, Reconciler
+
+if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)
+    from gthulhu_node.rest.app import RestStats
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +86,7 @@ class AgentStats:
     api: ApiStats = field(default_factory=ApiStats)
     policy_updates: int = 0
     policy_errors: int = 0
-    rest: Any = None  # gthulhu_node.rest.app.RestStats while the REST listener runs
+    rest: RestStats | None = None  # while the REST listener runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,7 @@ class Agent:
         self.backend: Backend | None = backend
         self.backend_reason = "given by the caller" if backend is not None else ""
         self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
+        self.capabilities = ""  # set by the service: the capabilities dropped at start, for status
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
@@ -414,6 +418,7 @@ class Agent:
             matched_tasks=self._matched_tasks,
             version=__version__,
             warnings=self._agent_warnings(),
+            capabilities=self.capabilities,
         )
 
     def _agent_warnings(self) -> tuple[str, ...]:

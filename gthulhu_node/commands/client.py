@@ -190,7 +190,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace, intents: list[Intent]) -> int:
-    from gthulhu_node.intents.preview import preview
+    from gthulhu_node.preview import preview
 
     try:
         cfg = _config(args)
@@ -267,6 +267,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  backend: {a.backend_reason}")
     if a.scheduler_reason:
         print(f"  scheduler: {a.scheduler_reason}")
+    if a.capabilities:
+        print(f"  capabilities: {a.capabilities}")
     for w in a.warnings:
         print(f"  warning: {w}")
     for src in resp.sources:
