@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 CMD ?= uname -a
 
-.PHONY: help deps build bpf proto lint lab-kernels test test-unit bench demo lab-shell lab-run install clean
+.PHONY: help deps build bpf proto lint lab-kernels test test-unit bench demo lab-shell lab-run install wheel deb clean
 
 help:
 	@echo "make demo       the agent scheduling a vLLM-like workload in the sched_ext lab VM"
@@ -13,6 +13,8 @@ help:
 	@echo "make bench      benchmarks (figures and ratios against baselines measured in the same run)"
 	@echo "make lab-shell  a root shell in the sched_ext lab VM; make lab-run CMD='...' runs one command"
 	@echo "make install    install the agent, its systemd unit and a default config on this host"
+	@echo "make wheel      dist/gthulhu_node-*.whl with the prebuilt scheduler objects inside"
+	@echo "make deb        dist/gthulhu-node_*.deb for this Debian suite (docs/packaging.md)"
 
 deps:
 	@scripts/install-deps
@@ -57,5 +59,13 @@ lab-run: build
 install: build
 	scripts/install
 
+# The wheel carries the prebuilt CO-RE objects (gthulhu_node/data/) and the unit and default configuration
+# (gthulhu_node/share/), so a host installing it needs no compiler: docs/packaging.md.
+wheel: build
+	@scripts/build-wheel
+
+deb: build
+	@scripts/build-deb
+
 clean:
-	rm -rf bpf/.output gthulhu_node/api/gen gthulhu_node/data/*.bpf.o .mypy_cache .ruff_cache .pytest_cache
+	rm -rf dist bpf/.output gthulhu_node/api/gen gthulhu_node/data/*.bpf.o .mypy_cache .ruff_cache .pytest_cache

@@ -15,6 +15,8 @@ COMMANDS: list[str] = [
     "client",
     "run",
     "probe",
+    "compare",
+    "install_service",
 ]
 
 

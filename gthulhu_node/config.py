@@ -16,6 +16,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_PATH = Path("/etc/gthulhu-node/config.yaml")
+# The configuration's format version. Why it is written into the file: a package upgrade keeps an
+# operator's edited config.yaml (a conffile), so a later agent must know which format it reads, and an
+# older agent (a downgrade) must refuse a file written for a newer format instead of misreading it. Raise
+# it only for a change an older agent would misunderstand, and keep reading every older version.
+CONFIG_VERSION = 1
 NODE_NAME_ENV = "NODE_NAME"
 
 
@@ -207,6 +212,7 @@ MOVED_TO_BACKEND = ("reload_backoff_initial_s", "reload_backoff_max_s")
 
 
 class AgentConfig(_Section):
+    version: int = Field(default=CONFIG_VERSION, ge=1)  # absent: the first format (CONFIG_VERSION 1)
     node: NodeConfig = Field(default_factory=NodeConfig)  # built per config: NODE_NAME is read then
     backend: BackendConfig = BackendConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -219,6 +225,13 @@ class AgentConfig(_Section):
     rest: RestConfig = RestConfig()
     probe: ProbeConfig = ProbeConfig()
     security: SecurityConfig = SecurityConfig()
+
+    @model_validator(mode="after")
+    def _known_version(self) -> AgentConfig:
+        if self.version > CONFIG_VERSION:
+            raise ValueError(f"version {self.version}: written for a newer gthulhu-node (this one reads "
+                             f"configuration versions up to {CONFIG_VERSION})")
+        return self
 
     @model_validator(mode="after")
     def _moved_settings(self) -> AgentConfig:

@@ -372,6 +372,14 @@ class AgentCollector(Collector):
                                 "times within scheduler.ejection_window_s and the agent stopped reloading it "
                                 "(another backend runs; a restart tries the scheduler again).",
                                 value=1.0 if given_up else 0.0)
+        # What map use is measured against (the dashboard's gauge, the map-near-full alert): each of the
+        # sched_ext scheduler's maps holds scheduler.map_capacity entries. Backends without such a limit
+        # (EEVDF, an unbounded dry run) export no capacity.
+        capacity = getattr(backend, "capacity", None)
+        if isinstance(capacity, int) and not isinstance(capacity, bool):
+            yield _gauge("backend_capacity_entries", "Entries each of the backend's maps holds at most "
+                         "(scheduler.map_capacity); compare gthulhu_node_backend_entries{table=\"applied\"}.",
+                         float(capacity))
         state = snap.engine.backend_state if snap.engine is not None else ""
         reason = snap.engine.last_ejection_reason if snap.engine is not None else ""
         if snap.health is not None:

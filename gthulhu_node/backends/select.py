@@ -40,7 +40,9 @@ def _sched_ext(config: Any) -> Backend:
 
 
 def _dry_run(config: Any) -> Backend:
-    return DryRunBackend(record=config.backend.dry_run_record)
+    """The dry run holds as many entries as the scheduler's maps would (scheduler.map_capacity), so what
+    it reports (map use against capacity, map-full failures) is what the real scheduler would report."""
+    return DryRunBackend(record=config.backend.dry_run_record, capacity=config.scheduler.map_capacity)
 
 
 def _auto_without_sched_ext(config: Any, why: str) -> tuple[Backend, str]:

@@ -22,6 +22,9 @@ def register(subparsers: Any) -> None:
                         "all defaults when that file is absent)")
     parser.add_argument("--log-format", choices=["auto", "journald", "json", "console"], default=None,
                         help="override log.format from the configuration")
+    parser.add_argument("--check", action="store_true",
+                        help="only validate the configuration and exit (0: valid, 2: not); what an operator "
+                        "or a package's test runs after editing it, without touching the scheduler")
     parser.set_defaults(func=run)
 
 
@@ -35,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
         # One clear line; systemd shows it in `systemctl status` and the journal.
         print("gthulhu-node: configuration error: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
+    if args.check:
+        print(f"gthulhu-node: configuration {args.config or configuration.DEFAULT_PATH} is valid "
+              f"(backend {cfg.backend.kind})")
+        return 0
     if args.log_format:
         cfg.log.format = args.log_format
     from gthulhu_node import privileges

@@ -48,6 +48,10 @@ log = structlog.get_logger(__name__)
 
 STATE_FILE = "intents.json"
 STATE_FORMAT = "gthulhu-node-intents"
+# The state file's format. Why versioned: an upgraded agent must read what the release before it wrote (the
+# saved intents are what make a restart after `apt-get upgrade` keep scheduling); tests/fixtures/state/
+# keeps a file of each release as it wrote it. Raise it only for a change an older agent would misread,
+# and keep reading every older version here.
 STATE_VERSION = 1
 # Sources whose intents live elsewhere on disk and are therefore not written to the state file.
 NOT_PERSISTED = frozenset({"local"})
@@ -376,6 +380,9 @@ class IntentStore:
             sources = _parse_state(_read_state(target))
         except FileNotFoundError:
             return 0
+        except NewerStateError as exc:
+            log.error("intents_state_newer", path=str(target), error=str(exc))
+            raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             aside = target.with_name(f"{target.name}.corrupt-{stamp}")
@@ -397,6 +404,11 @@ class IntentStore:
         return count
 
 
+class NewerStateError(Exception):
+    """The state file was written by a newer agent (a downgrade). Not corrupt: it stays where it is and
+    the start fails with this message, so going back to the newer release finds the intents again."""
+
+
 def _read_state(target: Path) -> bytes:
     """The state file's bytes. Raises StateTooLargeError (a ValueError: the file is treated as corrupt)
     past STATE_MAX_BYTES, which the store never writes."""
@@ -412,8 +424,12 @@ def _parse_state(blob: bytes) -> dict[str, SourceSet]:
     doc = load_json(blob)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
-    if doc.get("version") != STATE_VERSION:
-        raise ValueError(f"unsupported state version {doc.get('version')!r}")
+    version = doc.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
+        raise NewerStateError(f"state version {version} was written by a newer gthulhu-node (this one reads "
+                              f"up to {STATE_VERSION}); start the newer release, or move the file aside")
+    if version != STATE_VERSION:
+        raise ValueError(f"unsupported state version {version!r}")
     raw_sources = doc.get("sources")
     if not isinstance(raw_sources, Mapping):
         raise ValueError("sources: expected an object")

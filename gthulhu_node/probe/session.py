@@ -184,6 +184,8 @@ class BackgroundProbe:
             raise
         self.session = Session(self._probe, self._source)
         self.session.sync()
+        # sync() (the follower thread) and snapshot() (a caller reading mid-run) both walk the maps
+        self._lock = threading.Lock()
         self._poll = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="gthulhu-probe", daemon=True)
@@ -191,7 +193,19 @@ class BackgroundProbe:
 
     def _follow(self) -> None:
         while not self._stop.wait(self._poll):
-            self.session.sync()
+            with self._lock:
+                self.session.sync()
+
+    def snapshot(self) -> ProbeResult:
+        """The cumulative result so far, while the probe keeps running (`gthulhu-node compare` takes one
+        at each window's ends)."""
+        with self._lock:
+            return self.session.result()
+
+    def tids(self) -> list[int]:
+        """The threads the probe follows right now."""
+        with self._lock:
+            return sorted(self.session.records)
 
     def stop(self) -> ProbeResult:
         self._stop.set()

@@ -168,3 +168,84 @@ def run_cli(
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} failed ({proc.returncode}): {proc.stderr}")
     return proc
+
+
+class AgentProcess:
+    """`gthulhu-node run` as its own process. By default this checkout's package under the project's venv;
+    `python` with `installed=True` runs the package installed in another environment (a wheel, the Debian
+    package) without this checkout on the path, so the test proves what was installed works."""
+
+    def __init__(self, config: Path, socket: Path, python: Path = PYTHON, installed: bool = False) -> None:
+        self.config = config
+        self.socket = socket
+        self.python = python
+        self.installed = installed
+        self.log = config.with_name("agent.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.python),
+                    "-m",
+                    "gthulhu_node",
+                    "run",
+                    "--config",
+                    str(self.config),
+                    "--log-format",
+                    "json",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                env=self._env(),
+            )
+        wait_for(self._serving, timeout=60, what="the agent process to serve")
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if not self.installed:
+            env["PYTHONPATH"] = str(REPO)
+        return env
+
+    def _serving(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        if not self.socket.exists():
+            return False
+        try:
+            with client(self.socket) as stub:
+                return stub.GetStatus(pb.GetStatusRequest(), timeout=2).agent.ready
+        except grpc.RpcError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(30)
+
+
+@contextmanager
+def agent_process(base: Path, python: Path = PYTHON, installed: bool = False,
+                  **sections: dict[str, object]) -> Iterator[AgentProcess]:
+    cfg = write_config(base, **sections)
+    p = AgentProcess(cfg, base / "run" / "api.sock", python=python, installed=installed)
+    p.start()
+    try:
+        yield p
+    finally:
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(30)

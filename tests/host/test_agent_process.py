@@ -4,13 +4,8 @@ corrupt state file is moved aside while the agent starts empty."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 import pytest
@@ -18,86 +13,16 @@ import pytest
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.intents.store import STATE_FILE
 from tests.host.agent_support import (
-    PYTHON,
-    REPO,
     NamedThread,
+    agent_process,
     client,
     intent,
     short_dir,
     statuses,
     wait_for,
-    write_config,
 )
 
 pytestmark = pytest.mark.host
-
-
-class AgentProcess:
-    def __init__(self, config: Path, socket: Path) -> None:
-        self.config = config
-        self.socket = socket
-        self.log = config.with_name("agent.log")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    str(PYTHON),
-                    "-m",
-                    "gthulhu_node",
-                    "run",
-                    "--config",
-                    str(self.config),
-                    "--log-format",
-                    "json",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd="/",
-                env=dict(os.environ, PYTHONPATH=str(REPO)),
-            )
-        wait_for(self._serving, timeout=60, what="the agent process to serve")
-
-    def _serving(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        if not self.socket.exists():
-            return False
-        try:
-            with client(self.socket) as stub:
-                return stub.GetStatus(pb.GetStatusRequest(), timeout=2).agent.ready
-        except grpc.RpcError:
-            return False
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        return self.proc.wait(30)
-
-
-@contextmanager
-def agent_process(base: Path, **sections: dict[str, object]) -> Iterator[AgentProcess]:
-    cfg = write_config(base, **sections)
-    p = AgentProcess(cfg, base / "run" / "api.sock")
-    p.start()
-    try:
-        yield p
-    finally:
-        if p.proc is not None and p.proc.poll() is None:
-            p.proc.kill()
-            p.proc.wait(30)
 
 
 def test_intents_survive_restart_and_sigkill_and_apply_before_the_api() -> None:

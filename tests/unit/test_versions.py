@@ -1,0 +1,118 @@
+"""Upgrades: the state file and the configuration carry a format version, an agent reads what an earlier
+release wrote, and refuses (without destroying) what a newer release wrote.
+
+tests/fixtures/state/intents-0.1.0.json is the state file release 0.1.0 wrote, kept byte for byte: a later
+release must load it unchanged (same intents, generations, sender entries and digests). When a release
+changes the format, add its own fixture next to it (`python -m tests.unit.test_versions --write <path>`
+writes one with the code of the checkout) and keep the old ones: each stays a test.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from gthulhu_node import config as configuration
+from gthulhu_node.intents.model import Intent, SenderEntry
+from gthulhu_node.intents.parse import parse_intent
+from gthulhu_node.intents.store import STATE_FILE, IntentStore, NewerStateError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "state"
+RELEASE_0_1_0 = FIXTURES / "intents-0.1.0.json"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _intent(doc: dict[str, object]) -> Intent:
+    return parse_intent(doc)
+
+
+def write_fixture(state_dir: Path) -> Path:
+    """What the fixture holds: every persisted feature of the format (several sources and generations,
+    a slice-only intent, user and cgroup filters, node selectors, a lenient sender's entries)."""
+    store = IntentStore(state_dir)
+    store.apply("cli", 0, [
+        _intent({"id": "vllm", "commandRegex": "^EngineCore(_DP[0-9]+)?$", "priority": 10,
+                 "executionTime": 2_000_000}),
+        _intent({"id": "slice-only", "commandRegex": "^llama-server$", "executionTime": 1_000_000,
+                 "users": ["llm"]}),
+    ])
+    store.apply("cli", 0, [
+        _intent({"id": "vllm", "commandRegex": "^EngineCore(_DP[0-9]+)?$", "priority": 10,
+                 "executionTime": 2_000_000, "cgroupRegex": "^/system.slice/vllm.service$"}),
+    ])
+    store.apply("ops", 7, [
+        _intent({"id": "batch", "commandRegex": "^batch-", "priority": 3,
+                 "nodeSelectors": [{"key": "gpu", "value": "true"}]}),
+    ])
+    entries = [
+        SenderEntry(record={"policyID": "manager-1", "priority": 8, "commandRegex": "^worker$"},
+                    key="manager-1", intent_id="manager-1"),
+        SenderEntry(record={"policyID": "manager-2", "priority": 25}, key="manager-2#1",
+                    failed="priority 25 is above 20"),
+    ]
+    store.apply("manager", 0, [_intent({"id": "manager-1", "commandRegex": "^worker$", "priority": 8})],
+                allow_reserved=True, entries=entries)
+    return state_dir / STATE_FILE
+
+
+def test_reads_the_state_file_release_0_1_0_wrote(tmp_path: Path) -> None:
+    shutil.copy(RELEASE_0_1_0, tmp_path / STATE_FILE)
+    store = IntentStore(tmp_path)
+    assert store.load() == 3
+    snap = store.snapshot()
+    assert sorted(snap) == ["cli", "manager", "ops"]
+    assert snap["cli"].generation == 2 and [i.id for i in snap["cli"].intents] == ["vllm"]
+    vllm = snap["cli"].intents[0]
+    assert (vllm.priority, vllm.execution_time, vllm.cgroup_regex) == (10, 2_000_000,
+                                                                      "^/system.slice/vllm.service$")
+    assert snap["ops"].generation == 7 and snap["ops"].intents[0].priority == 3
+    assert [e.key for e in snap["manager"].entries] == ["manager-1", "manager-2#1"]
+    assert snap["manager"].entries[1].failed == "priority 25 is above 20"
+    # read as it was written: what this release would write for the same content is the same file
+    fresh = write_fixture(tmp_path / "fresh")
+    again = IntentStore(tmp_path / "fresh")
+    again.load()
+    for name in snap:
+        assert again.get(name).push_digest == snap[name].push_digest, name  # type: ignore[union-attr]
+    assert fresh.is_file()
+
+
+def test_a_newer_state_file_is_refused_and_left_in_place(tmp_path: Path) -> None:
+    text = RELEASE_0_1_0.read_text().replace('"version": 1', '"version": 99', 1)
+    (tmp_path / STATE_FILE).write_text(text)
+    with pytest.raises(NewerStateError, match="newer gthulhu-node"):
+        IntentStore(tmp_path).load()
+    assert (tmp_path / STATE_FILE).read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]
+
+
+def test_config_carries_a_version() -> None:
+    default = configuration.load(REPO / "gthulhu_node" / "share" / "config.yaml")
+    assert default.version == configuration.CONFIG_VERSION == 1
+    assert "\nversion: 1 " in (REPO / "gthulhu_node" / "share" / "config.yaml").read_text()
+
+
+def test_config_without_a_version_is_the_first_format(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("log: {level: debug}\n")
+    assert configuration.load(path).version == 1
+
+
+def test_config_of_a_newer_format_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("version: 2\n")
+    with pytest.raises(configuration.ConfigError, match="written for a newer gthulhu-node"):
+        configuration.load(path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--write"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m tests.unit.test_versions --write PATH")
+    target = Path(sys.argv[2])
+    scratch = target.parent / ".state-fixture"
+    shutil.move(write_fixture(scratch), target)
+    shutil.rmtree(scratch)
+    print(target)
