@@ -3,8 +3,7 @@
 A spec is "KERNEL/SHAPE". Kernels (tests/vm/kernel.py): 7.3 (Debian's trixie-backports cloud kernel) and
 6.12 (the LTS, built from Debian's linux-source-6.12). Shapes: 2cpu (the lab's default: 2 vCPUs, one NUMA
 node), 8cpu-2numa (8 vCPUs over 2 NUMA nodes, 4 per node: function only, since 8 emulated CPUs share
-the machine's 2 cores, shares and latencies there mean nothing) and 2cpu-of-64 (2 vCPUs online of 64
-possible: qemu's maxcpus, the CPUs a host could hot-add).
+the machine's 2 cores, shares and latencies there mean nothing).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class Shape:
 SHAPES = {
     "2cpu": Shape(cpus=2, numa_nodes=1, memory_mb=2048),
     "8cpu-2numa": Shape(cpus=8, numa_nodes=2, memory_mb=4096),
-    "2cpu-of-64": Shape(cpus=2, numa_nodes=1, memory_mb=2048, max_cpus=64),
 }
 DEFAULT = f"{DEFAULT_KERNEL}/2cpu"
 BOTH_KERNELS = [f"{k}/2cpu" for k in KERNELS]

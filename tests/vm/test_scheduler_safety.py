@@ -103,17 +103,6 @@ def test_a_cpuset_confined_boost_leaves_the_cpus_reserve_to_unboosted_tasks(lab:
     assert out["boosted_total"] >= 0.5, out
 
 
-@pytest.mark.parametrize("lab", [f"{matrix.DEFAULT_KERNEL}/2cpu-of-64"], indirect=True)
-def test_more_possible_than_online_cpus(lab: Any) -> None:
-    # The per-CPU array is sized from the possible CPUs at load (no compiled-in cap: the former 512
-    # silently dropped the per-CPU floor above it; tests/unit/test_scheduler_sizes.py covers counts past it).
-    out = scenario(lab, "sizes", "--seconds", "3")
-    assert_still_ours(out)
-    assert out["possible"] == 64 and out["online"] == 2, out
-    assert out["cpu_ctxs_entries"] == 64, out
-    assert out["shares"]["boosted"] > 1.5 * out["shares"]["twin"], out
-
-
 def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any) -> None:
     # Before the limit the engine reloaded forever (backoff capped at 60 s).
     out = scenario(lab, "ejections", "--threads", "5", timeout=900)
