@@ -292,26 +292,6 @@ def cpuset(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """More possible CPUs than online ones (qemu's maxcpus): the per-CPU array covers them all, and a
-    boosted thread still beats its twin."""
-    from gthulhu_node.scheduler.loader import possible_cpus
-
-    out: dict[str, Any] = {"possible": possible_cpus(), "online": os.cpu_count()}
-    with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
-        boosted = fork_worker(spin, "sz-boosted")
-        twin = fork_worker(spin, "sz-twin")
-        pids += [boosted, twin, *[fork_worker(spin, f"sz-hog{i}") for i in range(4)]]
-        time.sleep(0.3)
-        boost(backend, {boosted: 10})
-        out["shares"] = cpu_shares({"boosted": boosted, "twin": twin}, args.seconds)
-        # the map's real size is what this test is about
-        out["cpu_ctxs_entries"] = backend._loaded().obj.map("cpu_ctxs").max_entries
-        out["health"] = backend.health().state.value
-        out["state"] = state()
-    return out
-
-
 AGENT_DIR = Path("/tmp/gn-ejections")
 
 
@@ -394,7 +374,6 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "priorities": priorities,
     "hotplug": hotplug,
     "cpuset": cpuset,
-    "sizes": sizes,
     "ejections": ejections,
 }
 
