@@ -130,6 +130,7 @@ def _estimate(group: str | None, count: int) -> float:
 
 
 _PLAN_FOLDER = pytest.StashKey[Path]()
+_clock: list[lanes.LaneClock] = []  # the controller's, under xdist (logreport hooks get no config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -140,7 +141,8 @@ def pytest_configure(config: pytest.Config) -> None:
     option = config.option
     distributed = getattr(option, "dist", "no") == "loadgroup" and bool(getattr(option, "tx", None))
     if distributed and not hasattr(config, "workerinput"):
-        config.stash[_PLAN_FOLDER] = lanes.new_plan_folder()
+        config.stash[_PLAN_FOLDER] = folder = lanes.new_plan_folder()
+        _clock[:] = [lanes.LaneClock(folder)]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -169,7 +171,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the tests by group, the longest group first (collection order kept within a group), give
     each grouped test its xdist group, and remember each guest's last test so it can be powered off after
-    it. tryfirst: xdist's worker reads the groups in its own hook of this name."""
+    it. tryfirst: xdist's worker reads the marks in its own hook of this name."""
     groups = [_group(item) for item in items]
     counts: dict[str | None, int] = {}
     first: dict[str | None, int] = {}
@@ -203,12 +205,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     """Power a guest off after its last test. Under xdist a guest's group runs whole on one worker, so
-    that worker runs its last test; items are compared as objects, since xdist appends the group to
-    nodeids after our collection hook."""
+    that worker runs its last test. Items are compared as objects: xdist's worker hook may append the
+    group to node ids after ours (it does with pytest before 9.2)."""
     yield
     key = _guest_key(item)
     if key is not None and _last_item_of.get(key) is item and key in _guests:
         _guests.pop(key).close()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for clock in _clock:
+        clock.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Under xdist: each lane's time, per group (tests/lanes.py LaneClock)."""
+    for clock in _clock:
+        if clock.seconds:
+            terminalreporter.write_sep("-", "lanes")
+            for line in clock.lines():
+                terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -82,3 +82,38 @@ def make_scheduler(config: pytest.Config, log: Any, folder: Path) -> Any:
             return self._plan.get(nodeid, nodeid)
 
     return LaneScheduling(config, log)
+
+
+class LaneClock:
+    """Where each lane's time went: seconds per group on each worker and each worker's span from its first
+    test to its last, from the reports the controller receives. make test prints it, so the next
+    rebalancing starts from measured times rather than estimates."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._plan: dict[str, str] | None = None
+        self.seconds: dict[str, dict[str, float]] = {}
+        self.span: dict[str, tuple[float, float]] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        node = getattr(report, "node", None)
+        if node is None:  # not from a worker
+            return
+        if self._plan is None:
+            self._plan = read_plan(self.folder)
+        worker = str(node.gateway.id)
+        group = self._plan.get(report.nodeid, "(unit)")
+        per_group = self.seconds.setdefault(worker, {})
+        per_group[group] = per_group.get(group, 0.0) + report.duration
+        start, stop = getattr(report, "start", None), getattr(report, "stop", None)
+        if start is not None and stop is not None:
+            first, last = self.span.get(worker, (start, stop))
+            self.span[worker] = (min(first, start), max(last, stop))
+
+    def lines(self) -> list[str]:
+        out = []
+        for worker in sorted(self.seconds):
+            first, last = self.span.get(worker, (0.0, 0.0))
+            groups = ", ".join(f"{g} {s / 60:.1f} min" for g, s in self.seconds[worker].items())
+            out.append(f"{worker}: {(last - first) / 60:.1f} min from its first test to its last: {groups}")
+        return out
