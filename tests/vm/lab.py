@@ -204,6 +204,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def exited(pid: int) -> bool:
+    """The process has exited: its /proc entry is gone, or it is a zombie (state Z or X) nobody reaped
+    yet. For tests that check a kill: the killed process is gone only once the kernel has delivered it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
 def _reap_stale_runs() -> None:
     """Remove run folders left by harness processes that were killed (their qemu died with them)."""
     for path in RUNTIME.glob("run-*"):
