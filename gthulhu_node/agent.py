@@ -113,6 +113,7 @@ class Agent:
         self.backend: Backend | None = backend
         self.backend_reason = "given by the caller" if backend is not None else ""
         self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
+        self.capabilities = ""  # set by the service: the capabilities dropped at start, for status
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
@@ -414,6 +415,7 @@ class Agent:
             matched_tasks=self._matched_tasks,
             version=__version__,
             warnings=self._agent_warnings(),
+            capabilities=self.capabilities,
         )
 
     def _agent_warnings(self) -> tuple[str, ...]:

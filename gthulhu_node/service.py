@@ -2,6 +2,9 @@
 
 Order, and why:
 1. logging first, so even a failed start is in the journal with fields;
+   then, while the process has its only thread, privileges are released (gthulhu_node/privileges.py:
+   a stale scheduler taken over, CAP_SYS_ADMIN dropped): capabilities are per thread, so only a drop
+   made before the first other thread starts covers every thread;
 2. the metrics endpoint, so a start that hangs can be looked at;
 3. `Agent.start()` (scheduler loaded, saved intents applied), then READY=1: systemd reports the unit
    active, and `systemctl start` returns, only when the node is really scheduled as its intents say;
@@ -48,12 +51,17 @@ class Service:
 
     def __init__(self, config: AgentConfig, *, config_path: str = "",
                  agent_factory: Callable[[AgentConfig], Any] = _default_agent,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None,
+                 release_privileges: Callable[[AgentConfig], Any] | None = None) -> None:
+        """`release_privileges` (privileges.release for `gthulhu-node run`) is called before any thread
+        starts; None for tests that run a Service inside their own (root, multi-threaded) process."""
         self.config = config
         self.config_path = config_path
         self.agent_factory = agent_factory
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
+        self.release_privileges = release_privileges
+        self.released: Any = None  # what release_privileges returned (privileges.Released)
         self.agent: Any = None
         self.probe: Any = None  # the continuous run-queue probe (gthulhu_node/probe), when enabled
         self._stop = threading.Event()
@@ -121,6 +129,8 @@ class Service:
         log.info("service_starting", version=__version__, config=self.config_path or "(defaults)",
                  log_format=setup.format, log_rate_limit_per_s=self.config.log.rate_limit_per_s,
                  watchdog_interval_s=self.notifier.watchdog_interval_s, notify=self.notifier.enabled)
+        if self.release_privileges is not None:
+            self.released = self.release_privileges(self.config)
         try:
             return self._run(setup)
         finally:
@@ -135,6 +145,8 @@ class Service:
             log.error("agent_create_failed", error=str(exc), exc_info=True)
             self.notifier.status(f"failed: {exc}")
             return 1
+        if self.released is not None and hasattr(self.agent, "capabilities"):
+            self.agent.capabilities = self.released.describe()
         self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
         self._serve_metrics()
         if not self._start_agent():

@@ -111,6 +111,7 @@ def summary_to_pb(a: AgentSummary) -> pb.AgentSummary:
         matched_tasks=a.matched_tasks,
         version=a.version,
         warnings=list(a.warnings),
+        capabilities=a.capabilities,
     )
 
 

@@ -267,6 +267,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  backend: {a.backend_reason}")
     if a.scheduler_reason:
         print(f"  scheduler: {a.scheduler_reason}")
+    if a.capabilities:
+        print(f"  capabilities: {a.capabilities}")
     for w in a.warnings:
         print(f"  warning: {w}")
     for src in resp.sources:

@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.log_format:
         cfg.log.format = args.log_format
+    from gthulhu_node import privileges
     from gthulhu_node.service import Service
 
     path = str(args.config or configuration.DEFAULT_PATH)
-    return Service(cfg, config_path=path).run()
+    # Always on: nothing the agent does after its start needs CAP_SYS_ADMIN (gthulhu_node/privileges.py).
+    return Service(cfg, config_path=path, release_privileges=privileges.release).run()

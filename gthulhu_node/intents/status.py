@@ -82,6 +82,7 @@ class AgentSummary:
     matched_tasks: int
     version: str
     warnings: tuple[str, ...] = ()
+    capabilities: str = ""  # what the agent gave up at start (privileges.Released.describe), or ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ Debian 12's libbpf 1.1.2 does not know). That attach is not link-based: when the
 detaching (SIGKILL), the scheduler keeps running with its last entries and no owner. The next start takes
 over by detaching that stale instance (deleting its struct_ops map element by id) and loading a fresh one
 with empty maps, so no stale entry survives; the reconciler's first full scan refills the maps. A lock file
-held for the agent's lifetime tells a stale instance (lock free) from a live agent (lock held).
+held for the agent's lifetime tells a stale instance (lock free) from a live agent (lock held). Finding the
+stale instance by id needs CAP_SYS_ADMIN, so the agent does it first thing (`take_over_stale`) and then
+gives that capability up; loading, and reloading after an ejection, need CAP_BPF and CAP_PERFMON only.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def check_support(root: Path = SCHED_EXT, btf: Path = KERNEL_BTF) -> None:
     if not btf.is_file():
         raise BackendUnavailable(f"kernel {release} exposes no BTF ({btf} is missing: CONFIG_DEBUG_INFO_BTF)")
     if os.geteuid() != 0:
-        raise BackendUnavailable("loading a sched_ext scheduler needs root (CAP_BPF and CAP_SYS_ADMIN)")
+        raise BackendUnavailable("loading a sched_ext scheduler needs root (CAP_BPF and CAP_PERFMON)")
 
 
 def kfunc_flavour(btf: Path = KERNEL_BTF) -> str:
@@ -234,6 +236,43 @@ def _internal_map(obj: libbpf.BpfObject, section: str) -> libbpf.BpfMap:
         return obj.map(SCHED_NAME[:8] + section)
 
 
+def _is_ours(ops: str) -> bool:
+    return ops.split("_")[0] == SCHED_NAME
+
+
+def take_over_stale(root: Path = SCHED_EXT, lock_path: Path = LOCK_PATH) -> int:
+    """Detach a scheduler of ours that no live agent owns (its agent was killed); returns how many maps.
+
+    The agent calls this at start, before it gives up CAP_SYS_ADMIN (gthulhu_node/privileges.py): finding
+    the stale instance's map by id is the one step that needs it. Nothing happens when no scheduler or
+    another one is loaded (load() refuses that one) or when a live agent holds the lock.
+    """
+    if not root.is_dir():
+        return 0
+    state, ops = sched_ext_state(root)
+    if state == "disabled" or not _is_ours(ops):
+        return 0
+    lock = _Lock(lock_path)
+    if not lock.try_acquire():
+        return 0
+    try:
+        return _detach_stale_logged(root, ops)
+    finally:
+        lock.release()
+
+
+def _detach_stale_logged(root: Path, ops: str) -> int:
+    stale = detach_stale(root)
+    log.warning("scheduler_stale_detached", ops=ops, maps=stale)
+    state, ops = sched_ext_state(root)
+    if state != "disabled":
+        raise BackendUnavailable(
+            f"could not detach the stale scheduler {ops} (state {state}); finding it needs CAP_SYS_ADMIN, "
+            "which the agent holds only while it starts: restart the agent"
+        )
+    return stale
+
+
 def load(settings: LoadSettings, root: Path = SCHED_EXT, lock_path: Path = LOCK_PATH) -> LoadedScheduler:
     """Load and attach the scheduler; raise BackendUnavailable with a clear reason when it cannot be."""
     check_support(root)
@@ -243,15 +282,11 @@ def load(settings: LoadSettings, root: Path = SCHED_EXT, lock_path: Path = LOCK_
     try:
         state, ops = sched_ext_state(root)
         if state != "disabled":
-            if ops.split("_")[0] != SCHED_NAME:
+            if not _is_ours(ops):
                 raise BackendUnavailable(
                     f"another sched_ext scheduler ({ops or state}) is loaded; refusing to displace it"
                 )
-            stale = detach_stale(root)
-            log.warning("scheduler_stale_detached", ops=ops, maps=stale)
-            state, ops = sched_ext_state(root)
-            if state != "disabled":
-                raise BackendUnavailable(f"could not detach the stale scheduler {ops} (state {state})")
+            _detach_stale_logged(root, ops)
         return _load_locked(settings, lock, root)
     except BaseException:
         lock.release()

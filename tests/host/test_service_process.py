@@ -11,12 +11,14 @@ import socket
 import subprocess
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.host.agent_support import PYTHON, REPO, NamedThread, short_dir, wait_for, write_config
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from tests.host.agent_support import PYTHON, REPO, NamedThread, client, short_dir, wait_for, write_config
 from tests.prom import scrape
 
 pytestmark = pytest.mark.host
@@ -56,6 +58,27 @@ class NotifyListener:
         self.sock.close()
 
 
+@contextmanager
+def agent_process(
+    base: Path, config: Path, **env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], NotifyListener]]:
+    """The real `gthulhu-node run` with systemd's notify socket in `base` and its output in base/agent.log;
+    killed at the end if it is still running."""
+    listener = NotifyListener(base / "notify")
+    with (base / "agent.log").open("wb") as out:
+        proc = subprocess.Popen([str(PYTHON), "-m", "gthulhu_node", "run", "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd="/",
+                                env=dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(base / "notify"),
+                                         **env))
+        try:
+            yield proc, listener
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            listener.close()
+
+
 @pytest.fixture
 def base() -> Iterator[Path]:
     d = short_dir()
@@ -69,55 +92,44 @@ def test_run_under_a_notify_socket(base: Path) -> None:
     (base / "policies.d").mkdir()
     (base / "policies.d" / "svc.yaml").write_text(yaml.safe_dump(
         [{"id": "svc", "commandRegex": "^gn-svc-T[0-9]$", "priority": 10, "executionTime": 2000000}]))
-    listener = NotifyListener(base / "notify")
-    log = base / "agent.log"
-    with NamedThread("gn-svc-T0") as t0, NamedThread("gn-svc-T1"), log.open("wb") as out:
-        env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(base / "notify"),
-                   WATCHDOG_USEC="2000000", WATCHDOG_PID="")
-        proc = subprocess.Popen([str(PYTHON), "-m", "gthulhu_node", "run", "--config", str(config)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
+    with (NamedThread("gn-svc-T0") as t0, NamedThread("gn-svc-T1"),
+          agent_process(base, config, WATCHDOG_USEC="2000000", WATCHDOG_PID="") as (proc, listener)):
         def metric(name: str, *labels: tuple[str, str]) -> float:
             return scrape("127.0.0.1", port)[name][tuple(labels)]
 
-        try:
-            ready = wait_for(lambda: listener.first("READY=1"), timeout=60, what="READY=1")
-            # READY carries the summary computed once the saved and local intents were applied
-            assert "intents: 1 applied; 2 tasks matched" in ready, ready
-            assert listener.messages[0].startswith("STATUS=starting")
-            wait_for(lambda: listener.first("WATCHDOG=1"), timeout=10, what="a watchdog ping")
+        ready = wait_for(lambda: listener.first("READY=1"), timeout=60, what="READY=1")
+        # READY carries the summary computed once the saved and local intents were applied
+        assert "intents: 1 applied; 2 tasks matched" in ready, ready
+        assert listener.messages[0].startswith("STATUS=starting")
+        wait_for(lambda: listener.first("WATCHDOG=1"), timeout=10, what="a watchdog ping")
 
-            got = scrape("127.0.0.1", port)
-            assert got["gthulhu_node_matched_tasks"][(("intent", "local/svc"),)] == 2
-            assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 2
-            assert got["gthulhu_node_backend_writes_total"][(("op", "upsert"),)] >= 2
-            assert got["gthulhu_node_intents"][(("state", "applied"),)] == 1
-            assert got["gthulhu_node_ready"][()] == 1
-            before = got["gthulhu_node_reaction_latency_seconds_count"][()]
+        got = scrape("127.0.0.1", port)
+        assert got["gthulhu_node_matched_tasks"][(("intent", "local/svc"),)] == 2
+        assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 2
+        assert got["gthulhu_node_backend_writes_total"][(("op", "upsert"),)] >= 2
+        assert got["gthulhu_node_intents"][(("state", "applied"),)] == 1
+        assert got["gthulhu_node_ready"][()] == 1
+        before = got["gthulhu_node_reaction_latency_seconds_count"][()]
 
-            t0.rename("gn-other")  # an event after READY: its map write is observed in the histogram
-            wait_for(lambda: metric("gthulhu_node_reaction_latency_seconds_count") > before,
-                     timeout=10, what="the reaction latency to be observed")
-            got = scrape("127.0.0.1", port)
-            assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 1
-            # the per-intent status is recomputed every second by the agent
-            wait_for(lambda: metric("gthulhu_node_matched_tasks", ("intent", "local/svc")) == 1,
-                     timeout=10, what="the intent status to show 1 task")
-            assert got["gthulhu_node_backend_writes_total"][(("op", "delete"),)] >= 1
+        t0.rename("gn-other")  # an event after READY: its map write is observed in the histogram
+        wait_for(lambda: metric("gthulhu_node_reaction_latency_seconds_count") > before,
+                 timeout=10, what="the reaction latency to be observed")
+        got = scrape("127.0.0.1", port)
+        assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 1
+        # the per-intent status is recomputed every second by the agent
+        wait_for(lambda: metric("gthulhu_node_matched_tasks", ("intent", "local/svc")) == 1,
+                 timeout=10, what="the intent status to show 1 task")
+        assert got["gthulhu_node_backend_writes_total"][(("op", "delete"),)] >= 1
 
-            proc.send_signal(signal.SIGHUP)
-            wait_for(lambda: listener.first("RELOADING=1"), timeout=10, what="RELOADING=1")
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            listener.close()
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: listener.first("RELOADING=1"), timeout=10, what="RELOADING=1")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
     messages = listener.messages
     reloading = next(i for i, m in enumerate(messages) if m.startswith("RELOADING=1"))
     assert any(m.startswith("READY=1") for m in messages[reloading + 1:])  # the reload finished
     assert "STOPPING=1" in messages
-    text = log.read_text()
+    text = (base / "agent.log").read_text()
     assert '"event": "service_ready"' in text and '"event": "service_stopped"' in text
     assert '"watchdog_from_engine": true' in text
 
@@ -159,3 +171,39 @@ def test_configuration_errors_of_every_section_exit_2_before_any_socket_opens(
     assert len(lines) == 1 and lines[0].startswith("gthulhu-node: configuration error: "), proc.stderr
     assert words in lines[0]
     assert not (base / "run").exists()  # the API socket's directory was never created
+
+
+CAP_SYS_ADMIN = 1 << 21
+CAP_SYS_NICE = 1 << 23
+
+
+def thread_caps(pid: int) -> dict[int, dict[str, int]]:
+    """{tid: {"CapEff": bits, ...}} of every thread of the process, from the kernel."""
+    out: dict[int, dict[str, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        lines = (task / "status").read_text().splitlines()
+        out[int(task.name)] = {k: int(v, 16) for k, v in (line.split(":\t") for line in lines
+                                                          if line.startswith("Cap"))}
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the agent must start with CAP_SYS_ADMIN to drop it: root")
+def test_the_running_agent_holds_cap_sys_admin_in_no_thread(base: Path) -> None:
+    """It used to hold CAP_SYS_ADMIN for its whole life (issue 18). Capabilities are per thread, so every
+    thread is read: gRPC's, the engine's, the metrics listener's, the file watcher's."""
+    config = write_config(base, metrics={"listen": f"127.0.0.1:{free_port()}"}, log={"format": "json"})
+    with agent_process(base, config) as (proc, listener):
+        wait_for(lambda: listener.first("READY=1"), timeout=60, what="READY=1")
+        threads = thread_caps(proc.pid)
+        assert len(threads) >= 5, threads
+        for tid, caps in threads.items():
+            held = caps["CapEff"] | caps["CapPrm"] | caps["CapInh"] | caps["CapAmb"]
+            assert not held & CAP_SYS_ADMIN, (tid, caps)
+            assert not caps["CapBnd"] & CAP_SYS_ADMIN, (tid, caps)  # root here: CAP_SETPCAP allows it
+            assert caps["CapEff"] & CAP_SYS_NICE, (tid, caps)  # only CAP_SYS_ADMIN went
+        with client(base / "run" / "api.sock") as stub:
+            summary = stub.GetStatus(pb.GetStatusRequest(), timeout=30).agent
+        assert summary.capabilities.startswith("CAP_SYS_ADMIN dropped at start, in every thread"), summary
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert '"event": "capabilities_dropped"' in (base / "agent.log").read_text()

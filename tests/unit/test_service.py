@@ -158,3 +158,34 @@ def test_start_failure_exits_1_without_ready(
     assert code == 1
     assert not any("READY=1" in m for m in messages)
     assert messages[-1] == "STATUS=failed to start: sched_ext is not available"
+
+
+def test_privileges_are_released_before_anything_starts_a_thread(
+    notify: tuple[str, socket.socket], restore_signals: None
+) -> None:
+    """Capabilities are per thread (gthulhu_node/capabilities.py): the drop must come before the agent,
+    the metrics listener or the start worker exist, and status shows what it did."""
+    path, _sock = notify
+    events: list[str] = []
+    created: list[FakeAgent] = []
+
+    class Released:
+        def describe(self) -> str:
+            return "CAP_SYS_ADMIN dropped at start"
+
+    def release(cfg: AgentConfig) -> Released:
+        events.append("release")
+        return Released()
+
+    def factory(cfg: AgentConfig) -> FakeAgent:
+        events.append("agent created")
+        agent = FakeAgent(events, fail=True)
+        agent.capabilities = ""  # type: ignore[attr-defined]
+        created.append(agent)
+        return agent
+
+    service = Service(config(), agent_factory=factory, notifier=Notifier({"NOTIFY_SOCKET": path}),
+                      release_privileges=release)
+    assert service.run() == 1
+    assert events[:2] == ["release", "agent created"]
+    assert created[0].capabilities == "CAP_SYS_ADMIN dropped at start"  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import structlog
 
+from gthulhu_node import capabilities
 from gthulhu_node.backends.base import (
     BackendState,
     Entry,
@@ -742,8 +743,11 @@ def bad_input(_: argparse.Namespace) -> dict[str, Any]:
 
 
 def ejection(_: argparse.Namespace) -> dict[str, Any]:
-    """sysrq-S kicks the scheduler out: health says EJECTED with the kernel's reason; a restart works."""
+    """sysrq-S kicks the scheduler out: health says EJECTED with the kernel's reason; a restart works.
+    Without CAP_SYS_ADMIN, as in the agent, which drops it before its first thread starts
+    (gthulhu_node/privileges.py): loading and reloading need CAP_BPF and CAP_PERFMON only."""
     out: dict[str, Any] = {}
+    out["dropped"] = list(capabilities.names(capabilities.drop([capabilities.CAP_SYS_ADMIN]).dropped))
     backend = SchedExtBackend(SchedulerConfig(), protect_agent=False)
     backend.start()
     Path("/proc/sysrq-trigger").write_text("S")

@@ -189,6 +189,7 @@ def test_bad_input_refused_and_full_map_reported(lab: Any) -> None:
 @both_kernels
 def test_ejection_is_noticed_with_the_kernels_reason_and_restart_works(lab: Any) -> None:
     out = scenario(lab, "ejection")
+    assert out["dropped"] == ["CAP_SYS_ADMIN"]  # loaded and reloaded without it, as the agent does
     assert out["health"] == "ejected"
     assert "sysrq" in out["reason"]
     assert out["exit_kind"] == 67  # SCX_EXIT_SYSRQ

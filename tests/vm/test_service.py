@@ -110,6 +110,61 @@ def test_start_returns_once_the_scheduler_is_loaded(shared: Shared) -> None:
     assert int(bounding, 16) == (1 << 21) | (1 << 23) | (1 << 38) | (1 << 39)
 
 
+CAP_SYS_ADMIN = 1 << 21
+HELD_FOR_RELOAD = (1 << 23) | (1 << 38) | (1 << 39)  # CAP_SYS_NICE, CAP_PERFMON, CAP_BPF
+
+
+def thread_caps(lab: Lab, pid: int) -> dict[int, dict[str, int]]:
+    """{tid: {"CapEff": bits, "CapPrm": ..., "CapBnd": ...}} of every thread of the process, as the
+    kernel reports them (capabilities are per thread: one thread's drop says nothing of another's)."""
+    out = run(lab, f"grep -H '^Cap\\(Eff\\|Prm\\|Bnd\\)' /proc/{pid}/task/*/status")
+    caps: dict[int, dict[str, int]] = {}
+    for line in out.splitlines():
+        path, field_name, value = line.split(":", 2)
+        caps.setdefault(int(path.split("/")[4]), {})[field_name] = int(value.strip(), 16)
+    return caps
+
+
+@pytest.mark.timeout(1800)
+def test_sys_admin_is_dropped_and_a_reload_after_ejection_works_without_it(shared: Shared) -> None:
+    lab = shared.started()
+    pid = int(show(lab, "MainPID")["MainPID"])
+    before = thread_caps(lab, pid)
+    # gRPC, the engine, status, metrics, the file watcher: all of them, not only the main thread
+    assert len(before) >= 5, before
+    for tid, caps in before.items():
+        assert not caps["CapEff"] & CAP_SYS_ADMIN and not caps["CapPrm"] & CAP_SYS_ADMIN, (tid, caps)
+        assert caps["CapEff"] & HELD_FOR_RELOAD == HELD_FOR_RELOAD, (tid, caps)
+    print(f"[caps] {len(before)} threads of {pid}, CapEff/CapPrm/CapBnd: "
+          f"{sorted({tuple(hex(v) for v in c.values()) for c in before.values()})}", flush=True)
+    dropped = journal(lab, "EVENT=capabilities_dropped")
+    assert dropped and "CAP_SYS_ADMIN" in dropped[-1]["DROPPED"], dropped
+    assert "CAP_SYS_ADMIN dropped" in run(lab, ".venv/bin/gthulhu-node status")
+    counters = ("scheduler_ejections_total", "scheduler_reloads_total", "scheduler_reload_failures_total")
+    got = parse_samples(run(lab, "curl -sf http://127.0.0.1:9812/metrics"))
+    start = {name: got[f"gthulhu_node_{name}"][()] for name in counters}
+
+    # The kernel ejects the scheduler (sysrq-S); the engine must load it again in this same process.
+    run(lab, "echo S > /proc/sysrq-trigger")
+    run(lab, "for i in $(seq 600); do curl -sf http://127.0.0.1:9812/metrics | "
+             f"grep -qx 'gthulhu_node_scheduler_reloads_total {start[counters[1]] + 1:.1f}' && exit 0; "
+             "sleep 0.5; done; exit 1", timeout=600)
+    got = parse_samples(run(lab, "curl -sf http://127.0.0.1:9812/metrics"))
+    print(f"[caps] sysrq-S: {start} -> {({n: got[f'gthulhu_node_{n}'][()] for n in counters})}", flush=True)
+    assert got["gthulhu_node_scheduler_ejections_total"][()] == start[counters[0]] + 1
+    assert got["gthulhu_node_scheduler_reload_failures_total"][()] == start[counters[2]]
+    assert got["gthulhu_node_scheduler_state"][(("state", "running"),)] == 1
+    assert run(lab, "cat /sys/kernel/sched_ext/state /sys/kernel/sched_ext/root/ops").split() == [
+        "enabled", "gthulhu"]
+    assert journal(lab, "EVENT=backend_reloaded")
+    assert int(show(lab, "MainPID")["MainPID"]) == pid  # reloaded in-process, not restarted by systemd
+    after = thread_caps(lab, pid)
+    print(f"[caps] after the reload: {len(after)} threads, CapEff/CapPrm/CapBnd: "
+          f"{sorted({tuple(hex(v) for v in c.values()) for c in after.values()})}", flush=True)
+    for tid, caps in after.items():
+        assert not caps["CapEff"] & CAP_SYS_ADMIN and not caps["CapPrm"] & CAP_SYS_ADMIN, (tid, caps)
+
+
 def apply_vllm_intent(shared: Shared) -> None:
     """Intent from the example file, then a vLLM-like service; until both engine threads are Applied."""
     lab = shared.lab
