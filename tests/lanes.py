@@ -66,7 +66,7 @@ def read_plan(folder: Path) -> dict[str, str]:
 
 def make_scheduler(config: pytest.Config, log: Any, folder: Path) -> Any:
     """xdist's scope scheduler with our groups as scopes and our collection order kept (xdist would sort
-    the groups by their number of tests, and 134 host tests of about a second each would go before the
+    the groups by their number of tests, and 137 host tests of about a second each would go before the
     17-minute guest)."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
