@@ -328,7 +328,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 		count(&bss.stats.boosted_dispatches);
 		/*
 		 * A waking boosted task: local DSQ + ENQ_PREEMPT, so it runs the moment its CPU reschedules
-		 * instead of at that CPU's next dispatch (LAB.md: this path matters most). Only wakeups: a task
+		 * instead of at that CPU's next dispatch (docs/scheduler.md, "Semantics"). Only wakeups: a task
 		 * requeued at the end of its slice goes through BOOST_DSQ, so it never jumps ahead of unboosted
 		 * tasks already handed to this CPU. Only the task's own CPU: affinity and migration-disabled
 		 * tasks stay safe.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -47,6 +47,9 @@ from gthulhu_node.intents.status import (
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.reconciler import IntentStats, Reconciler
+
+if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)
+    from gthulhu_node.rest.app import RestStats
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +86,7 @@ class AgentStats:
     api: ApiStats = field(default_factory=ApiStats)
     policy_updates: int = 0
     policy_errors: int = 0
-    rest: Any = None  # gthulhu_node.rest.app.RestStats while the REST listener runs
+    rest: RestStats | None = None  # while the REST listener runs
 
 
 @dataclass(frozen=True, slots=True)

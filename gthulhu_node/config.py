@@ -38,13 +38,20 @@ class NodeConfig(_Section):
         return self
 
 
+BackendKind = Literal["auto", "sched_ext", "eevdf", "dry-run"]
+
+
 class BackendConfig(_Section):
     """Which backend turns strategies into scheduling. `auto`: sched_ext when the kernel has it,
     else sched_setattr on EEVDF (6.12+), else the dry run."""
 
-    kind: Literal["auto", "sched_ext", "eevdf", "dry-run"] = "auto"
+    kind: BackendKind = "auto"
     # dry run only: where to mirror what it holds, for tools and benchmarks that read it from outside
     dry_run_record: Path | None = None
+    # A backend that stopped working (an ejected scheduler, a dead eevdf refresher) is restarted after
+    # this wait, doubled after each failed restart up to the max. Every backend, hence here.
+    reload_backoff_initial_s: float = Field(default=1.0, gt=0)
+    reload_backoff_max_s: float = Field(default=60.0, gt=0)
 
 
 class SchedulerConfig(_Section):
@@ -56,8 +63,10 @@ class SchedulerConfig(_Section):
     boost_window_ns: int = Field(default=100_000_000, ge=1_000_000, le=10_000_000_000)
     map_capacity: int = Field(default=65_536, ge=1, le=4_194_304)
     watchdog_timeout_ms: int = Field(default=0, ge=0)  # 0: the kernel's default
-    reload_backoff_initial_s: float = Field(default=1.0, gt=0)
-    reload_backoff_max_s: float = Field(default=60.0, gt=0)
+    # Deprecated: backend.reload_backoff_initial_s / _max_s. Still read, so configs written before the
+    # move keep working; AgentConfig moves them to `backend` and `deprecations()` says so.
+    reload_backoff_initial_s: float | None = Field(default=None, gt=0)
+    reload_backoff_max_s: float | None = Field(default=None, gt=0)
 
 
 class WatchConfig(_Section):
@@ -173,6 +182,10 @@ class SecurityConfig(_Section):
     unprivileged_tasks: Literal["allowed", "named_only"] = "allowed"
 
 
+# settings that moved from `scheduler` to `backend` (the old key is still accepted, with a warning)
+MOVED_TO_BACKEND = ("reload_backoff_initial_s", "reload_backoff_max_s")
+
+
 class AgentConfig(_Section):
     node: NodeConfig = Field(default_factory=NodeConfig)  # built per config: NODE_NAME is read then
     backend: BackendConfig = BackendConfig()
@@ -186,6 +199,28 @@ class AgentConfig(_Section):
     rest: RestConfig = RestConfig()
     probe: ProbeConfig = ProbeConfig()
     security: SecurityConfig = SecurityConfig()
+
+    @model_validator(mode="after")
+    def _moved_settings(self) -> AgentConfig:
+        """Settings that moved to another section: the old place still works unless the new one is set."""
+        for name in MOVED_TO_BACKEND:
+            old = getattr(self.scheduler, name)
+            if old is not None and name not in self.backend.model_fields_set:
+                self.backend = self.backend.model_copy(update={name: old})
+        return self
+
+    def deprecations(self) -> list[str]:
+        """One sentence per deprecated setting in use, for the log at start."""
+        out = []
+        for name in MOVED_TO_BACKEND:
+            if getattr(self.scheduler, name) is None:
+                continue
+            if getattr(self.backend, name) == getattr(self.scheduler, name):
+                out.append(f"scheduler.{name} is deprecated: it applies to every backend, write "
+                           f"backend.{name} instead")
+            else:
+                out.append(f"scheduler.{name} is deprecated and ignored: backend.{name} is set too")
+        return out
 
 
 class ConfigError(Exception):

@@ -102,12 +102,12 @@ class Engine:
 
     @classmethod
     def from_config(cls, reconciler: Reconciler, config: Any) -> Engine:
-        """Build from an AgentConfig (its `watch` and `scheduler` sections)."""
+        """Build from an AgentConfig (its `watch` and `backend` sections)."""
         return cls(
             reconciler,
             rescan_interval_s=config.watch.rescan_interval_s,
-            reload_backoff_initial_s=config.scheduler.reload_backoff_initial_s,
-            reload_backoff_max_s=config.scheduler.reload_backoff_max_s,
+            reload_backoff_initial_s=config.backend.reload_backoff_initial_s,
+            reload_backoff_max_s=config.backend.reload_backoff_max_s,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -133,6 +133,10 @@ class Engine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_pending()
+
+    def add_latency_listener(self, listener: Callable[[float], None]) -> None:
+        """Call `listener(seconds)` for every event-caused write (Reconciler.add_latency_listener)."""
+        self.reconciler.add_latency_listener(listener)
 
     @property
     def running(self) -> bool:

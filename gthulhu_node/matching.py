@@ -1,4 +1,4 @@
-"""Matching tasks to intents: compiled RE2 patterns and the precedence of DESIGN.md's intent contract.
+"""Matching tasks to intents: compiled RE2 patterns and the precedence of docs/watching.md ("Precedence").
 
 A pattern is an unanchored RE2 search on the task's comm (the kernel's 15-byte thread name, not the
 command line). When several intents match one task, exactly one wins, never a merge:
@@ -135,7 +135,7 @@ class CompiledIntent:
 
 
 def precedence_rank(key: str, intent: Intent) -> tuple[int, int, str]:
-    """The sort key of DESIGN.md's precedence: smaller is stronger."""
+    """The sort key of the precedence (docs/watching.md): smaller is stronger."""
     slice_rank = intent.execution_time if intent.execution_time > 0 else 1 << 62
     return (-intent.priority, slice_rank, key)
 

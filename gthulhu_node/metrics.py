@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
@@ -33,6 +33,16 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gthulhu_node import metrics_server
+from gthulhu_node.backends.base import Backend, BackendHealth
+from gthulhu_node.engine import EngineStats
+from gthulhu_node.reconciler import IntentStats, Reconciler, ReconcilerStats
+
+if TYPE_CHECKING:  # the agent imports much; metrics only needs its types
+    from gthulhu_node.agent import AgentStats
+    from gthulhu_node.engine import Engine
+    from gthulhu_node.intents.status import MatchRow, StatusSnapshot
+    from gthulhu_node.logs import LogStats
+    from gthulhu_node.rest.app import RestStats
 
 log = structlog.get_logger(__name__)
 
@@ -41,12 +51,6 @@ PREFIX = "gthulhu_node_"
 # Reaction latency: from the task event (fork/comm/exec) to the entry being in the backend. Milliseconds
 # matter (upstream takes up to 6 s); the top buckets catch the slow path.
 REACTION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 6.0)
-
-
-class MatchedTask(Protocol):
-    tid: int
-    tgid: int
-    intent: str
 
 
 class RunqueueWaitTracker:
@@ -65,7 +69,7 @@ class RunqueueWaitTracker:
         except (OSError, IndexError, ValueError):
             return None  # the task exited (or schedstat is unavailable): normal
 
-    def sample(self, matches: Iterable[MatchedTask]) -> None:
+    def sample(self, matches: Iterable[MatchRow]) -> None:
         """Add each matched task's wait growth since its previous sample to its intent's total."""
         seen: dict[int, tuple[str, int]] = {}
         with self._lock:
@@ -85,24 +89,13 @@ class RunqueueWaitTracker:
             return {intent: ns / 1e9 for intent, ns in self.totals_ns.items()}
 
 
-def _fields(obj: Any) -> dict[str, Any]:
-    """A stats object (dataclass or mapping) as a dict; anything else as empty."""
-    if obj is None:
-        return {}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    return {}
+T = TypeVar("T")
 
 
-def _call(obj: Any, name: str) -> Any:
-    """obj.name() if it exists and works; a broken component must not break the whole scrape."""
-    method = getattr(obj, name, None)
-    if not callable(method):
-        return None
+def _call(fn: Callable[[], T], name: str) -> T | None:
+    """fn() if it works; a broken component must not break the whole scrape."""
     try:
-        return method()
+        return fn()
     except Exception as exc:  # reported, then the rest of the scrape goes on
         log.warning("metrics_source_failed", source=name, error=str(exc))
         return None
@@ -130,25 +123,44 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
 ENGINE_CALL_TIMEOUT_S = 2.0
 
 
+class MetricsSource(Protocol):
+    """What metrics read from the agent, typed end to end: a renamed stats field is a mypy error here,
+    not a series that silently exports 0."""
+
+    @property
+    def backend(self) -> Backend | None: ...
+    @property
+    def backend_reason(self) -> str: ...
+    @property
+    def sched_ext_refused(self) -> str: ...
+    @property
+    def engine(self) -> Engine | None: ...
+
+    def stats(self) -> AgentStats: ...
+
+    def status(self, source: str = "") -> StatusSnapshot: ...
+
+    def matches(self, intent: str = "") -> list[MatchRow]: ...
+
+
 @dataclasses.dataclass
 class EngineSnapshot:
-    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    reconciler: dict[str, Any] = dataclasses.field(default_factory=dict)
-    intents: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    health: Any = None
+    engine: EngineStats | None = None
+    reconciler: ReconcilerStats | None = None
+    intents: dict[str, IntentStats] = dataclasses.field(default_factory=dict)
+    health: BackendHealth | None = None
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    gauges: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class AgentCollector(Collector):
-    """Reads the agent's components' stats at scrape time and turns them into metric families.
+    """Reads the agent's components' typed stats at scrape time and turns them into metric families.
 
-    Each component is optional and duck-typed (`stats()`, `status()`, `matches()`, `health()`,
-    `counters()`), so the collector works with whatever the agent exposes and one failing accessor only
-    costs its own metrics.
+    One failing accessor only costs its own metrics (`_call`).
     """
 
-    def __init__(self, agent: Any, runqueue: RunqueueWaitTracker | None = None,
-                 log_stats: Callable[[], Any] | None = None) -> None:
+    def __init__(self, agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None,
+                 log_stats: Callable[[], LogStats] | None = None) -> None:
         self.agent = agent
         self.runqueue = runqueue
         self.log_stats = log_stats
@@ -167,203 +179,196 @@ class AgentCollector(Collector):
     def _engine_snapshot(self) -> EngineSnapshot:
         """Reconciler and backend figures, read on the engine thread (neither is thread-safe)."""
         snap = EngineSnapshot()
-        engine = getattr(self.agent, "engine", None)
+        engine = self.agent.engine
         if engine is None:
             return snap
-        snap.engine = _fields(_call(engine, "stats"))
-        if not getattr(engine, "running", False):
+        snap.engine = _call(engine.stats, "engine")
+        if not engine.running:
             return snap
 
-        def read(reconciler: Any) -> tuple[Any, Any, Any, Any]:
+        def read(reconciler: Reconciler) -> EngineSnapshot:
             backend = reconciler.backend
-            return reconciler.stats(), reconciler.intent_stats(), backend.health(), backend.counters()
+            return EngineSnapshot(snap.engine, reconciler.stats(), reconciler.intent_stats(),
+                                  backend.health(), backend.counters(), backend.gauges())
 
         try:
-            stats, per_intent, snap.health, snap.counters = engine.call(read, timeout=ENGINE_CALL_TIMEOUT_S)
+            return engine.call(read, timeout=ENGINE_CALL_TIMEOUT_S)
         except Exception as exc:  # a busy or stopping engine costs these metrics, not the scrape
             log.warning("metrics_engine_read_failed", error=str(exc))
             return snap
-        snap.reconciler = _fields(stats)
-        snap.intents = {str(k): _fields(v) for k, v in (per_intent or {}).items()}
-        return snap
 
     # -- intents, store, API ---------------------------------------------------------------------------
 
     def _agent_metrics(self) -> Iterator[Metric]:
-        stats = _fields(_call(self.agent, "stats"))
-        if not stats:
+        stats = _call(self.agent.stats, "agent")
+        if stats is None:
             return
         yield _gauge("ready", "1 when the agent has loaded its backend and applied its saved intents.",
-                     1.0 if stats.get("ready") else 0.0)
-        states = dict(stats.get("intents_by_state") or {})
+                     1.0 if stats.ready else 0.0)
+        states = dict(stats.intents_by_state)
         for state in ("pending", "applied", "failed", "not_for_this_node"):
             states.setdefault(state, 0)
         yield _labelled(GaugeMetricFamily, "intents", "Intents known to the agent, by state.", "state",
                         states)
-        store = _fields(stats.get("store"))
-        if store:
-            yield _labelled(GaugeMetricFamily, "source_intents", "Accepted intents per source.", "source",
-                            store.get("intents") or {})
-            yield _counter("intent_applies_total", "Intent set pushes accepted (any source).",
-                           store.get("applies", 0))
-            refused = {"stale_generation": store.get("refused_stale", 0),
-                       "invalid": store.get("refused_invalid", 0)}
-            yield _labelled(CounterMetricFamily, "intent_pushes_refused_total",
-                            "Intent set pushes refused, by reason.", "reason", refused)
-            yield _counter("intent_deletes_total", "Intent deletions.", store.get("deletes", 0))
-            yield _counter("state_persist_errors_total", "Failed writes of the intent state file.",
-                           store.get("persist_errors", 0))
-            yield _counter("state_corrupt_files_total", "Corrupt state files moved aside at start.",
-                           store.get("corrupt_state_files", 0))
-        local = _fields(stats.get("local_files"))
-        if local:
-            yield _gauge("policy_files", "Local policy files read.", float(local.get("files", 0)))
-            yield _gauge("policy_files_invalid", "Local policy files refused now (unreadable, invalid).",
-                         float(local.get("bad_files", 0)))
-            yield _counter("policy_file_errors_total", "Times a local policy file was refused.",
-                           local.get("load_errors", 0))
-            yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
-                           local.get("reloads", 0))
-            yield _counter("policy_dir_errors_total", "Looks at the policy directory that failed "
-                           "(unreadable or untrusted); its last good content was kept.",
-                           local.get("dir_errors", 0))
-            yield _gauge("policy_dir_unreadable", "1 while the policy directory cannot be read or is not "
-                         "trusted (its last good content stays in effect).",
-                         float(bool(local.get("dir_unreadable", False))))
-        api = _fields(stats.get("api"))
-        if api:
-            yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
-                            api.get("requests") or {})
-            yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
-                            api.get("errors") or {})
-            yield _gauge("api_watch_streams", "Open WatchStatus streams.", float(api.get("watch_streams", 0)))
-        yield from self._rest_metrics(_fields(stats.get("rest")))
+        store = stats.store
+        yield _labelled(GaugeMetricFamily, "source_intents", "Accepted intents per source.", "source",
+                        store.intents)
+        yield _counter("intent_applies_total", "Intent set pushes accepted (any source).",
+                       store.applies)
+        refused = {"stale_generation": store.refused_stale,
+                   "invalid": store.refused_invalid}
+        yield _labelled(CounterMetricFamily, "intent_pushes_refused_total",
+                        "Intent set pushes refused, by reason.", "reason", refused)
+        yield _counter("intent_deletes_total", "Intent deletions.", store.deletes)
+        yield _counter("state_persist_errors_total", "Failed writes of the intent state file.",
+                       store.persist_errors)
+        yield _counter("state_corrupt_files_total", "Corrupt state files moved aside at start.",
+                       store.corrupt_state_files)
+        local = stats.local_files
+        yield _gauge("policy_files", "Local policy files read.", float(local.files))
+        yield _gauge("policy_files_invalid", "Local policy files refused now (unreadable, invalid).",
+                     float(local.bad_files))
+        yield _counter("policy_file_errors_total", "Times a local policy file was refused.",
+                       local.load_errors)
+        yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
+                       local.reloads)
+        yield _counter("policy_dir_errors_total", "Looks at the policy directory that failed "
+                       "(unreadable or untrusted); its last good content was kept.",
+                       local.dir_errors)
+        yield _gauge("policy_dir_unreadable", "1 while the policy directory cannot be read or is not "
+                     "trusted (its last good content stays in effect).",
+                     float(bool(local.dir_unreadable)))
+        api = stats.api
+        yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
+                        api.requests)
+        yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
+                        api.errors)
+        yield _gauge("api_watch_streams", "Open WatchStatus streams.", float(api.watch_streams))
+        if stats.rest is not None:
+            yield from self._rest_metrics(stats.rest)
         yield _counter("policy_updates_total", "Policy sets handed to the reconciler.",
-                       stats.get("policy_updates", 0))
+                       stats.policy_updates)
         yield _counter("policy_build_errors_total", "Intent sets that could not be compiled into a policy.",
-                       stats.get("policy_errors", 0))
+                       stats.policy_errors)
 
-    def _rest_metrics(self, rest: dict[str, Any]) -> Iterator[Metric]:
+    def _rest_metrics(self, rest: RestStats) -> Iterator[Metric]:
         """The upstream Decision Maker listener, when enabled: refusals are bad input worth alerting on."""
-        if not rest:
-            return
         yield _gauge("rest_insecure", "1 when the REST listener serves plain HTTP (insecure setting on).",
-                     1.0 if rest.get("insecure") else 0.0)
-        codes = {str(k): v for k, v in (rest.get("requests") or {}).items()}
+                     1.0 if rest.insecure else 0.0)
+        codes = {str(k): v for k, v in rest.requests.items()}
         yield _labelled(CounterMetricFamily, "rest_requests_total", "REST requests, by HTTP status code.",
                         "code", codes)
-        tokens = {"issued": rest.get("tokens_issued", 0), "refused": rest.get("tokens_refused", 0)}
+        tokens = {"issued": rest.tokens_issued, "refused": rest.tokens_refused}
         yield _labelled(CounterMetricFamily, "rest_tokens_total", "Token requests, by outcome.", "outcome",
                         tokens)
         yield _counter("rest_auth_refused_total", "REST requests refused: missing, forged or expired token.",
-                       rest.get("auth_refused", 0))
-        pushes = {"accepted": rest.get("pushes_accepted", 0), "refused": rest.get("pushes_refused", 0)}
+                       rest.auth_refused)
+        pushes = {"accepted": rest.pushes_accepted, "refused": rest.pushes_refused}
         yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
                         "outcome", pushes)
-        yield _counter("rest_deletes_total", "Manager intent deletions.", rest.get("deletes", 0))
+        yield _counter("rest_deletes_total", "Manager intent deletions.", rest.deletes)
         yield _counter("rest_connections_refused_total", "Connections closed at once: rest.max_connections "
-                       "were open.", rest.get("connections_refused", 0))
+                       "were open.", rest.connections_refused)
         yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
-                       "completed (timeout, no or bad certificate).", rest.get("handshakes_failed", 0))
+                       "completed (timeout, no or bad certificate).", rest.handshakes_failed)
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
-                       rest.get("accept_errors", 0))
+                       rest.accept_errors)
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "
-                       "see status), per changed push.", rest.get("entries_failed", 0))
+                       "see status), per changed push.", rest.entries_failed)
         yield _counter("rest_node_policies_expired_total", "Times node policies were dropped because the "
-                       "Manager stopped checking them (it holds none).", rest.get("node_policies_expired", 0))
+                       "Manager stopped checking them (it holds none).", rest.node_policies_expired)
         yield _counter("rest_pod_intents_forgotten_total", "Pod intents of an old state file dropped at "
-                       "start (the Manager re-pushes them).", rest.get("pod_intents_forgotten", 0))
+                       "start (the Manager re-pushes them).", rest.pod_intents_forgotten)
 
     # -- task watching and the reconciler ---------------------------------------------------------------
 
     def _engine_metrics(self, snap: EngineSnapshot) -> Iterator[Metric]:
         engine = snap.engine
-        if engine:
+        if engine is not None:
             yield _gauge("proc_events_available", "1 when the proc connector delivers task events (else "
-                         "only periodic scans).", 1.0 if engine.get("events_available") else 0.0)
+                         "only periodic scans).", 1.0 if engine.events_available else 0.0)
             yield _counter("proc_events_reopens_total", "Proc connector sockets reopened after an error.",
-                           engine.get("events_reopens", 0))
-            yield _counter("engine_wakeups_total", "Engine loop wakeups.", engine.get("loop_wakeups", 0))
+                           engine.events_reopens)
+            yield _counter("engine_wakeups_total", "Engine loop wakeups.", engine.loop_wakeups)
             yield _counter("scheduler_ejections_total", "Times the kernel removed the scheduler.",
-                           engine.get("backend_ejections", 0))
+                           engine.backend_ejections)
             yield _counter("scheduler_reloads_total", "Scheduler reloads after an ejection.",
-                           engine.get("backend_reloads", 0))
+                           engine.backend_reloads)
             yield _counter("scheduler_reload_failures_total", "Failed scheduler reloads.",
-                           engine.get("backend_reload_failures", 0))
+                           engine.backend_reload_failures)
             yield _counter("engine_hook_failures_total", "Periodic hooks that raised.",
-                           engine.get("hook_failures", 0))
+                           engine.hook_failures)
         stats = snap.reconciler
-        if not stats:
+        if stats is None:
             return
-        events = stats.get("events") or {}
+        events = stats.events
         yield _labelled(CounterMetricFamily, "proc_events_total", "Proc connector events handled, by kind.",
                         "kind", events)
         yield _counter("proc_events_lost_total", "Proc connector overruns (ENOBUFS) and socket errors; each "
-                       "caused a full rescan.", stats.get("events_lost", 0))
+                       "caused a full rescan.", stats.events_lost)
         yield _counter("proc_event_read_errors_total", "Errors reading the proc connector socket.",
-                       stats.get("event_read_errors", 0))
-        yield _counter("scans_total", "Full /proc scans.", stats.get("scans", 0))
+                       stats.event_read_errors)
+        yield _counter("scans_total", "Full /proc scans.", stats.scans)
         yield _counter("scans_incomplete_total", "Scans with permission or I/O errors (they never remove "
-                       "strategies).", stats.get("scans_incomplete", 0))
+                       "strategies).", stats.scans_incomplete)
         yield _counter("scan_errors_total", "Permission or I/O errors met during scans.",
-                       stats.get("scan_errors", 0))
+                       stats.scan_errors)
         yield _counter("process_owner_read_errors_total", "Reads of a process's cgroup or owner that failed "
                        "(not because it exited); podUID/owner selectors did not match it meanwhile.",
-                       stats.get("owner_read_errors", 0))
+                       stats.owner_read_errors)
         yield SummaryMetricFamily(PREFIX + "scan_duration_seconds", "Duration of full /proc scans.",
-                                  count_value=stats.get("scans", 0),
-                                  sum_value=stats.get("scan_duration_total_s", 0.0))
-        yield _gauge("tasks", "Tasks (threads) currently known.", float(stats.get("tasks", 0)))
-        yield _gauge("processes", "Processes currently known.", float(stats.get("processes", 0)))
+                                  count_value=stats.scans,
+                                  sum_value=stats.scan_duration_total_s)
+        yield _gauge("tasks", "Tasks (threads) currently known.", float(stats.tasks))
+        yield _gauge("processes", "Processes currently known.", float(stats.processes))
         yield _counter("tasks_seen_total", "Tasks reported by proc connector events (fork, exec, comm).",
                        sum(v for k, v in events.items() if k in ("fork", "exec", "comm")))
         yield _gauge("matched_tasks_all", "Tasks some intent governs right now (all intents).",
-                     float(stats.get("matched_tasks", 0)))
+                     float(stats.matched_tasks))
         yield _labelled(GaugeMetricFamily, "backend_entries", "Strategy entries, desired and held by the "
-                        "backend.", "table", {"desired": stats.get("entries_desired", 0),
-                                              "applied": stats.get("entries_applied", 0)})
-        yield _counter("backend_batches_total", "Batches written to the backend.", stats.get("batches", 0))
+                        "backend.", "table", {"desired": stats.entries_desired,
+                                              "applied": stats.entries_applied})
+        yield _counter("backend_batches_total", "Batches written to the backend.", stats.batches)
         yield _labelled(CounterMetricFamily, "backend_writes_total", "Entries written to the backend, by "
-                        "operation.", "op", {"upsert": stats.get("upserts", 0),
-                                             "delete": stats.get("deletes", 0)})
-        failures = int(stats.get("write_failures", 0))
-        full = int(stats.get("map_full", 0))
+                        "operation.", "op", {"upsert": stats.upserts,
+                                             "delete": stats.deletes})
+        failures = int(stats.write_failures)
+        full = int(stats.map_full)
         yield _labelled(CounterMetricFamily, "backend_write_failures_total", "Entries the backend refused, "
                         "by reason.", "reason", {"map_full": full, "other": max(0, failures - full)})
         yield _counter("backend_tasks_gone_total", "Writes skipped because the task had exited (normal).",
-                       stats.get("tasks_gone", 0))
-        yield _counter("resyncs_total", "Full resynchronisations with the backend.", stats.get("resyncs", 0))
+                       stats.tasks_gone)
+        yield _counter("resyncs_total", "Full resynchronisations with the backend.", stats.resyncs)
         per_intent = snap.intents
         yield _labelled(GaugeMetricFamily, "intent_applied_tasks", "Tasks whose strategy is this intent's.",
-                        "intent", {k: v.get("applied_tasks", 0) for k, v in per_intent.items()})
+                        "intent", {k: v.applied_tasks for k, v in per_intent.items()})
         yield _labelled(GaugeMetricFamily, "intent_lost_tasks", "Tasks an intent matches but another "
                         "intent wins (precedence).", "intent",
-                        {k: v.get("lost_tasks", 0) for k, v in per_intent.items()})
+                        {k: v.lost_tasks for k, v in per_intent.items()})
         yield _labelled(CounterMetricFamily, "intent_write_failures_total", "Entries of an intent the "
                         "backend refused.", "intent",
-                        {k: v.get("write_failures", 0) for k, v in per_intent.items()})
+                        {k: v.write_failures for k, v in per_intent.items()})
 
     # -- the backend (scheduler) ------------------------------------------------------------------------
 
     def _backend_metrics(self, snap: EngineSnapshot) -> Iterator[Metric]:
-        backend = getattr(self.agent, "backend", None)
+        backend = self.agent.backend
         if backend is None:
             return
         info = InfoMetricFamily(PREFIX + "backend", "The backend in use and why it was chosen.",
                                 labels=["kind", "reason"])
-        info.add_metric([str(getattr(backend, "name", "")), str(getattr(self.agent, "backend_reason", ""))],
-                        {})
+        info.add_metric([backend.name, self.agent.backend_reason], {})
         yield info
-        refused = str(getattr(self.agent, "sched_ext_refused", ""))
+        refused = self.agent.sched_ext_refused
         yield GaugeMetricFamily(PREFIX + "sched_ext_refused",
                                 "1 when the kernel refused our sched_ext scheduler and backend auto fell "
                                 "back to another backend (the reason is in gthulhu_node_backend_info).",
                                 value=1.0 if refused else 0.0)
-        state = str(snap.engine.get("backend_state") or "")
-        reason = str(snap.engine.get("last_ejection_reason") or "")
+        state = snap.engine.backend_state if snap.engine is not None else ""
+        reason = snap.engine.last_ejection_reason if snap.engine is not None else ""
         if snap.health is not None:
-            state = str(getattr(snap.health.state, "value", snap.health.state))
-            reason = str(getattr(snap.health, "reason", "")) or reason
+            state = snap.health.state.value
+            reason = snap.health.reason or reason
         states = GaugeMetricFamily(PREFIX + "scheduler_state",
                                    "1 for the backend's current state (running, stopped, ejected).",
                                    labels=["state"])
@@ -379,19 +384,22 @@ class AgentCollector(Collector):
             yield _labelled(CounterMetricFamily, "scheduler_events_total",
                             "The BPF scheduler's own counters (boosted dispatches, preemptions, ...).",
                             "counter", snap.counters)
+        if snap.gauges:
+            yield _labelled(GaugeMetricFamily, "scheduler_gauges",
+                            "The backend's own current sizes (live map entries, entries held, ...).",
+                            "gauge", snap.gauges)
 
     # -- per-intent matches and run-queue wait ----------------------------------------------------------
 
     def _match_metrics(self) -> Iterator[Metric]:
-        snapshot = _call(self.agent, "status")
+        snapshot = _call(self.agent.status, "status")
         per_intent: dict[str, float] = {}
-        for status in getattr(snapshot, "intents", ()) or ():
-            per_intent[str(getattr(status, "key", ""))] = float(getattr(status, "matched_tasks", 0))
         if snapshot is not None:
+            per_intent = {s.key: float(s.matched_tasks) for s in snapshot.intents}
             yield _labelled(GaugeMetricFamily, "matched_tasks", "Tasks an intent matches right now.",
                             "intent", per_intent)
         if self.runqueue is not None:
-            matches = _call(self.agent, "matches")
+            matches = _call(self.agent.matches, "matches")
             if matches is not None:
                 self.runqueue.sample(matches)
             yield _labelled(CounterMetricFamily, "matched_runqueue_wait_seconds",
@@ -399,15 +407,15 @@ class AgentCollector(Collector):
                             "intent", self.runqueue.totals_seconds())
 
     def _log_metrics(self) -> Iterator[Metric]:
-        stats = _fields(self.log_stats() if self.log_stats else None)
-        if not stats:
+        stats = _call(self.log_stats, "logs") if self.log_stats is not None else None
+        if stats is None:
             return
-        yield _counter("log_records_total", "Log records written.", stats.get("records", 0))
+        yield _counter("log_records_total", "Log records written.", stats.records)
         yield _labelled(CounterMetricFamily, "log_records_suppressed_total",
                         "Log records dropped by the per-event rate limit, by event.", "event",
-                        stats.get("suppressed") or {})
+                        stats.suppressed)
         yield _counter("log_send_errors_total", "Journald records that could not be sent.",
-                       stats.get("send_errors", 0))
+                       stats.send_errors)
 
 
 class Metrics:
@@ -428,7 +436,7 @@ class Metrics:
     def observe_reaction(self, seconds: float) -> None:
         self.reaction_latency.observe(seconds)
 
-    def attach(self, agent: Any, log_stats: Callable[[], Any] | None = None) -> None:
+    def attach(self, agent: MetricsSource, log_stats: Callable[[], LogStats] | None = None) -> None:
         self.registry.register(AgentCollector(agent, self.runqueue, log_stats))
         self.registry.register(_EndpointCollector(self))
 

@@ -1,4 +1,4 @@
-"""The reconciler: owns the desired strategy table and is the only writer to the backend (DESIGN.md).
+"""The reconciler: owns the desired strategy table and is the only writer to the backend (docs/watching.md).
 
 Inputs, all on one thread (the engine's): a policy set (`set_policy`, a full recompute), full /proc
 snapshots (`apply_snapshot`, the ground truth) and proc connector events (`handle_events`, the fast path).
@@ -130,8 +130,9 @@ class _Proc:
 class Reconciler:
     """Desired table, diff, batched writes. Not thread-safe: the engine thread owns it.
 
-    `on_latency(seconds)` is called for every write caused by an event, with the time from the kernel's
-    event timestamp (CLOCK_MONOTONIC, the moment of the prctl / fork / exit) to the end of the backend write.
+    Latency listeners (`on_latency` and `add_latency_listener`) are called for every write caused by an
+    event, with the time from the kernel's event timestamp (CLOCK_MONOTONIC, the moment of the prctl / fork /
+    exit) to the end of the backend write.
     """
 
     def __init__(
@@ -144,7 +145,8 @@ class Reconciler:
     ) -> None:
         self.backend = backend
         self.proc_root = proc_root
-        self.on_latency = on_latency
+        # replaced whole, never mutated: another thread may add a listener while the engine thread reads it
+        self._latency_listeners: tuple[Callable[[float], None], ...] = (on_latency,) if on_latency else ()
         self._policy = policy or PolicySet.empty()
         self._tasks: dict[int, Task] = {}
         self._procs: dict[int, _Proc] = {}
@@ -426,7 +428,7 @@ class Reconciler:
         done_ns: int,
     ) -> None:
         st = self._stats
-        cb = self.on_latency
+        listeners = self._latency_listeners
         for key in [*upserts, *deletes]:
             ts = dirty.get(key, 0)
             if ts <= 0 or key in failed:
@@ -435,8 +437,12 @@ class Reconciler:
             st.latency_count += 1
             st.latency_sum_s += seconds
             self._latencies.append(seconds)
-            if cb is not None:
-                cb(seconds)
+            for listener in listeners:
+                listener(seconds)
+
+    def add_latency_listener(self, listener: Callable[[float], None]) -> None:
+        """Also call `listener(seconds)` for every event-caused write (metrics' histogram). Thread-safe."""
+        self._latency_listeners = (*self._latency_listeners, listener)
 
     def _record_failure(self, key: EntryKey, message: str) -> None:
         self._failed[key] = message

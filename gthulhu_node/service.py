@@ -24,14 +24,18 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from gthulhu_node import __version__, logs
 from gthulhu_node.config import AgentConfig
-from gthulhu_node.metrics import Metrics
+from gthulhu_node.metrics import Metrics, MetricsSource
 from gthulhu_node.systemd import Notifier
+
+if TYPE_CHECKING:
+    from gthulhu_node.privileges import Released
+    from gthulhu_node.probe.continuous import ContinuousProbe
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +44,31 @@ STATUS_EVERY_S = 5.0
 RUNQUEUE_SAMPLE_EVERY_S = 5.0
 
 
-def _default_agent(config: AgentConfig) -> Any:
+class EngineHooks(Protocol):
+    """What the service hooks into the engine: the watchdog (a periodic hook, so a stuck engine stops the
+    pings) and the reaction-latency histogram."""
+
+    def add_periodic(self, name: str, interval_s: float, fn: Callable[[], None]) -> None: ...
+
+    def add_latency_listener(self, listener: Callable[[float], None]) -> None: ...
+
+
+class ServedAgent(MetricsSource, Protocol):
+    """What the service runs: agent.Agent, or a stand-in in tests. Typed, so a renamed method is a mypy
+    error here rather than an AttributeError at 3 a.m."""
+
+    capabilities: str  # set by the service: what was dropped at start (privileges.Released.describe)
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def reload(self) -> None: ...
+
+    def summary(self) -> str: ...
+
+
+def _default_agent(config: AgentConfig) -> ServedAgent:
     from gthulhu_node.agent import Agent
 
     return Agent(config)
@@ -50,9 +78,9 @@ class Service:
     """One run of the agent as a service. `run()` returns the process exit code."""
 
     def __init__(self, config: AgentConfig, *, config_path: str = "",
-                 agent_factory: Callable[[AgentConfig], Any] = _default_agent,
+                 agent_factory: Callable[[AgentConfig], ServedAgent] = _default_agent,
                  notifier: Notifier | None = None,
-                 release_privileges: Callable[[AgentConfig], Any] | None = None) -> None:
+                 release_privileges: Callable[[AgentConfig], Released] | None = None) -> None:
         """`release_privileges` (privileges.release for `gthulhu-node run`) is called before any thread
         starts; None for tests that run a Service inside their own (root, multi-threaded) process."""
         self.config = config
@@ -61,15 +89,22 @@ class Service:
         self.notifier = notifier or Notifier()
         self.metrics = Metrics()
         self.release_privileges = release_privileges
-        self.released: Any = None  # what release_privileges returned (privileges.Released)
-        self.agent: Any = None
-        self.probe: Any = None  # the continuous run-queue probe (gthulhu_node/probe), when enabled
+        self.released: Released | None = None  # what release_privileges returned
+        self._agent: ServedAgent | None = None
+        self.probe: ContinuousProbe | None = None  # the continuous run-queue probe, when enabled
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._main_alive = time.monotonic()
         self._watchdog_from_engine = False
         self._last_ping = 0.0
         self._stop_signal = ""
+
+    @property
+    def agent(self) -> ServedAgent:
+        """The agent, once created (run() creates it before anything else uses it)."""
+        if self._agent is None:
+            raise RuntimeError("the agent is not created yet")
+        return self._agent
 
     # ---- signals -------------------------------------------------------------------------------------
 
@@ -87,39 +122,31 @@ class Service:
     # ---- the watchdog --------------------------------------------------------------------------------
 
     def _feed_watchdog(self) -> None:
-        """Called from the engine's loop. Pings only if the main loop ticked recently as well."""
+        """Called from the engine's loop. Pings only if the main loop ticked recently as well.
+
+        The notifier's interval is already half of WatchdogSec (systemd.py), the documented ping rate.
+        """
         interval = self.notifier.watchdog_interval_s
         if interval is None:
             return
         now = time.monotonic()
-        if now - self._last_ping < interval / 2:
+        if now - self._last_ping < interval:
             return
         if now - self._main_alive > max(3 * TICK_S, interval):
             return  # the main thread is stuck: let systemd see it
         self._last_ping = now
         self.notifier.watchdog()
 
-    def _wire_engine(self, agent: Any) -> None:
-        """Hook metrics and the watchdog into the engine (whatever part of it exists)."""
-        engine = getattr(agent, "engine", None)
-        reconciler = getattr(engine, "reconciler", None) or getattr(agent, "reconciler", None)
-        if reconciler is not None and hasattr(reconciler, "on_latency"):
-            previous = reconciler.on_latency
-            observe = self.metrics.observe_reaction
-
-            def on_latency(seconds: float) -> None:
-                observe(seconds)
-                if previous is not None:
-                    previous(seconds)
-
-            reconciler.on_latency = on_latency
-        add_periodic = getattr(engine, "add_periodic", None)
-        if callable(add_periodic) and self.notifier.watchdog_interval_s is not None:
-            add_periodic("systemd-watchdog", min(TICK_S, self.notifier.watchdog_interval_s / 2),
-                         self._feed_watchdog)
+    def _wire_engine(self, engine: EngineHooks | None) -> None:
+        """Hook the reaction-latency histogram and the watchdog into the engine."""
+        if engine is not None:
+            engine.add_latency_listener(self.metrics.observe_reaction)
+        if engine is not None and self.notifier.watchdog_interval_s is not None:
+            engine.add_periodic("systemd-watchdog", min(TICK_S, self.notifier.watchdog_interval_s / 2),
+                                self._feed_watchdog)
             self._watchdog_from_engine = True
         elif self.notifier.watchdog_interval_s is not None:
-            log.warning("watchdog_fed_from_main_loop", reason="the engine has no periodic hook")
+            log.warning("watchdog_fed_from_main_loop", reason="the agent has no engine")
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -129,6 +156,8 @@ class Service:
         log.info("service_starting", version=__version__, config=self.config_path or "(defaults)",
                  log_format=setup.format, log_rate_limit_per_s=self.config.log.rate_limit_per_s,
                  watchdog_interval_s=self.notifier.watchdog_interval_s, notify=self.notifier.enabled)
+        for note in self.config.deprecations():
+            log.warning("config_deprecated", detail=note)
         if self.release_privileges is not None:
             self.released = self.release_privileges(self.config)
         try:
@@ -140,12 +169,12 @@ class Service:
     def _run(self, setup: logs.LoggingSetup) -> int:
         self.notifier.status("starting: loading the scheduler and the saved intents")
         try:
-            self.agent = self.agent_factory(self.config)
+            self._agent = self.agent_factory(self.config)
         except Exception as exc:
             log.error("agent_create_failed", error=str(exc), exc_info=True)
             self.notifier.status(f"failed: {exc}")
             return 1
-        if self.released is not None and hasattr(self.agent, "capabilities"):
+        if self.released is not None:
             self.agent.capabilities = self.released.describe()
         self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
         self._serve_metrics()
@@ -153,7 +182,7 @@ class Service:
             return 1
         if self._stop.is_set():
             return self._shutdown()
-        self._wire_engine(self.agent)
+        self._wire_engine(self.agent.engine)
         if self.config.probe.enabled:  # its own thread; a probe that cannot run only logs and exports up=0
             from gthulhu_node.probe.continuous import start_if_enabled
             self.probe = start_if_enabled(self.config, self.agent, self.metrics.registry)

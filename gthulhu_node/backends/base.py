@@ -1,6 +1,6 @@
 """The backend interface: the only thing the reconciler writes to.
 
-One reconciler owns the desired table and is the only writer to the backend (DESIGN.md). The table is
+One reconciler owns the desired table and is the only writer to the backend (docs/watching.md). The table is
 keyed by `EntryKey`: a TID entry covers one thread, a TGID entry covers every thread of a process that has
 no TID entry of its own (the scheduler looks up TID first, then TGID, then uses its default).
 
@@ -16,6 +16,8 @@ import abc
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from gthulhu_node.limits import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
 
 
 class KeyKind(enum.StrEnum):
@@ -126,14 +128,17 @@ class Backend(abc.ABC):
         return BackendHealth(BackendState.RUNNING)
 
     def counters(self) -> dict[str, int]:
-        """Backend-specific counters for metrics (BPF counters for the scheduler)."""
+        """Backend-specific monotonic counts for metrics (BPF counters for the scheduler)."""
+        return {}
+
+    def gauges(self) -> dict[str, int]:
+        """Backend-specific current sizes for metrics (entries held, live map entries): unlike
+        counters() they may go down, so they are exported as gauges."""
         return {}
 
 
 def check_entry(key: EntryKey, entry: Entry) -> None:
-    """Refuse an entry outside the contract (DESIGN.md) before it reaches any map."""
-    from gthulhu_node.intents.model import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
-
+    """Refuse an entry outside the intent contract (intents/model.py) before it reaches any map."""
     if not 0 <= entry.priority <= PRIORITY_MAX:
         raise InvalidEntryError(f"{key}: priority {entry.priority} is outside 0-{PRIORITY_MAX}")
     if entry.slice_ns != 0 and not SLICE_MIN_NS <= entry.slice_ns <= SLICE_MAX_NS:

@@ -127,7 +127,10 @@ class DryRunBackend(Backend):
         return BackendHealth(self._state, self._reason)
 
     def counters(self) -> dict[str, int]:
-        return {"entries": len(self.table), "batches": self.batches}
+        return {"batches": self.batches}
+
+    def gauges(self) -> dict[str, int]:
+        return {"entries": len(self.table)}
 
     def _write(self, text: str) -> None:
         if self._fd is None:

@@ -55,7 +55,7 @@ from gthulhu_node.backends.sched_attr import (
     SchedAttrSyscalls,
     probe,
 )
-from gthulhu_node.intents.model import PRIORITY_MAX
+from gthulhu_node.limits import PRIORITY_MAX
 from gthulhu_node.tasks.events import EventKind, EventsUnavailable, ProcEventSource
 from gthulhu_node.tasks.procfs import StatParseError, read_task
 

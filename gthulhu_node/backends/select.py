@@ -19,6 +19,7 @@ import structlog
 
 from gthulhu_node.backends.base import Backend, BackendUnavailable
 from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.config import BackendKind
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +75,7 @@ def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend,
 
     Raises BackendUnavailable when a forced kind cannot be built here.
     """
-    kind = config.backend.kind
+    kind: BackendKind = config.backend.kind  # validated by the config: no other value reaches here
     if kind == "dry-run":
         return _dry_run(config), "dry run forced by configuration (backend.kind: dry-run)"
     if kind == "sched_ext":
@@ -82,16 +83,12 @@ def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend,
             raise BackendUnavailable(f"backend.kind is sched_ext but this kernel has no {sysfs}")
         return _sched_ext(config), "sched_ext forced by configuration"
     if kind == "eevdf":
-        try:
-            from gthulhu_node.backends import eevdf
-        except ImportError as exc:
-            raise BackendUnavailable(f"the eevdf backend is not available: {exc}") from None
+        from gthulhu_node.backends import eevdf  # pure Python: nothing it imports is optional
+
         backend: Backend = eevdf.EevdfBackend(
             proc_root=config.watch.proc_root, journal=config.state.directory / eevdf.JOURNAL_NAME
         )
         return backend, "eevdf forced by configuration"
-    if kind != "auto":
-        raise BackendUnavailable(f"unknown backend kind {kind!r}")
     if kernel_has_sched_ext(sysfs):
         return _sched_ext(config), f"auto: the kernel has sched_ext ({sysfs} exists)"
     return _auto_without_sched_ext(config, f"the kernel has no sched_ext ({sysfs} is missing)")

@@ -190,7 +190,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace, intents: list[Intent]) -> int:
-    from gthulhu_node.intents.preview import preview
+    from gthulhu_node.preview import preview
 
     try:
         cfg = _config(args)

@@ -218,7 +218,10 @@ class LocalPolicies:
         self.directory = directory
         self._store = store
         self._poll = poll_interval_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the file table, for readers (errors, notes, stats)
+        # One reload at a time, from reading the files to the store's apply: SIGHUP's reload and the
+        # poller's run on different threads, and the set read first must not be applied last.
+        self._reload_lock = threading.Lock()
         self._files: dict[Path, _FileState] = {}
         # files whose good content could not be combined with the others (id clash, total limit)
         self._combine_errors: dict[Path, str] = {}
@@ -256,6 +259,10 @@ class LocalPolicies:
         A directory that cannot be listed (or is not trusted) changes nothing: every file keeps its last
         good content, and the error is reported (log, `dir_errors`, the `local` source's errors).
         """
+        with self._reload_lock:
+            return self._reload(force)
+
+    def _reload(self, force: bool) -> bool:
         with self._lock:
             self._stats.reloads += 1
             try:

@@ -1,4 +1,4 @@
-"""The intent contract shared by every source and backend (DESIGN.md, "The intent contract").
+"""The intent contract shared by every source and backend (docs/intents.md).
 
 Validation lives here and only here, so a local file, a gRPC push and a REST push are refused for the same
 reasons with the same words. Nothing is clamped: a value outside its bounds is an error naming the field.
@@ -17,6 +17,11 @@ from typing import Annotated, Any
 import re2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# the limits shared with the backends (gthulhu_node/limits.py), re-exported: sources and tests read them here
+from gthulhu_node.limits import PRIORITY_MAX as PRIORITY_MAX
+from gthulhu_node.limits import SLICE_MAX_NS as SLICE_MAX_NS
+from gthulhu_node.limits import SLICE_MIN_NS as SLICE_MIN_NS
+
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
 # manager-pods: the upstream Manager's pod intents (REST `POST /api/v1/intents`), kept apart from its
@@ -25,9 +30,6 @@ RESERVED_SOURCES = frozenset({"local", "manager", "manager-pods"})
 # A Kubernetes pod UID (a UUID, or 32 hex digits for static pods), as the Manager sends it.
 POD_UID_RE = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,63}\Z")
 
-PRIORITY_MAX = 20
-SLICE_MIN_NS = 50_000
-SLICE_MAX_NS = 1_000_000_000
 PATTERN_MAX_BYTES = 256
 COMM_MAX_BYTES = 15
 # RE2 refuses programs above this size; it keeps a valid-but-enormous pattern (a{1000}{1000}) out.

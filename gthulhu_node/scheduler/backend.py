@@ -15,6 +15,7 @@ import errno
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
@@ -32,9 +33,8 @@ from gthulhu_node.backends.base import (
     TaskGoneError,
     check_entry,
 )
-from gthulhu_node.config import SchedulerConfig
 from gthulhu_node.scheduler import libbpf
-from gthulhu_node.scheduler.layout import STAT_NAMES, GthulhuEntry
+from gthulhu_node.scheduler.layout import STAT_COUNTERS, STAT_GAUGES, GthulhuEntry
 from gthulhu_node.scheduler.loader import (
     SCHED_EXT,
     SCHED_NAME,
@@ -60,6 +60,24 @@ def task_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     return parse_stat(data)[1]
 
 
+class SchedulerSettings(Protocol):
+    """The load-time settings this backend reads: config.SchedulerConfig has them, and so has the
+    loader's LoadSettings (the defaults). A protocol, so the scheduler never imports the configuration."""
+
+    @property
+    def bpf_object(self) -> Path | None: ...
+    @property
+    def default_slice_ns(self) -> int: ...
+    @property
+    def boost_share_percent(self) -> int: ...
+    @property
+    def boost_window_ns(self) -> int: ...
+    @property
+    def map_capacity(self) -> int: ...
+    @property
+    def watchdog_timeout_ms(self) -> int: ...
+
+
 class SchedExtBackend(Backend):
     """Strategies as entries of the gthulhu scheduler's maps, in the kernel."""
 
@@ -67,13 +85,13 @@ class SchedExtBackend(Backend):
 
     def __init__(
         self,
-        config: SchedulerConfig | None = None,
+        config: SchedulerSettings | None = None,
         *,
         protect_agent: bool = True,
         proc: Path = Path("/proc"),
         sched_ext_root: Path = SCHED_EXT,
     ) -> None:
-        cfg = config or SchedulerConfig()
+        cfg: SchedulerSettings = config if config is not None else LoadSettings()
         self._settings = LoadSettings(
             default_slice_ns=cfg.default_slice_ns,
             boost_share_percent=cfg.boost_share_percent,
@@ -196,5 +214,12 @@ class SchedExtBackend(Backend):
     def counters(self) -> dict[str, int]:
         if self._sched is None:
             return {}
+        stats = self._sched.bss(refresh_counts=False).stats  # the count program refreshes gauges only
+        return {name: int(getattr(stats, name)) for name in STAT_COUNTERS}
+
+    def gauges(self) -> dict[str, int]:
+        """Live entries per map, counted exactly now (docs/scheduler.md, "Entries")."""
+        if self._sched is None:
+            return {}
         stats = self._sched.bss().stats
-        return {name: int(getattr(stats, name)) for name in STAT_NAMES}
+        return {name: int(getattr(stats, name)) for name in STAT_GAUGES}

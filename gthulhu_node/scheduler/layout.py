@@ -50,6 +50,10 @@ STAT_NAMES = (
     "live_tid_entries",
     "live_tgid_entries",
 )
+#: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
+STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")
+#: monotonic since the scheduler was loaded (SchedExtBackend.counters())
+STAT_COUNTERS = tuple(name for name in STAT_NAMES if name not in STAT_GAUGES)
 
 
 class GthulhuStats(ctypes.Structure):

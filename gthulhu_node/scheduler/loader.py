@@ -43,7 +43,7 @@ ATTACH_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class LoadSettings:
-    """What is fixed before load (see config.SchedulerConfig)."""
+    """What is fixed before load (config.SchedulerConfig sets them; these are its defaults)."""
 
     default_slice_ns: int = 5_000_000
     boost_share_percent: int = 75

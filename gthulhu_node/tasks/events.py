@@ -2,7 +2,7 @@
 
 The constants (message codes, multicast group) come from pyroute2's `cn_proc` module, but the socket is
 read here with plain `socket` calls and `struct`: pyroute2 0.9's socket wraps an asyncio transport with
-its own buffering, and LAB.md saw a COMM event handed over only when the next datagram arrived. Reading
+its own buffering, and the lab saw a COMM event handed over only when the next datagram arrived. Reading
 the datagrams ourselves lets one wakeup drain every pending message with non-blocking `recv_into` until
 EAGAIN, at a few microseconds per event (docs/watching.md has the measurements).
 

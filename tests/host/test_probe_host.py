@@ -1,5 +1,6 @@
-"""`gthulhu-node probe` on this machine's own kernel, which has no headers (LAB.md): the real command, run
-as root and as nobody, must fail with one clear line and a non-zero exit, before touching the kernel."""
+"""`gthulhu-node probe` on this machine's own kernel, which has no headers (docs/probe.md): the real
+command, run as root and as nobody, must fail with one clear line and a non-zero exit, before touching the
+kernel."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The proc connector source on this machine's kernel: one wakeup hands over every pending event,
-including the last one (LAB.md saw pyroute2 hold a COMM event back until the next datagram arrived)."""
+including the last one (docs/watching.md: the lab saw pyroute2 hold a COMM event back until the next
+datagram arrived)."""
 
 from __future__ import annotations
 

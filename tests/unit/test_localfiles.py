@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -291,3 +293,43 @@ def test_directory_that_cannot_be_listed_keeps_every_intent(
     local.reload()
     assert store.get("local").intents == ()  # type: ignore[union-attr]
     assert local.errors() == {}
+
+
+class _HeldFirstApply(IntentStore):
+    """A store whose first apply waits until released: the moment a reload has read the files and is
+    handing its set over, which is where a second reload used to overtake it."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._held = False
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._held:
+            self._held = True
+            self.entered.set()
+            self.release.wait(5)
+        return super().apply(*args, **kwargs)
+
+
+def test_a_slower_older_reload_never_lands_after_a_newer_one(tmp_path: Path) -> None:
+    """SIGHUP's reload and the poller's run on different threads: the set a reload read earlier must not
+    replace the set a later reload read (the store must end with what the files say now)."""
+    store = _HeldFirstApply()
+    d = tmp_path / "policies.d"
+    d.mkdir()
+    write(d / "a.yaml", "id: a\ncommandRegex: x\npriority: 1\n")
+    local = LocalPolicies(d, store, poll_interval_s=0)
+    older = threading.Thread(target=local.reload)
+    older.start()
+    assert store.entered.wait(5)  # the older reload read priority 1 and is about to apply it
+    write(d / "a.yaml", "id: a\ncommandRegex: x\npriority: 7\n")
+    newer = threading.Thread(target=local.reload)
+    newer.start()
+    newer.join(0.5)  # unserialised, the newer reload is done by now; serialised, it waits for the older
+    store.release.set()
+    older.join(5)
+    newer.join(5)
+    (held,) = store.get("local").intents  # type: ignore[union-attr]
+    assert held.priority == 7

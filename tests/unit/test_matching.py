@@ -1,4 +1,4 @@
-"""Matching: RE2 unanchored search on comm and DESIGN.md's precedence, rule by rule."""
+"""Matching: RE2 unanchored search on comm and docs/watching.md's precedence, rule by rule."""
 
 from __future__ import annotations
 

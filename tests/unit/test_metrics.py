@@ -6,14 +6,20 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gthulhu_node.backends.base import BackendHealth, BackendState
+from gthulhu_node.agent import AgentStats
+from gthulhu_node.backends.base import BackendHealth, BackendState, Entry, EntryKey, KeyKind
+from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.engine import EngineStats
+from gthulhu_node.intents.localfiles import LocalFilesStats
+from gthulhu_node.intents.store import StoreStats
 from gthulhu_node.metrics import Metrics, RunqueueWaitTracker, parse_listen
+from gthulhu_node.reconciler import IntentStats, ReconcilerStats
 from gthulhu_node.rest.app import RestStats
 from tests.prom import Samples, scrape
 
@@ -96,36 +102,19 @@ class FakeSnapshot:
     intents: tuple[FakeIntentStatus, ...]
 
 
-@dataclass
-class FakeStoreStats:
-    applies: int = 3
-    refused_stale: int = 1
-    refused_invalid: int = 2
-    deletes: int = 0
-    persist_errors: int = 0
-    corrupt_state_files: int = 0
-    intents: dict[str, int] = field(default_factory=lambda: {"local": 1})
+def agent_stats() -> AgentStats:
+    """The agent's real stats types, so a renamed field fails here as it fails mypy in metrics.py."""
+    return AgentStats(
+        ready=True,
+        store=StoreStats(applies=3, refused_stale=1, refused_invalid=2, intents={"local": 1}),
+        intents_by_state={"applied": 1},
+        local_files=LocalFilesStats(files=1, bad_files=1, reloads=2, load_errors=4),
+        rest=RestStats(insecure=True, requests={"200": 3, "401": 2}, tokens_issued=1, auth_refused=2,
+                       pushes_refused=1),
+    )
 
 
-@dataclass
-class FakeLocalStats:
-    files: int = 1
-    bad_files: int = 1
-    reloads: int = 2
-    load_errors: int = 4
-
-
-@dataclass
-class FakeAgentStats:
-    ready: bool = True
-    store: FakeStoreStats = field(default_factory=FakeStoreStats)
-    intents_by_state: dict[str, int] = field(default_factory=lambda: {"applied": 1})
-    local_files: FakeLocalStats = field(default_factory=FakeLocalStats)
-    rest: RestStats = field(default_factory=lambda: RestStats(
-        insecure=True, requests={"200": 3, "401": 2}, tokens_issued=1, auth_refused=2, pushes_refused=1))
-
-
-class FakeBackend:
+class FakeBackend(DryRunBackend):
     name = "sched_ext"
 
     def health(self) -> BackendHealth:
@@ -138,13 +127,13 @@ class FakeBackend:
 class FakeReconciler:
     backend = FakeBackend()
 
-    def stats(self) -> dict[str, Any]:
-        return {"events": {"fork": 5, "comm": 2, "exec": 1, "exit": 4}, "events_lost": 1, "scans": 3,
-                "scan_duration_total_s": 0.3, "tasks": 40, "upserts": 7, "deletes": 2, "write_failures": 3,
-                "map_full": 1, "matched_tasks": 2}
+    def stats(self) -> ReconcilerStats:
+        return ReconcilerStats(events={"fork": 5, "comm": 2, "exec": 1, "exit": 4}, events_lost=1, scans=3,
+                               scan_duration_total_s=0.3, tasks=40, upserts=7, deletes=2, write_failures=3,
+                               map_full=1, matched_tasks=2)
 
-    def intent_stats(self) -> dict[str, Any]:
-        return {"local/vllm": {"applied_tasks": 2, "lost_tasks": 0, "write_failures": 0}}
+    def intent_stats(self) -> dict[str, IntentStats]:
+        return {"local/vllm": IntentStats("local/vllm", applied_tasks=2)}
 
 
 class FakeEngine:
@@ -156,17 +145,18 @@ class FakeEngine:
     def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
         return fn(self.reconciler)
 
-    def stats(self) -> dict[str, Any]:
-        return {"events_available": True, "backend_ejections": 1, "backend_state": "running"}
+    def stats(self) -> EngineStats:
+        return EngineStats(events_available=True, backend_ejections=1, backend_state="running")
 
 
 class FakeAgent:
     backend = FakeReconciler.backend
     backend_reason = "the kernel has sched_ext"
+    sched_ext_refused = ""
     engine = FakeEngine()
 
-    def stats(self) -> FakeAgentStats:
-        return FakeAgentStats()
+    def stats(self) -> AgentStats:
+        return agent_stats()
 
     def status(self) -> FakeSnapshot:
         return FakeSnapshot((FakeIntentStatus("local/vllm", 2),))
@@ -223,14 +213,19 @@ class BrokenAgent(FakeAgent):
         raise RuntimeError("boom")
 
 
-def test_a_failing_component_costs_only_its_own_metrics() -> None:
+def scrape_agent(agent: Any) -> tuple[Metrics, Samples]:
+    """One scrape over HTTP of a Metrics attached to `agent`."""
     metrics = Metrics()
-    metrics.attach(BrokenAgent())
+    metrics.attach(agent)
     metrics.serve("127.0.0.1:0")
     try:
-        got = scrape_of(metrics)
+        return metrics, scrape_of(metrics)
     finally:
         metrics.close()
+
+
+def test_a_failing_component_costs_only_its_own_metrics() -> None:
+    _, got = scrape_agent(BrokenAgent())
     assert "gthulhu_node_matched_tasks" not in got
     assert got["gthulhu_node_ready"][()] == 1
 
@@ -244,3 +239,41 @@ def test_parse_listen() -> None:
     assert parse_listen("[::1]:9812") == ("::1", 9812)
     with pytest.raises(ValueError, match=r"metrics\.listen"):
         parse_listen("localhost")
+
+
+class DryRunReconciler(FakeReconciler):
+    backend = DryRunBackend()
+
+
+class DryRunEngine(FakeEngine):
+    reconciler = DryRunReconciler()
+
+
+class DryRunAgent(FakeAgent):
+    backend = DryRunReconciler.backend
+    engine = DryRunEngine()
+
+
+def family_types(metrics: Metrics) -> dict[str, str]:
+    return {f.name: f.type for f in metrics.registry.collect()}
+
+
+def test_backend_sizes_are_gauges_and_counter_families_hold_only_counters() -> None:
+    """A backend's current sizes (the dry run's entries, the scheduler's live map entries) go up and down:
+    inside a counter family, rate() would read every shrink as a reset."""
+    from gthulhu_node.scheduler.layout import STAT_COUNTERS, STAT_GAUGES, STAT_NAMES
+
+    backend = DryRunReconciler.backend
+    backend.start()
+    backend.apply({EntryKey(KeyKind.TID, 7): Entry(5, 0, 1), EntryKey(KeyKind.TID, 8): Entry(5, 0, 1)}, [])
+    try:
+        metrics, got = scrape_agent(DryRunAgent())
+    finally:
+        backend.stop()
+    assert (("counter", "entries"),) not in got["gthulhu_node_scheduler_events_total"]
+    assert got["gthulhu_node_scheduler_events_total"][(("counter", "batches"),)] == 1
+    assert got["gthulhu_node_scheduler_gauges"][(("gauge", "entries"),)] == 2
+    assert family_types(metrics)["gthulhu_node_scheduler_gauges"] == "gauge"
+    assert set(STAT_GAUGES) == {"live_tid_entries", "live_tgid_entries"}
+    assert not set(STAT_GAUGES) & set(STAT_COUNTERS)
+    assert set(STAT_GAUGES) | set(STAT_COUNTERS) == set(STAT_NAMES)

@@ -437,3 +437,19 @@ def test_unreadable_cgroup_is_not_remembered_as_no_pod(proc: FakeProc) -> None:
     proc.set_cgroup(100, f"0::/kubepods/burstable/pod{uid}/abc\n")
     r.set_policy(policy(("manager-pods/x", {"podUID": uid, "priority": 11})))
     assert set(b.table) == {tid(100)}
+
+
+def test_a_latency_listener_added_later_is_called_with_the_first(proc: FakeProc) -> None:
+    """The service adds the metrics histogram after the engine started, beside the constructor's
+    listener, without replacing the reconciler's attribute from outside."""
+    import time
+
+    proc.add(100, 101, "python3.12", 5)
+    first: list[float] = []
+    later: list[float] = []
+    r, _b = make(proc, on_latency=first.append)
+    r.add_latency_listener(later.append)
+    r.set_policy(policy(("local/vllm", {})))
+    r.rescan()
+    r.handle_events([ev(EventKind.COMM, 101, 100, "EngineCore", ts=time.monotonic_ns())])
+    assert len(first) == len(later) == 1 and first == later

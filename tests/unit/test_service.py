@@ -33,6 +33,9 @@ class FakeEngine:
 
         threading.Thread(target=loop, daemon=True).start()
 
+    def add_latency_listener(self, listener: Callable[[float], None]) -> None:
+        pass
+
     def close(self) -> None:
         self._stop.set()
 
@@ -158,6 +161,31 @@ def test_start_failure_exits_1_without_ready(
     assert code == 1
     assert not any("READY=1" in m for m in messages)
     assert messages[-1] == "STATUS=failed to start: sched_ext is not available"
+
+
+class CountingNotifier(Notifier):
+    def __init__(self, environ: dict[str, str]) -> None:
+        super().__init__(environ)
+        self.pings = 0
+
+    def watchdog(self) -> bool:
+        self.pings += 1
+        return True
+
+
+def test_watchdog_pinged_every_half_watchdog_sec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WatchdogSec=30 means a ping every 15 s (sd_watchdog_enabled's half), not every 7.5 s: the notifier's
+    interval is already the half, the engine hook must not halve it again."""
+    notifier = CountingNotifier({"WATCHDOG_USEC": "30000000"})
+    assert notifier.watchdog_interval_s == 15.0
+    service = Service(config(), notifier=notifier)
+    clock = [1000.0]
+    monkeypatch.setattr("gthulhu_node.service.time.monotonic", lambda: clock[0])
+    for _ in range(600):  # 60 s of engine hook calls, one every 0.1 s, the main loop alive throughout
+        clock[0] += 0.1
+        service._main_alive = clock[0]
+        service._feed_watchdog()
+    assert notifier.pings == 4
 
 
 def test_privileges_are_released_before_anything_starts_a_thread(

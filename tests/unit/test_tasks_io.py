@@ -110,3 +110,9 @@ def test_select_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         select_backend(
             AgentConfig.model_validate({"backend": {"kind": "sched_ext"}}), sysfs=tmp_path / "missing"
         )
+
+
+def test_an_unknown_backend_kind_never_reaches_selection() -> None:
+    """select_backend has no branch for an unknown kind: the configuration refuses it first."""
+    with pytest.raises(ValueError, match=r"backend\.kind"):
+        AgentConfig.model_validate({"backend": {"kind": "cfs"}})

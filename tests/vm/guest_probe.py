@@ -79,7 +79,7 @@ def normal_priority() -> None:
 
 
 def start_hogs(n: int, seconds: float) -> subprocess.Popen[bytes]:
-    """`stress-ng --cpu n`, from /tmp: it refuses a read-only working directory (LAB.md)."""
+    """`stress-ng --cpu n`, from /tmp: it refuses a read-only working directory (docs/lab.md)."""
     return subprocess.Popen(["stress-ng", "--cpu", str(n), "--timeout", f"{int(seconds)}s"], cwd="/tmp",
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=normal_priority)
 

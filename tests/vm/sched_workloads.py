@@ -201,7 +201,7 @@ def crashed_agent(_: argparse.Namespace) -> dict[str, Any]:
         try:
             out["after_takeover"] = state()
             out["entries_after_takeover"] = len(backend.read_back())
-            out["live_after_takeover"] = backend.counters()["live_tid_entries"]
+            out["live_after_takeover"] = backend.gauges()["live_tid_entries"]
             key, start = key_for(KeyKind.TID, pids[0])
             res = backend.apply({key: Entry(3, 0, start)}, [])
             out["upserted_after_takeover"] = res.upserted
@@ -312,7 +312,7 @@ def no_leak(args: argparse.Namespace) -> dict[str, Any]:
                 break
         time.sleep(0.5)
         live = {int(n) for n in os.listdir(f"/proc/{proc.pid}/task")} - {proc.pid}
-        counters = backend.counters()
+        counters = {**backend.counters(), **backend.gauges()}
         out.update(
             scans=scans,
             writes=written,
@@ -326,7 +326,7 @@ def no_leak(args: argparse.Namespace) -> dict[str, Any]:
         proc.stdin.close()
         proc.wait()
         time.sleep(0.3)
-        counters = backend.counters()
+        counters = {**backend.counters(), **backend.gauges()}
         out["after_exit"] = {
             k: counters[k] for k in ("live_tid_entries", "live_tgid_entries", "exit_deleted_tgid")
         }
@@ -363,7 +363,7 @@ def no_leak_agent(args: argparse.Namespace) -> dict[str, Any]:
             proc.stdin.write("x" * len(live))
             proc.stdin.flush()
             time.sleep(1)
-            counters = backend.counters()
+            counters = {**backend.counters(), **backend.gauges()}
             out.update(
                 live_matched=sorted(live),
                 held=sorted(k.id for k in backend.read_back() if k.kind is KeyKind.TID),
@@ -375,7 +375,7 @@ def no_leak_agent(args: argparse.Namespace) -> dict[str, Any]:
             proc.stdin.close()
             proc.wait()
             time.sleep(3)
-            out["after_exit"] = backend.counters()["live_tid_entries"]
+            out["after_exit"] = backend.gauges()["live_tid_entries"]
         finally:
             engine.stop()
     return out
