@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 CMD ?= uname -a
+# make test's lanes (pytest-xdist workers): each runs its own lab guests, one at a time, and a guest is
+# single-threaded TCG, so two lanes use this 2-core machine's two cores. LANES=0: one process, as before.
+LANES ?= 2
 
 .PHONY: help deps build bpf proto lint lab-kernels test test-unit bench demo lab-shell lab-run install wheel deb clean
 
@@ -39,7 +42,7 @@ lab-kernels: deps
 	@$(PY) -m tests.vm.libbpf_build >/dev/null
 
 test: build lint lab-kernels
-	$(PYTEST) -m "not bench" tests
+	$(PYTEST) -n $(LANES) --dist loadgroup -m "not bench" tests
 
 test-unit: build
 	$(PYTEST) tests/unit

@@ -9,12 +9,15 @@ comes from the machine's existing Debian source entry at run time.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,21 +134,41 @@ def from_meta(meta: Path) -> LabKernel | None:
     return None
 
 
-def obtain(cache: Path = CACHE, version: str | None = None) -> LabKernel:
-    """Return the cached lab kernel, downloading and unpacking it the first time.
+@contextlib.contextmanager
+def cache_lock(cache: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive flock named `name` in the cache. Two callers that find the same thing missing at
+    once (the two lanes of make test, or two people) would otherwise download or build into the same
+    folders over each other; the second waits, then finds the first one's result."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
-    `version` (e.g. "7.2.9+deb13") asks for one particular cloud kernel of the suite instead of the newest,
-    to check the scheduler on a kernel between the lab's two."""
+
+def _cached(cache: Path, version: str | None) -> LabKernel | None:
     if version is not None:
         full = f"{version}-cloud-amd64"
         pinned = LabKernel(version=full, root=cache / full)
-        if pinned.vmlinuz.exists() and pinned.vmlinux.exists():
-            return pinned
-    else:
-        found = _current(cache)
-        if found is not None:
-            check_config(found.config)
-            return found
+        return pinned if pinned.vmlinuz.exists() and pinned.vmlinux.exists() else None
+    found = _current(cache)
+    if found is not None:
+        check_config(found.config)
+    return found
+
+
+def obtain(cache: Path = CACHE, version: str | None = None) -> LabKernel:
+    """Return the cached lab kernel, downloading and unpacking it the first time (one caller at a time).
+
+    `version` (e.g. "7.2.9+deb13") asks for one particular cloud kernel of the suite instead of the newest,
+    to check the scheduler on a kernel between the lab's two."""
+    found = _cached(cache, version)
+    if found is not None:
+        return found
+    with cache_lock(cache, "obtain-debian-kernel"):
+        return _cached(cache, version) or _download(cache, version)
+
+
+def _download(cache: Path, version: str | None) -> LabKernel:
     apt_base = cache / "apt"
     apt_setup(apt_base)
     ver = version or _newest_cloud_kernel(apt_base)

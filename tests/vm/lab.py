@@ -204,6 +204,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def exited(pid: int) -> bool:
+    """The process has exited: its /proc entry is gone, or it is a zombie (state Z or X) nobody reaped
+    yet. For tests that check a kill: the killed process is gone only once the kernel has delivered it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
 def _reap_stale_runs() -> None:
     """Remove run folders left by harness processes that were killed (their qemu died with them)."""
     for path in RUNTIME.glob("run-*"):
@@ -213,8 +223,13 @@ def _reap_stale_runs() -> None:
             continue
         if not _pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
-    logs = sorted(LOGS.glob("*.console.log"), key=lambda p: p.stat().st_mtime)
-    for old in logs[:-KEEP_LOGS]:
+    # Another harness (the other xdist lane, another person's run) may trim at the same moment: a log
+    # gone between the listing and its stat is simply not ours to count.
+    dated: list[tuple[float, Path]] = []
+    for log in LOGS.glob("*.console.log"):
+        with contextlib.suppress(FileNotFoundError):
+            dated.append((log.stat().st_mtime, log))
+    for _, old in sorted(dated)[:-KEEP_LOGS]:
         old.unlink(missing_ok=True)
 
 
@@ -455,7 +470,10 @@ class Lab:
             self._console.clear()
         self.boots += 1
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.console_log = LOGS / f"{stamp}-{os.getpid()}-{self.init}-{self.boots}.console.log"
+        # The xdist worker (gw0, gw1) names the lane a log came from; both lanes run guests at once.
+        lane = os.environ.get("PYTEST_XDIST_WORKER", "")
+        who = f"{os.getpid()}-{lane}" if lane else str(os.getpid())
+        self.console_log = LOGS / f"{stamp}-{who}-{self.init}-{self.boots}.console.log"
         self._started_at = time.monotonic()
 
         self._start_shares(run_dir)

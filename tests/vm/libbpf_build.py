@@ -17,16 +17,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.vm.kernel import CACHE
+from tests.vm.kernel import CACHE, cache_lock
 from tests.vm.kernel_build import source_tarball
 
 
-def obtain(cache: Path = CACHE) -> Path:
+def _cached(cache: Path) -> Path | None:
     meta = cache / "libbpf.json"
     if meta.exists():
         path = Path(json.loads(meta.read_text())["path"])
         if path.exists():
             return path
+    return None
+
+
+def obtain(cache: Path = CACHE) -> Path:
+    """The newer libbpf.so, built the first time; a second caller waits for a build in progress (both
+    lanes of make test may ask at once) instead of building into the same folders."""
+    found = _cached(cache)
+    if found is not None:
+        return found
+    with cache_lock(cache, "build-libbpf"):
+        return _cached(cache) or _build(cache)
+
+
+def _build(cache: Path) -> Path:
+    meta = cache / "libbpf.json"
     tarball = source_tarball(cache)
     work = cache / "libbpf-build"
     shutil.rmtree(work, ignore_errors=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
+import time
 
 from tests.vm import guest_agent
+from tests.vm.lab import exited
 
 
 def run(**request: object) -> dict[str, object]:
@@ -22,8 +23,14 @@ def test_timeout_kills_the_whole_process_group() -> None:
     r = run(shell="sleep 300 & echo $!; wait", timeout=1)
     assert r["timed_out"] is True and r["returncode"] == -signal.SIGKILL
     child = int(str(r["stdout"]).strip())
-    stat = Path(f"/proc/{child}/stat")
-    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    # The backgrounded sleep got the group's SIGKILL, but nobody waits for it (it is the shell's child),
+    # so it may still be on its way out when the reply comes: seen as state R on a loaded machine (two
+    # test lanes beside other people's guests). A liveness wait, not a speed requirement: a sleep 300
+    # that was not killed is still there after it.
+    deadline = time.monotonic() + 10
+    while not exited(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exited(child)
 
 
 def test_a_backgrounded_child_holding_the_pipes_does_not_block_the_reply() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vm.lab import REPO, Lab, LabDied
+from tests.vm.lab import REPO, Lab, LabDied, exited
 
 pytestmark = pytest.mark.vm
 
@@ -160,14 +160,6 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
 def test_no_qemu_or_virtiofsd_outlives_a_killed_harness() -> None:
     harness = subprocess.Popen([sys.executable, "-c", _HARNESS], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -179,9 +171,9 @@ def test_no_qemu_or_virtiofsd_outlives_a_killed_harness() -> None:
     pids = info["pids"]
     assert len(pids) == 4  # qemu and three virtiofs daemons
     deadline = time.monotonic() + 30  # a liveness wait, not a speed requirement
-    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+    while not all(exited(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    survivors = [p for p in pids if not _gone(p)]
+    survivors = [p for p in pids if not exited(p)]
     assert survivors == []
     stray = []
     for entry in Path("/proc").iterdir():
@@ -190,7 +182,7 @@ def test_no_qemu_or_virtiofsd_outlives_a_killed_harness() -> None:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if info["run_dir"].encode() in cmdline and not _gone(int(entry.name)):
+            if info["run_dir"].encode() in cmdline and not exited(int(entry.name)):
                 stray.append(int(entry.name))
     assert stray == []
 
