@@ -185,7 +185,9 @@ def run(duration: float, agent: bool, fifo: bool, hogs: int, backend: str = "sch
                              stdout=subprocess.PIPE, text=True, preexec_fn=normal_priority)
             for name in names
         ]
-        spawn = subprocess.Popen([*me, "spawner", str(duration - 2.0)], stdin=subprocess.PIPE,
+        # it exits 4 s before the probe stops: the exit must reach the agent, its ListMatches and the
+        # probe's next sync in that time (2 s was too tight under TCG: the exit landed after the end)
+        spawn = subprocess.Popen([*me, "spawner", str(duration - 4.0)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, preexec_fn=normal_priority)
         procs += [*twins, spawn]
         wait_for_comm([p.pid for p in [*twins, spawn]], [*names, "spawner_wait"])
