@@ -7,13 +7,12 @@ never with an absolute time.
 
 from __future__ import annotations
 
-import json
 import statistics
 from typing import Any
 
 import pytest
 
-from tests.vm import matrix
+from tests.vm import matrix, scenarios
 
 pytestmark = pytest.mark.vm
 # Every check on both kernels of the matrix (6.12 LTS and 7.3), each in one boot of its own.
@@ -23,12 +22,7 @@ SCRIPT = "tests/vm/sched_workloads.py"
 
 
 def scenario(lab: Any, name: str, *args: str, timeout: float = 300) -> dict[str, Any]:
-    result = lab.run([".venv/bin/python", SCRIPT, name, *args], timeout=timeout)
-    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"{name} printed no result:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-    data: dict[str, Any] = json.loads(lines[-1])
-    return data
+    return scenarios.run(lab, SCRIPT, name, *args, timeout=timeout)
 
 
 @both_kernels

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.vm import matrix
+from tests.vm import matrix, scenarios
 
 pytestmark = pytest.mark.vm
 both_kernels = pytest.mark.parametrize("lab", matrix.BOTH_KERNELS, indirect=True)
@@ -23,12 +23,8 @@ ENABLED = {"state": "enabled", "ops": "gthulhu"}
 
 
 def scenario(lab: Any, name: str, *args: str, timeout: float = 300) -> dict[str, Any]:
-    result = lab.run([".venv/bin/python", SCRIPT, name, *args], timeout=timeout)
-    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"{name} printed no result:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-    data: dict[str, Any] = json.loads(lines[-1])
-    print(f"{name}: {lines[-1]}")  # the figures docs/scheduler.md quotes (pytest -s shows them)
+    data = scenarios.run(lab, SCRIPT, name, *args, timeout=timeout)
+    print(f"{name}: {json.dumps(data)}")  # the figures docs/scheduler.md quotes (pytest -s shows them)
     return data
 
 
