@@ -38,34 +38,42 @@ from tests import lanes
 from tests.vm import matrix
 from tests.vm.lab import Lab, close_all
 
-_guests: dict[tuple[str, str], Lab] = {}
-_last_item_of: dict[tuple[str, str], pytest.Item] = {}
+GuestKey = tuple[str, str, str]  # init, spec, instance ("" unless the test file asks for its own guest)
+
+_guests: dict[GuestKey, Lab] = {}
+_last_item_of: dict[GuestKey, pytest.Item] = {}
 
 _FIXTURE_INIT = {"lab": "plain", "lab_session": "plain", "lab_systemd": "systemd",
                  "lab_systemd_session": "systemd"}
 
 
-def _guest(init: str, spec: str) -> Lab:
-    key = (init, spec)
+def _guest(key: GuestKey) -> Lab:
     if key not in _guests:
-        _guests[key] = matrix.make_lab(init, spec)
+        _guests[key] = matrix.make_lab(key[0], key[1])
     return _guests[key]
+
+
+def _instance(node: pytest.Item | pytest.Collector) -> str:
+    """The `lab_guest(name)` mark of a test or its file: its own guest of the same init and spec, so a
+    long file can run in the other lane beside the rest of its guest's tests (docs/lab.md, "Two lanes")."""
+    mark = node.get_closest_marker("lab_guest")
+    return str(mark.args[0]) if mark is not None else ""
 
 
 @pytest.fixture(scope="session")
 def lab_session() -> Lab:
-    return _guest("plain", matrix.DEFAULT)
+    return _guest(("plain", matrix.DEFAULT, ""))
 
 
 @pytest.fixture(scope="session")
 def lab_systemd_session() -> Lab:
-    return _guest("systemd", matrix.DEFAULT)
+    return _guest(("systemd", matrix.DEFAULT, ""))
 
 
 @pytest.fixture
 def lab(request: pytest.FixtureRequest) -> Lab:
     """A plain-init lab guest of the spec the test asks for (default 7.3/2cpu), alive at its start."""
-    guest = _guest("plain", getattr(request, "param", matrix.DEFAULT))
+    guest = _guest(("plain", getattr(request, "param", matrix.DEFAULT), _instance(request.node)))
     guest.ensure_alive()
     return guest
 
@@ -73,12 +81,9 @@ def lab(request: pytest.FixtureRequest) -> Lab:
 @pytest.fixture
 def lab_systemd(request: pytest.FixtureRequest) -> Lab:
     """A lab guest with systemd as PID 1 (default 7.3/2cpu), alive at the start of the test."""
-    guest = _guest("systemd", getattr(request, "param", matrix.DEFAULT))
+    guest = _guest(("systemd", getattr(request, "param", matrix.DEFAULT), _instance(request.node)))
     guest.ensure_alive()
     return guest
-
-
-GuestKey = tuple[str, str]
 
 
 def _guest_key(item: pytest.Item) -> GuestKey | None:
@@ -96,7 +101,9 @@ def _guest_key(item: pytest.Item) -> GuestKey | None:
         resolved = defs.get(fixture)
         if resolved and getattr(resolved[-1].func, "__module__", __name__) != __name__:
             continue
-        return init, str(params.get(fixture, matrix.DEFAULT))
+        # the session fixtures are the default guests, whatever the test's marks
+        instance = "" if fixture.endswith("_session") else _instance(item)
+        return init, str(params.get(fixture, matrix.DEFAULT)), instance
     return None
 
 
@@ -114,19 +121,22 @@ def _group(item: pytest.Item) -> str | None:
     kernel (agents, processes, cgroups), None for the unit tests (pure, spread over both lanes)."""
     key = _guest_key(item)
     if key is not None:
-        return f"{key[0]}:{key[1]}"
+        return f"{key[0]}:{key[1]}" + (f"#{key[2]}" if key[2] else "")
     if "unit" in item.path.parts:
         return None
     return HOST_GROUP
 
 
-def _estimate(group: str | None, count: int) -> float:
-    """Seconds a group's `count` tests take, roughly (see _SECONDS_PER_VM_TEST)."""
+def _estimate(item: pytest.Item, group: str | None) -> float:
+    """Seconds a test takes, roughly: its `lab_seconds(n)` mark (a test far longer than its guest's
+    usual one), else the usual figure for where it runs (see _SECONDS_PER_VM_TEST)."""
+    mark = item.get_closest_marker("lab_seconds")
+    if mark is not None:
+        return float(mark.args[0])
     if group is None or group == HOST_GROUP:
-        return count * _SECONDS_PER_HOST_TEST
-    spec = group.partition(":")[2]
-    wide = matrix.parse(spec)[1].cpus > 2
-    return count * (_SECONDS_PER_WIDE_VM_TEST if wide else _SECONDS_PER_VM_TEST)
+        return _SECONDS_PER_HOST_TEST
+    spec = group.partition(":")[2].partition("#")[0]
+    return _SECONDS_PER_WIDE_VM_TEST if matrix.parse(spec)[1].cpus > 2 else _SECONDS_PER_VM_TEST
 
 
 _PLAN_FOLDER = pytest.StashKey[Path]()
@@ -138,6 +148,8 @@ def pytest_configure(config: pytest.Config) -> None:
     `-n N --dist loadgroup` the controller makes the folder the workers write their lane plan into
     (tests/lanes.py)."""
     config.addinivalue_line("markers", "xdist_group(name): the tests of one lane group (tests/conftest.py)")
+    config.addinivalue_line("markers", "lab_guest(name): the file's own guest instance (tests/conftest.py)")
+    config.addinivalue_line("markers", "lab_seconds(n): one test's cost, to order lanes (tests/conftest.py)")
     option = config.option
     distributed = getattr(option, "dist", "no") == "loadgroup" and bool(getattr(option, "tx", None))
     if distributed and not hasattr(config, "workerinput"):
@@ -173,14 +185,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     each grouped test its xdist group, and remember each guest's last test so it can be powered off after
     it. tryfirst: xdist's worker reads the marks in its own hook of this name."""
     groups = [_group(item) for item in items]
-    counts: dict[str | None, int] = {}
+    seconds: dict[str | None, float] = {}
     first: dict[str | None, int] = {}
-    for i, group in enumerate(groups):
-        counts[group] = counts.get(group, 0) + 1
+    for i, (item, group) in enumerate(zip(items, groups, strict=True)):
+        seconds[group] = seconds.get(group, 0.0) + _estimate(item, group)
         first.setdefault(group, i)
     # Ungrouped (unit) tests go last whatever their count: each is its own small unit of work, filling
     # whichever lane ends first.
-    rank = {g: (g is None, -_estimate(g, n), first[g]) for g, n in counts.items()}
+    rank = {g: (g is None, -total, first[g]) for g, total in seconds.items()}
     order = sorted(range(len(items)), key=lambda i: (rank[groups[i]], i))
     items[:] = [items[i] for i in order]
     groups = [groups[i] for i in order]

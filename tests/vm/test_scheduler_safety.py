@@ -16,7 +16,8 @@ import pytest
 
 from tests.vm import matrix, scenarios
 
-pytestmark = pytest.mark.vm
+# Their own guests (one per kernel), so they run in the other lane beside the rest of the scheduler suite.
+pytestmark = [pytest.mark.vm, pytest.mark.lab_guest("safety")]
 both_kernels = pytest.mark.parametrize("lab", matrix.BOTH_KERNELS, indirect=True)
 SCRIPT = "tests/vm/safety_workloads.py"
 ENABLED = {"state": "enabled", "ops": "gthulhu"}
