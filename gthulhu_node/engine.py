@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import structlog
 
 from gthulhu_node.backends.base import Backend, BackendError, BackendState
+from gthulhu_node.errors import Unavailable
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
 
@@ -37,7 +38,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-class EngineStopped(RuntimeError):
+class EngineStopped(Unavailable, RuntimeError):
     """Work was submitted to an engine that is not running (or stopped before running it)."""
 
 

@@ -28,15 +28,11 @@ from gthulhu_node.api import convert, decoding
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.config import ApiConfig
+from gthulhu_node.errors import GthulhuError, InvalidInput, LimitExceeded, edge_of
 from gthulhu_node.intents.model import check_source
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
-from gthulhu_node.intents.store import (
-    IntentNotFoundError,
-    IntentStore,
-    LimitError,
-    StaleGenerationError,
-)
+from gthulhu_node.intents.store import IntentStore
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +58,7 @@ class AgentAPI(Protocol):
         """Wait until the last store change is in effect and status reflects it (best effort)."""
 
 
-class ApiConfigError(Exception):
+class ApiConfigError(InvalidInput):
     """The API cannot start as configured (missing TLS files, socket in use, ...)."""
 
 
@@ -73,11 +69,9 @@ class ApiStats:
     watch_streams: int = 0
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+def grpc_status(exc: GthulhuError) -> grpc.StatusCode:
+    """The gRPC edge's one mapping of our exceptions (gthulhu_node/errors.py, the `grpc` column)."""
+    return grpc.StatusCode[edge_of(exc).grpc]
 
 
 class NodeAgentService(pb_grpc.NodeAgentServicer):
@@ -102,16 +96,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self._stats.requests[method] = self._stats.requests.get(method, 0) + 1
         try:
             return fn()
-        except _Aborted as exc:
-            self._fail(method, context, exc.code, exc.message)
-        except IntentValidationError as exc:
-            self._fail(method, context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except StaleGenerationError as exc:
-            self._fail(method, context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except IntentNotFoundError as exc:
-            self._fail(method, context, grpc.StatusCode.NOT_FOUND, str(exc))
-        except LimitError as exc:
-            self._fail(method, context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except GthulhuError as exc:
+            self._fail(method, context, grpc_status(exc), str(exc))
         except OSError as exc:
             self._fail(method, context, grpc.StatusCode.UNAVAILABLE, f"could not persist intents: {exc}")
         raise AssertionError("unreachable")  # context.abort raises
@@ -185,10 +171,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         def admit() -> None:
             with self._lock:
                 if self._stats.watch_streams >= self._max_watchers:
-                    raise _Aborted(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"at most {self._max_watchers} status watchers at a time",
-                    )
+                    raise LimitExceeded(f"at most {self._max_watchers} status watchers at a time")
                 self._stats.watch_streams += 1
 
         self._call("WatchStatus", context, admit)

@@ -17,6 +17,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gthulhu_node.errors import BackendError as BackendError  # re-exported: the backends' base error
+from gthulhu_node.errors import Unavailable
 from gthulhu_node.limits import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
 
 
@@ -45,11 +47,7 @@ class Entry:
     start_time: int  # clock ticks since boot of the task the key names (see module docstring)
 
 
-class BackendError(Exception):
-    """A backend could not do what was asked; the message is for people."""
-
-
-class BackendUnavailable(BackendError):
+class BackendUnavailable(Unavailable, BackendError):
     """The backend cannot run on this host (missing kernel support, not root, ...)."""
 
 

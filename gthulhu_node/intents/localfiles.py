@@ -42,6 +42,7 @@ from typing import Any
 
 import structlog
 
+from gthulhu_node.errors import InvalidInput, Unavailable
 from gthulhu_node.intents.documents import DocumentError, load_json, load_yaml
 from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
@@ -60,7 +61,7 @@ MAX_FILE_BYTES = 4 << 20
 Signature = tuple[int, int, int, int, int]
 
 
-class PolicyFileError(ValueError):
+class PolicyFileError(InvalidInput):
     """A policy file that cannot be used; the message names the file and, when known, the field."""
 
 
@@ -176,7 +177,7 @@ def read_file(path: Path) -> FileResult:
     return parse_document(doc, path.stem)
 
 
-class PolicyDirError(OSError):
+class PolicyDirError(Unavailable, OSError):
     """The policy directory could not be listed, or is not trusted: nothing can be concluded from it."""
 
 

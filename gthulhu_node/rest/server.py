@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from gthulhu_node.config import RestConfig
+from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.rest.app import DecisionMakerApi, RestStats, StatusFn
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
@@ -35,7 +36,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["RestConfigError", "RestServer", "RestStats"]
 
 
-class RestConfigError(ValueError):
+class RestConfigError(InvalidInput):
     """The `rest` section cannot be served as configured; the message names the setting."""
 
 
