@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from gthulhu_node import metrics_server
 from gthulhu_node.backends.base import Backend, BackendHealth
 from gthulhu_node.engine import EngineStats
+from gthulhu_node.lifecycle import Health
 from gthulhu_node.reconciler import IntentStats, Reconciler, ReconcilerStats
 
 if TYPE_CHECKING:  # the agent imports much; metrics only needs its types
@@ -437,7 +438,12 @@ class AgentCollector(Collector):
 class Metrics:
     """The registry, the per-event histograms and the HTTP endpoint."""
 
-    def __init__(self) -> None:
+    name = "metrics"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def __init__(self, listen: str = "") -> None:
+        """`listen`: "host:port" of the endpoint `start` opens; empty for none."""
+        self.listen = listen
+        self.error = ""  # why the endpoint could not be opened
         # node_exporter style: no `_created` series (they double the output and nobody graphs them)
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
@@ -445,7 +451,7 @@ class Metrics:
             "reaction_latency_seconds", "From a task event (fork, comm, exec) to its entry being written.",
             namespace="gthulhu_node", buckets=REACTION_BUCKETS, registry=self.registry)
         self.runqueue = RunqueueWaitTracker()
-        self._server: Any = None
+        self._server: metrics_server.BoundedMetricsServer | None = None
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
 
@@ -464,6 +470,25 @@ class Metrics:
         self._server, self._thread = metrics_server.serve(host, port, self.registry)
         self.address = (host, int(self._server.server_address[1]))
         return self.address
+
+    def start(self) -> None:
+        """Open the endpoint. Never raises: no metrics is bad, no scheduling is worse (logged loudly)."""
+        try:
+            address = self.serve(self.listen)
+        except (OSError, ValueError) as exc:
+            self.error = str(exc)
+            log.error("metrics_listen_failed", listen=self.listen, error=self.error)
+            return
+        if address is None:
+            log.info("metrics_disabled")
+        else:
+            log.info("metrics_listening", listen=f"{address[0]}:{address[1]}")
+
+    def stop(self) -> None:
+        self.close()
+
+    def health(self) -> Health:
+        return Health(not self.error, self.error)
 
     def close(self) -> None:
         if self._server is not None:

@@ -33,6 +33,7 @@ from gthulhu_node.intents.model import check_source
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
 from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.lifecycle import Health
 
 log = structlog.get_logger(__name__)
 
@@ -204,7 +205,7 @@ class ApiServer:
         self.config = config
         workers = config.workers
         self.service = NodeAgentService(agent, max_watchers=max(1, workers - 2))
-        self.health = health.HealthServicer()
+        self.grpc_health = health.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
@@ -225,17 +226,18 @@ class ApiServer:
         )
         decoding.add_servicer(pb_grpc.add_NodeAgentServicer_to_server, self.service, self._server,
                               self.service.refuse_invalid)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, self._server)
         self._set_health(False)
         self.socket_path: Path | None = config.socket
         self.tcp_port: int | None = None
+        self._listening = False
 
     def _set_health(self, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+            self.grpc_health.set(name, status)
 
     def start(self) -> None:
         """Bind the listeners and start serving (health NOT_SERVING until `set_ready`)."""
@@ -254,6 +256,7 @@ class ApiServer:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        self._listening = True
         log.info("api_listening", socket=str(path), tcp=self.config.tcp_listen, tcp_port=self.tcp_port)
 
     def _add_tls_port(self, config: ApiConfig) -> int:
@@ -265,12 +268,18 @@ class ApiServer:
             raise ApiConfigError(f"cannot listen on {config.tcp_listen}")
         return port
 
+    name = "api"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def health(self) -> Health:
+        return Health(self._listening, "" if self._listening else "not listening")
+
     def set_ready(self, ready: bool) -> None:
         self._set_health(ready)
 
     def stop(self, grace: float = 2.0) -> None:
+        self._listening = False
         self._set_health(False)
-        self.health.enter_graceful_shutdown()
+        self.grpc_health.enter_graceful_shutdown()
         self.service.stop()
         self._server.stop(grace).wait(grace + 1)
         path = self.config.socket

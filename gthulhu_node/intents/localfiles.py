@@ -48,6 +48,7 @@ from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import IntentStore, StoreError
 from gthulhu_node.intents.trust import UntrustedError, check_directory, open_policy_file
+from gthulhu_node.lifecycle import Health
 
 log = structlog.get_logger(__name__)
 
@@ -344,6 +345,16 @@ class LocalPolicies:
                 log.error("policy_file_invalid", path=str(path), error=error, kept_previous=False)
         self._combine_errors = errors
         return combined
+
+    name = "policy-files"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def start(self) -> None:
+        self.start_polling()
+
+    def health(self) -> Health:
+        with self._lock:
+            error = self._dir_error
+        return Health(not error, error)
 
     def start_polling(self) -> None:
         """Poll the directory for changes in a background thread (load once with `reload` first)."""

@@ -25,6 +25,7 @@ from aiohttp import web
 from gthulhu_node.config import RestConfig
 from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.lifecycle import Health
 from gthulhu_node.rest.app import DecisionMakerApi, RestStats, StatusFn
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
 from gthulhu_node.rest.listener import BoundedListener, ListenerStats
@@ -117,6 +118,12 @@ class RestServer:
         self._start_error: BaseException | None = None
         self._port = 0
         self._api: DecisionMakerApi | None = None
+
+    name = "rest"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def health(self) -> Health:
+        alive = self._thread is not None and self._thread.is_alive()
+        return Health(alive, "" if alive else "not serving")
 
     @property
     def port(self) -> int:
