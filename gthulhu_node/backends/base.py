@@ -121,6 +121,11 @@ class Backend(abc.ABC):
     def read_back(self) -> dict[EntryKey, Entry]:
         """What the backend holds now, read from where it takes effect (the kernel, for real backends)."""
 
+    @property
+    def capacity(self) -> int | None:
+        """Entries each of the backend's maps holds at most; None when it has no such limit."""
+        return None
+
     def health(self) -> BackendHealth:
         """Whether the backend still works; a real scheduler can be ejected by the kernel."""
         return BackendHealth(BackendState.RUNNING)
