@@ -7,7 +7,9 @@ Order matters, and it is why this class exists:
    the resulting policy is given to the reconciler before the engine's first full scan, so the first
    write to the backend already carries them,
 3. only then are the gRPC API (and, through `store`, the REST push) open to traffic, and the agent is
-   ready: the service sends READY=1 after `start()` returns.
+   ready: the service sends READY=1 after its supervisor started these parts.
+The order is the list `Agent.components` (each part a lifecycle Component); the service puts it between
+the metrics endpoint and the probe (docs/design.md, "Start and stop").
 
 Other parts feed intents through `agent.store` (`IntentStore.apply(source, generation, intents,
 allow_reserved=True)` for the `manager` source): the agent listens to the store and hands every change to

@@ -5,12 +5,14 @@ Order, and why:
    then, while the process has its only thread, privileges are released (gthulhu_node/privileges.py:
    a stale scheduler taken over, CAP_SYS_ADMIN dropped): capabilities are per thread, so only a drop
    made before the first other thread starts covers every thread;
-2. the metrics endpoint, so a start that hangs can be looked at;
-3. `Agent.start()` (scheduler loaded, saved intents applied), then READY=1: systemd reports the unit
-   active, and `systemctl start` returns, only when the node is really scheduled as its intents say;
+2.-3. one Supervisor (gthulhu_node/lifecycle.py) starts the parts of `_components` in order: the metrics
+   endpoint, so a start that hangs can be looked at; the agent's parts (scheduler loaded, saved intents
+   applied, API open); the probe. Then READY=1: systemd reports the unit active, and `systemctl start`
+   returns, only when the node is really scheduled as its intents say;
 4. the main loop: signals (SIGTERM/SIGINT stop, SIGHUP reloads the local policy files), STATUS= refreshed
    with the agent's one-line summary, log-suppression summaries flushed;
-5. stop: STOPPING=1, the agent stops (the scheduler is unloaded: sched_ext back to `disabled`).
+5. stop: STOPPING=1, the supervisor stops every part in reverse (the scheduler is unloaded: sched_ext back
+   to `disabled`).
 
 The systemd watchdog is fed from the engine's loop through its periodic hook, and only while the main loop
 is alive too: a stuck engine or a stuck main thread stops the pings and systemd restarts the service. A
