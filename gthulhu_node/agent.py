@@ -7,7 +7,9 @@ Order matters, and it is why this class exists:
    the resulting policy is given to the reconciler before the engine's first full scan, so the first
    write to the backend already carries them,
 3. only then are the gRPC API (and, through `store`, the REST push) open to traffic, and the agent is
-   ready: the service sends READY=1 after `start()` returns.
+   ready: the service sends READY=1 after its supervisor started these parts.
+The order is the list `Agent.components` (each part a lifecycle Component); the service puts it between
+the metrics endpoint and the probe (docs/design.md, "Start and stop").
 
 Other parts feed intents through `agent.store` (`IntentStore.apply(source, generation, intents,
 allow_reserved=True)` for the `manager` source): the agent listens to the store and hands every change to
@@ -18,8 +20,9 @@ the reconciler (on the engine thread), then recomputes per-intent status. Status
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -45,11 +48,13 @@ from gthulhu_node.intents.status import (
     StatusSnapshot,
 )
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
+from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
 from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.reconciler import IntentStats, Reconciler
 
 if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)
     from gthulhu_node.rest.app import RestStats
+    from gthulhu_node.rest.server import RestServer
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +125,8 @@ class Agent:
         self.capabilities = ""  # set by the service: the capabilities dropped at start, for status
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
-        self.rest: Any = None  # gthulhu_node.rest.server.RestServer when rest.enabled
+        self.rest: RestServer | None = None  # when rest.enabled
+        self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
         self._ready = threading.Event()
         self._stopped = threading.Event()
         self._effect = _Effect({})
@@ -140,22 +146,39 @@ class Agent:
         """True between the end of start() and the beginning of stop()."""
         return self._ready.is_set()
 
-    def start(self) -> None:
-        """Backend, saved intents, local files, engine (first scan applies them), status, API.
+    def components(self) -> list[Component]:
+        """The agent's parts in start order; a Supervisor stops the started ones in reverse
+        (gthulhu_node/lifecycle.py). `ready` is last: the first thing undone at stop."""
+        parts: list[Component] = [
+            Step("backend", self._start_backend, self._stop_backend, self._backend_health),
+            Step("engine", self._start_engine, self._stop_engine, self._engine_health),
+            self.local,
+            Step("status", self._start_status, self._stop_status),
+            Created("api", self._new_api),
+        ]
+        if self.config.rest.enabled:
+            parts.append(Created("rest", self._new_rest))
+        parts.append(Step("ready", self._mark_ready, self._mark_stopping))
+        return parts
 
-        Raises (BackendUnavailable, ApiConfigError, OSError, ...) after undoing what was started.
-        """
+    @property
+    def name(self) -> str:
+        return "agent"
+
+    def start(self) -> None:
+        """Start every part in order (`components`), for an agent run on its own (tests, tools); the
+        service starts the same parts within its own list. Raises (BackendUnavailable, ApiConfigError,
+        OSError, ...) after undoing what was started."""
+        self._supervisor = Supervisor(self.components())
         try:
-            self._start()
+            self._supervisor.start()
         except BaseException:
-            log.error("agent_start_failed", exc_info=True)
-            self.stop()
+            self._stopped.set()
+            log.error("agent_start_failed", component=self._supervisor.failed, exc_info=True)
             raise
-        self._ready.set()
-        if self.api is not None:
-            self.api.set_ready(True)
-        self._kick.set()
-        log.info("agent_ready", summary=self.summary())
+
+    def health(self) -> Health:
+        return Health(self.ready, "" if self.ready else "not ready")
 
     def _fall_back(self, refusal: SchedulerRefused) -> None:
         """`backend: auto` on a kernel that refused our scheduler: run the next best backend instead of
@@ -178,7 +201,7 @@ class Agent:
         log.warning("backend_selected", backend=backend.name, reason=why, fallback=True)
         return backend
 
-    def _start(self) -> None:
+    def _start_backend(self) -> None:
         if self.config.rest.enabled and self.config.rest.runtime_config_allow:
             self._apply_runtime_config()
         chosen = self.backend is None
@@ -191,28 +214,73 @@ class Agent:
             if not chosen or self.config.backend.kind != "auto":
                 raise
             self._fall_back(exc)
+
+    def _stop_backend(self) -> None:
+        if self.backend is not None:
+            self.backend.stop()
+
+    def _backend_health(self) -> Health:
+        health = self.backend.health() if self.backend is not None else None
+        if health is None:
+            return Health(False, "no backend")
+        return Health(health.state is BackendState.RUNNING, health.reason)
+
+    def _start_engine(self) -> None:
+        """Saved intents and policy files first: the engine's first scan writes them."""
+        assert self.backend is not None
         self.store.load()
         self.local.reload(force=True)
         effect, policy = self._build_policy()
         self._effect = effect
         reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
-        self.engine = Engine.from_config(reconciler, self.config, on_give_up=self._give_up_sched_ext)
+        self.engine = engine_for(reconciler, self.config, on_give_up=self._give_up_sched_ext)
         self.engine.start()
-        self.local.start_polling()
+
+    def _stop_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def _engine_health(self) -> Health:
+        return self.engine.health() if self.engine is not None else Health(False, "not created")
+
+    def _start_status(self) -> None:
         self._status_thread = threading.Thread(target=self._status_loop, name="intent-status", daemon=True)
         self._status_thread.start()
         self.refresh_status()
-        self.api = ApiServer(self.config.api, self)
-        self.api.start()
-        if self.config.rest.enabled:
-            # Imported only when enabled: aiohttp and the token machinery are not needed otherwise.
-            from gthulhu_node.rest.server import RestServer
 
-            self.rest = RestServer(
-                self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
-                metrics_text=self._pod_metrics_text,
-            )
-            self.rest.start()
+    def _stop_status(self) -> None:
+        self._stopped.set()
+        self._kick.set()
+        if self._status_thread is not None:
+            self._status_thread.join(timeout=5)
+
+    def _new_api(self) -> ApiServer:
+        self.api = ApiServer(self.config.api, self)
+        return self.api
+
+    def _new_rest(self) -> RestServer:
+        # Imported only when enabled: aiohttp and the token machinery are not needed otherwise.
+        from gthulhu_node.rest.server import RestServer
+
+        self.rest = RestServer(
+            self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
+            metrics_text=self._pod_metrics_text,
+        )
+        return self.rest
+
+    def _mark_ready(self) -> None:
+        self._ready.set()
+        if self.api is not None:
+            self.api.set_ready(True)
+        self._kick.set()
+        log.info("agent_ready", summary=self.summary())
+
+    def _mark_stopping(self) -> None:
+        """First at stop: not ready, and the status board closed so watch streams end before the API."""
+        self._ready.clear()
+        self._stopped.set()
+        self._kick.set()
+        self.board.close()
 
     def _apply_runtime_config(self) -> None:
         """Load-time settings the Manager set through runtime-config (only the allowed ones), before
@@ -244,30 +312,12 @@ class Agent:
         return render(targets, self.matches() if targets else (), self.config.watch.proc_root)
 
     def stop(self) -> None:
-        """Stop the API (ending watch streams), the file watcher, the engine, then the backend. Idempotent."""
-        if self._stopped.is_set():
-            return
-        self._ready.clear()
+        """Stop what `start` started, in reverse (ready, REST, API, status, files, engine, backend).
+        Idempotent; a part that fails to stop is logged and the rest still stop."""
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.stop()
         self._stopped.set()
-        self._kick.set()
-        self.board.close()
-        if self.rest is not None:
-            try:
-                self.rest.stop()
-            except Exception:
-                log.exception("rest_stop_failed")
-        if self.api is not None:
-            self.api.stop()
-        self.local.stop()
-        if self._status_thread is not None:
-            self._status_thread.join(timeout=5)
-        if self.engine is not None:
-            self.engine.close()
-        if self.backend is not None:
-            try:
-                self.backend.stop()
-            except Exception:
-                log.exception("backend_stop_failed", backend=self.backend.name)
         log.info("agent_stopped")
 
     def reload(self) -> None:
@@ -516,6 +566,21 @@ class Agent:
             policy_errors=self._policy_errors,
             rest=self.rest.stats() if self.rest is not None else None,
         )
+
+
+def engine_for(reconciler: Reconciler, config: AgentConfig,
+               on_give_up: Callable[[str], Backend] | None = None) -> Engine:
+    """The engine with the settings of the configuration's `watch`, `backend` and `scheduler` sections
+    (here, not in engine.py: the engine takes plain values and never sees the configuration)."""
+    return Engine(
+        reconciler,
+        rescan_interval_s=config.watch.rescan_interval_s,
+        reload_backoff_initial_s=config.backend.reload_backoff_initial_s,
+        reload_backoff_max_s=config.backend.reload_backoff_max_s,
+        ejection_limit=config.scheduler.ejection_limit,
+        ejection_window_s=config.scheduler.ejection_window_s,
+        on_give_up=on_give_up,
+    )
 
 
 def _owner_warnings(intent: Intent) -> list[str]:

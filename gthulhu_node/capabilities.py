@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gthulhu_node.errors import Unsupported
+
 # Bit numbers from <linux/capability.h>, in order.
 NAMES = (
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
@@ -39,7 +41,7 @@ _STATUS_FIELDS = {"CapInh": "inheritable", "CapPrm": "permitted", "CapEff": "eff
                   "CapBnd": "bounding", "CapAmb": "ambient"}
 
 
-class DropRefused(Exception):
+class DropRefused(Unsupported):
     """The capabilities could not be dropped from the whole process; nothing was changed, or (the kernel
     refused a step) the message says what is still held."""
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import cast
 
 from gthulhu_node import __version__
+from gthulhu_node.errors import GthulhuError, edge_of
 
 # Each module under gthulhu_node/commands/ defines register(subparsers) and sets `func` on its parsers.
 COMMANDS: list[str] = [
@@ -33,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_code(exc: GthulhuError) -> int:
+    """The command line's one mapping of our exceptions (gthulhu_node/errors.py, the `exit` column):
+    1 refused or failed, 2 bad input (a file, the configuration), 3 the agent cannot be reached."""
+    return edge_of(exc).exit
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -40,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 0
-    return cast(Callable[[argparse.Namespace], int], func)(args)
+    try:
+        return cast(Callable[[argparse.Namespace], int], func)(args)
+    except GthulhuError as exc:  # what a command did not answer itself: one line, the kind's exit code
+        print("gthulhu-node: " + " ".join(str(exc).split()), file=sys.stderr)
+        return exit_code(exc)
 
 
 if __name__ == "__main__":

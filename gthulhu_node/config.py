@@ -15,6 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gthulhu_node.errors import InvalidInput
+
 DEFAULT_PATH = Path("/etc/gthulhu-node/config.yaml")
 # The configuration's format version. Why it is written into the file: a package upgrade keeps an
 # operator's edited config.yaml (a conffile), so a later agent must know which format it reads, and an
@@ -256,7 +258,7 @@ class AgentConfig(_Section):
         return out
 
 
-class ConfigError(Exception):
+class ConfigError(InvalidInput):
     """The configuration file is unreadable or invalid; the message names the file and the field."""
 
 

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import structlog
 
 from gthulhu_node.backends.base import Backend, BackendError, BackendState
+from gthulhu_node.errors import Unavailable
+from gthulhu_node.lifecycle import Health
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
 
@@ -37,7 +39,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-class EngineStopped(RuntimeError):
+class EngineStopped(Unavailable, RuntimeError):
     """Work was submitted to an engine that is not running (or stopped before running it)."""
 
 
@@ -110,21 +112,6 @@ class Engine:
         self._next_reload = 0.0
         self._stats = EngineStats()
 
-    @classmethod
-    def from_config(
-        cls, reconciler: Reconciler, config: Any, on_give_up: Callable[[str], Backend] | None = None
-    ) -> Engine:
-        """Build from an AgentConfig (its `watch`, `backend` and `scheduler` sections)."""
-        return cls(
-            reconciler,
-            rescan_interval_s=config.watch.rescan_interval_s,
-            reload_backoff_initial_s=config.backend.reload_backoff_initial_s,
-            reload_backoff_max_s=config.backend.reload_backoff_max_s,
-            ejection_limit=config.scheduler.ejection_limit,
-            ejection_window_s=config.scheduler.ejection_window_s,
-            on_give_up=on_give_up,
-        )
-
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     def start(self, timeout: float = 60.0) -> None:
@@ -152,6 +139,13 @@ class Engine:
     def add_latency_listener(self, listener: Callable[[float], None]) -> None:
         """Call `listener(seconds)` for every event-caused write (Reconciler.add_latency_listener)."""
         self.reconciler.add_latency_listener(listener)
+
+    name = "engine"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def health(self) -> Health:
+        if self.running:
+            return Health(True)
+        return Health(False, "stopped" if self._stopping.is_set() else "not running")
 
     @property
     def running(self) -> bool:

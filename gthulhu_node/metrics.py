@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
@@ -35,12 +35,16 @@ from prometheus_client.registry import Collector
 from gthulhu_node import metrics_server
 from gthulhu_node.backends.base import Backend, BackendHealth
 from gthulhu_node.engine import EngineStats
+from gthulhu_node.lifecycle import Health
 from gthulhu_node.reconciler import IntentStats, Reconciler, ReconcilerStats
 
-if TYPE_CHECKING:  # the agent imports much; metrics only needs its types
+if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only needs their types
     from gthulhu_node.agent import AgentStats
+    from gthulhu_node.api.server import ApiStats
     from gthulhu_node.engine import Engine
+    from gthulhu_node.intents.localfiles import LocalFilesStats
     from gthulhu_node.intents.status import MatchRow, StatusSnapshot
+    from gthulhu_node.intents.store import StoreStats
     from gthulhu_node.logs import LogStats
     from gthulhu_node.rest.app import RestStats
 
@@ -145,66 +149,88 @@ class MetricsSource(Protocol):
     def matches(self, intent: str = "") -> list[MatchRow]: ...
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackendView:
+    """The backend in use, as the engine snapshot carries it: what metrics read of it, typed."""
+
+    name: str
+    reason: str
+    capacity: int | None
+    sched_ext_refused: str
+    sched_ext_given_up: str
+
+
 @dataclasses.dataclass
 class EngineSnapshot:
+    """Engine, reconciler and backend figures read together on the engine thread (engine.call)."""
+
     engine: EngineStats | None = None
     reconciler: ReconcilerStats | None = None
     intents: dict[str, IntentStats] = dataclasses.field(default_factory=dict)
     health: BackendHealth | None = None
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     gauges: dict[str, int] = dataclasses.field(default_factory=dict)
+    backend: BackendView | None = None
 
 
-class AgentCollector(Collector):
-    """Reads the agent's components' typed stats at scrape time and turns them into metric families.
+def read_engine(agent: MetricsSource) -> EngineSnapshot:
+    """The reconciler and backend figures are read on the engine thread (neither is thread-safe); a busy
+    or stopping engine costs these metrics, not the scrape."""
+    backend = agent.backend
+    view = None if backend is None else BackendView(backend.name, agent.backend_reason, backend.capacity,
+                                                    agent.sched_ext_refused, agent.sched_ext_given_up)
+    snap = EngineSnapshot(backend=view)
+    engine = agent.engine
+    if engine is None:
+        return snap
+    snap.engine = _call(engine.stats, "engine")
+    if not engine.running:
+        return snap
 
-    One failing accessor only costs its own metrics (`_call`).
-    """
+    def read(reconciler: Reconciler) -> EngineSnapshot:
+        b = reconciler.backend
+        return EngineSnapshot(snap.engine, reconciler.stats(), reconciler.intent_stats(), b.health(),
+                              b.counters(), b.gauges(), view)
 
-    def __init__(self, agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None,
-                 log_stats: Callable[[], LogStats] | None = None) -> None:
-        self.agent = agent
-        self.runqueue = runqueue
-        self.log_stats = log_stats
+    try:
+        return engine.call(read, timeout=ENGINE_CALL_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("metrics_engine_read_failed", error=str(exc))
+        return snap
+
+
+S = TypeVar("S")
+
+
+class StatsCollector(Collector, Generic[S]):
+    """One component's typed stats turned into its metric families at each scrape, the way
+    prometheus_client's own collectors (ProcessCollector, ...) read their source when scraped. `families`
+    reads the stats' fields by name: a renamed field is a mypy error, not a series stuck at 0. A component
+    whose stats cannot be read costs only its own families."""
+
+    component = ""
+
+    def __init__(self, read: Callable[[], S | None]) -> None:
+        self._read = read
 
     def describe(self) -> Iterable[Metric]:
-        return []  # dynamic: families depend on what the components report
+        return []  # dynamic: label values depend on what the component reports
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._agent_metrics()
-        snap = self._engine_snapshot()
-        yield from self._engine_metrics(snap)
-        yield from self._backend_metrics(snap)
-        yield from self._match_metrics()
-        yield from self._log_metrics()
+        stats = _call(self._read, self.component)
+        if stats is not None:
+            yield from self.families(stats)
 
-    def _engine_snapshot(self) -> EngineSnapshot:
-        """Reconciler and backend figures, read on the engine thread (neither is thread-safe)."""
-        snap = EngineSnapshot()
-        engine = self.agent.engine
-        if engine is None:
-            return snap
-        snap.engine = _call(engine.stats, "engine")
-        if not engine.running:
-            return snap
+    def families(self, stats: S) -> Iterator[Metric]:
+        raise NotImplementedError
 
-        def read(reconciler: Reconciler) -> EngineSnapshot:
-            backend = reconciler.backend
-            return EngineSnapshot(snap.engine, reconciler.stats(), reconciler.intent_stats(),
-                                  backend.health(), backend.counters(), backend.gauges())
 
-        try:
-            return engine.call(read, timeout=ENGINE_CALL_TIMEOUT_S)
-        except Exception as exc:  # a busy or stopping engine costs these metrics, not the scrape
-            log.warning("metrics_engine_read_failed", error=str(exc))
-            return snap
+class AgentCollector(StatsCollector["AgentStats"]):
+    """The agent's own figures: readiness, intents by state, policies handed to the reconciler."""
 
-    # -- intents, store, API ---------------------------------------------------------------------------
+    component = "agent"
 
-    def _agent_metrics(self) -> Iterator[Metric]:
-        stats = _call(self.agent.stats, "agent")
-        if stats is None:
-            return
+    def families(self, stats: AgentStats) -> Iterator[Metric]:
         yield _gauge("ready", "1 when the agent has loaded its backend and applied its saved intents.",
                      1.0 if stats.ready else 0.0)
         states = dict(stats.intents_by_state)
@@ -212,79 +238,112 @@ class AgentCollector(Collector):
             states.setdefault(state, 0)
         yield _labelled(GaugeMetricFamily, "intents", "Intents known to the agent, by state.", "state",
                         states)
-        store = stats.store
-        yield _labelled(GaugeMetricFamily, "source_intents", "Accepted intents per source.", "source",
-                        store.intents)
-        yield _counter("intent_applies_total", "Intent set pushes accepted (any source).",
-                       store.applies)
-        refused = {"stale_generation": store.refused_stale,
-                   "invalid": store.refused_invalid}
-        yield _labelled(CounterMetricFamily, "intent_pushes_refused_total",
-                        "Intent set pushes refused, by reason.", "reason", refused)
-        yield _counter("intent_deletes_total", "Intent deletions.", store.deletes)
-        yield _counter("state_persist_errors_total", "Failed writes of the intent state file.",
-                       store.persist_errors)
-        yield _counter("state_corrupt_files_total", "Corrupt state files moved aside at start.",
-                       store.corrupt_state_files)
-        local = stats.local_files
-        yield _gauge("policy_files", "Local policy files read.", float(local.files))
-        yield _gauge("policy_files_invalid", "Local policy files refused now (unreadable, invalid).",
-                     float(local.bad_files))
-        yield _counter("policy_file_errors_total", "Times a local policy file was refused.",
-                       local.load_errors)
-        yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
-                       local.reloads)
-        yield _counter("policy_dir_errors_total", "Looks at the policy directory that failed "
-                       "(unreadable or untrusted); its last good content was kept.",
-                       local.dir_errors)
-        yield _gauge("policy_dir_unreadable", "1 while the policy directory cannot be read or is not "
-                     "trusted (its last good content stays in effect).",
-                     float(bool(local.dir_unreadable)))
-        api = stats.api
-        yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
-                        api.requests)
-        yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
-                        api.errors)
-        yield _gauge("api_watch_streams", "Open WatchStatus streams.", float(api.watch_streams))
-        if stats.rest is not None:
-            yield from self._rest_metrics(stats.rest)
         yield _counter("policy_updates_total", "Policy sets handed to the reconciler.",
                        stats.policy_updates)
         yield _counter("policy_build_errors_total", "Intent sets that could not be compiled into a policy.",
                        stats.policy_errors)
 
-    def _rest_metrics(self, rest: RestStats) -> Iterator[Metric]:
-        """The upstream Decision Maker listener, when enabled: refusals are bad input worth alerting on."""
+
+class StoreCollector(StatsCollector["StoreStats"]):
+    """The intent store (gthulhu_node/intents/store.py): pushes, refusals, deletes, the state file."""
+
+    component = "store"
+
+    def families(self, stats: StoreStats) -> Iterator[Metric]:
+        yield _labelled(GaugeMetricFamily, "source_intents", "Accepted intents per source.", "source",
+                        stats.intents)
+        yield _counter("intent_applies_total", "Intent set pushes accepted (any source).",
+                       stats.applies)
+        refused = {"stale_generation": stats.refused_stale,
+                   "invalid": stats.refused_invalid}
+        yield _labelled(CounterMetricFamily, "intent_pushes_refused_total",
+                        "Intent set pushes refused, by reason.", "reason", refused)
+        yield _counter("intent_deletes_total", "Intent deletions.", stats.deletes)
+        yield _counter("state_persist_errors_total", "Failed writes of the intent state file.",
+                       stats.persist_errors)
+        yield _counter("state_corrupt_files_total", "Corrupt state files moved aside at start.",
+                       stats.corrupt_state_files)
+
+
+class PolicyFilesCollector(StatsCollector["LocalFilesStats"]):
+    """The local policy files (gthulhu_node/intents/localfiles.py)."""
+
+    component = "policy-files"
+
+    def families(self, stats: LocalFilesStats) -> Iterator[Metric]:
+        yield _gauge("policy_files", "Local policy files read.", float(stats.files))
+        yield _gauge("policy_files_invalid", "Local policy files refused now (unreadable, invalid).",
+                     float(stats.bad_files))
+        yield _counter("policy_file_errors_total", "Times a local policy file was refused.",
+                       stats.load_errors)
+        yield _counter("policy_reloads_total", "Reloads of the local policy directory.",
+                       stats.reloads)
+        yield _counter("policy_dir_errors_total", "Looks at the policy directory that failed "
+                       "(unreadable or untrusted); its last good content was kept.",
+                       stats.dir_errors)
+        yield _gauge("policy_dir_unreadable", "1 while the policy directory cannot be read or is not "
+                     "trusted (its last good content stays in effect).",
+                     float(bool(stats.dir_unreadable)))
+
+
+class ApiCollector(StatsCollector["ApiStats"]):
+    """The gRPC API (gthulhu_node/api/server.py)."""
+
+    component = "api"
+
+    def families(self, stats: ApiStats) -> Iterator[Metric]:
+        yield _labelled(CounterMetricFamily, "api_requests_total", "gRPC requests, by method.", "method",
+                        stats.requests)
+        yield _labelled(CounterMetricFamily, "api_errors_total", "gRPC errors, by status code.", "code",
+                        stats.errors)
+        yield _gauge("api_watch_streams", "Open WatchStatus streams.", float(stats.watch_streams))
+
+
+class RestCollector(StatsCollector["RestStats"]):
+    """The upstream Decision Maker listener, when enabled: refusals are bad input worth alerting on."""
+
+    component = "rest"
+
+    def families(self, stats: RestStats) -> Iterator[Metric]:
         yield _gauge("rest_insecure", "1 when the REST listener serves plain HTTP (insecure setting on).",
-                     1.0 if rest.insecure else 0.0)
-        codes = {str(k): v for k, v in rest.requests.items()}
+                     1.0 if stats.insecure else 0.0)
+        codes = {str(k): v for k, v in stats.requests.items()}
         yield _labelled(CounterMetricFamily, "rest_requests_total", "REST requests, by HTTP status code.",
                         "code", codes)
-        tokens = {"issued": rest.tokens_issued, "refused": rest.tokens_refused}
+        tokens = {"issued": stats.tokens_issued, "refused": stats.tokens_refused}
         yield _labelled(CounterMetricFamily, "rest_tokens_total", "Token requests, by outcome.", "outcome",
                         tokens)
         yield _counter("rest_auth_refused_total", "REST requests refused: missing, forged or expired token.",
-                       rest.auth_refused)
-        pushes = {"accepted": rest.pushes_accepted, "refused": rest.pushes_refused}
+                       stats.auth_refused)
+        pushes = {"accepted": stats.pushes_accepted, "refused": stats.pushes_refused}
         yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
                         "outcome", pushes)
-        yield _counter("rest_deletes_total", "Manager intent deletions.", rest.deletes)
+        yield _counter("rest_deletes_total", "Manager intent deletions.", stats.deletes)
         yield _counter("rest_connections_refused_total", "Connections closed at once: rest.max_connections "
-                       "were open.", rest.connections_refused)
+                       "were open.", stats.connections_refused)
         yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
-                       "completed (timeout, no or bad certificate).", rest.handshakes_failed)
+                       "completed (timeout, no or bad certificate).", stats.handshakes_failed)
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
-                       rest.accept_errors)
+                       stats.accept_errors)
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "
-                       "see status), per changed push.", rest.entries_failed)
+                       "see status), per changed push.", stats.entries_failed)
         yield _counter("rest_node_policies_expired_total", "Times node policies were dropped because the "
-                       "Manager stopped checking them (it holds none).", rest.node_policies_expired)
+                       "Manager stopped checking them (it holds none).", stats.node_policies_expired)
         yield _counter("rest_pod_intents_forgotten_total", "Pod intents of an old state file dropped at "
-                       "start (the Manager re-pushes them).", rest.pod_intents_forgotten)
+                       "start (the Manager re-pushes them).", stats.pod_intents_forgotten)
 
-    # -- task watching and the reconciler ---------------------------------------------------------------
 
-    def _engine_metrics(self, snap: EngineSnapshot) -> Iterator[Metric]:
+class EngineCollector(StatsCollector[EngineSnapshot]):
+    """What the engine thread owns, read together in one engine.call so the figures agree: the engine
+    (task events, ejections), the reconciler (scans, entries, writes, per intent) and the backend."""
+
+    component = "engine"
+
+    def families(self, stats: EngineSnapshot) -> Iterator[Metric]:
+        yield from self._engine(stats)
+        yield from self._backend(stats)
+
+    def _engine(self, snap: EngineSnapshot) -> Iterator[Metric]:
         engine = snap.engine
         if engine is not None:
             yield _gauge("proc_events_available", "1 when the proc connector delivers task events (else "
@@ -351,22 +410,20 @@ class AgentCollector(Collector):
                         "backend refused.", "intent",
                         {k: v.write_failures for k, v in per_intent.items()})
 
-    # -- the backend (scheduler) ------------------------------------------------------------------------
-
-    def _backend_metrics(self, snap: EngineSnapshot) -> Iterator[Metric]:
-        backend = self.agent.backend
+    def _backend(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        backend = snap.backend
         if backend is None:
             return
         info = InfoMetricFamily(PREFIX + "backend", "The backend in use and why it was chosen.",
                                 labels=["kind", "reason"])
-        info.add_metric([backend.name, self.agent.backend_reason], {})
+        info.add_metric([backend.name, backend.reason], {})
         yield info
-        refused = self.agent.sched_ext_refused
+        refused = backend.sched_ext_refused
         yield GaugeMetricFamily(PREFIX + "sched_ext_refused",
                                 "1 when the kernel refused our sched_ext scheduler and backend auto fell "
                                 "back to another backend (the reason is in gthulhu_node_backend_info).",
                                 value=1.0 if refused else 0.0)
-        given_up = self.agent.sched_ext_given_up
+        given_up = backend.sched_ext_given_up
         yield GaugeMetricFamily(PREFIX + "sched_ext_given_up",
                                 "1 when the kernel ejected our sched_ext scheduler scheduler.ejection_limit "
                                 "times within scheduler.ejection_window_s and the agent stopped reloading it "
@@ -375,8 +432,8 @@ class AgentCollector(Collector):
         # What map use is measured against (the dashboard's gauge, the map-near-full alert): each of the
         # sched_ext scheduler's maps holds scheduler.map_capacity entries. Backends without such a limit
         # (EEVDF, an unbounded dry run) export no capacity.
-        capacity = getattr(backend, "capacity", None)
-        if isinstance(capacity, int) and not isinstance(capacity, bool):
+        capacity = backend.capacity
+        if capacity is not None:
             yield _gauge("backend_capacity_entries", "Entries each of the backend's maps holds at most "
                          "(scheduler.map_capacity); compare gthulhu_node_backend_entries{table=\"applied\"}.",
                          float(capacity))
@@ -405,9 +462,15 @@ class AgentCollector(Collector):
                             "The backend's own current sizes (live map entries, entries held, ...).",
                             "gauge", snap.gauges)
 
-    # -- per-intent matches and run-queue wait ----------------------------------------------------------
 
-    def _match_metrics(self) -> Iterator[Metric]:
+class MatchesCollector(Collector):
+    """Per-intent matched tasks and their run-queue wait (sampled at each scrape)."""
+
+    def __init__(self, agent: MetricsSource, runqueue: RunqueueWaitTracker | None) -> None:
+        self.agent = agent
+        self.runqueue = runqueue
+
+    def collect(self) -> Iterator[Metric]:
         snapshot = _call(self.agent.status, "status")
         per_intent: dict[str, float] = {}
         if snapshot is not None:
@@ -422,10 +485,13 @@ class AgentCollector(Collector):
                             "Time matched tasks spent waiting on a run queue while matched (schedstat).",
                             "intent", self.runqueue.totals_seconds())
 
-    def _log_metrics(self) -> Iterator[Metric]:
-        stats = _call(self.log_stats, "logs") if self.log_stats is not None else None
-        if stats is None:
-            return
+
+class LogCollector(StatsCollector["LogStats"]):
+    """The logging pipeline (gthulhu_node/logs.py): records written and suppressed."""
+
+    component = "logs"
+
+    def families(self, stats: LogStats) -> Iterator[Metric]:
         yield _counter("log_records_total", "Log records written.", stats.records)
         yield _labelled(CounterMetricFamily, "log_records_suppressed_total",
                         "Log records dropped by the per-event rate limit, by event.", "event",
@@ -434,10 +500,32 @@ class AgentCollector(Collector):
                        stats.send_errors)
 
 
+def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None,
+               log_stats: Callable[[], LogStats] | None = None) -> list[Collector]:
+    """One collector per component, each reading that component's typed stats at scrape time."""
+    out: list[Collector] = [
+        AgentCollector(agent.stats),
+        StoreCollector(lambda: agent.stats().store),
+        PolicyFilesCollector(lambda: agent.stats().local_files),
+        ApiCollector(lambda: agent.stats().api),
+        RestCollector(lambda: agent.stats().rest),
+        EngineCollector(lambda: read_engine(agent)),
+        MatchesCollector(agent, runqueue),
+    ]
+    if log_stats is not None:
+        out.append(LogCollector(log_stats))
+    return out
+
+
 class Metrics:
     """The registry, the per-event histograms and the HTTP endpoint."""
 
-    def __init__(self) -> None:
+    name = "metrics"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def __init__(self, listen: str = "") -> None:
+        """`listen`: "host:port" of the endpoint `start` opens; empty for none."""
+        self.listen = listen
+        self.error = ""  # why the endpoint could not be opened
         # node_exporter style: no `_created` series (they double the output and nobody graphs them)
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
@@ -445,7 +533,7 @@ class Metrics:
             "reaction_latency_seconds", "From a task event (fork, comm, exec) to its entry being written.",
             namespace="gthulhu_node", buckets=REACTION_BUCKETS, registry=self.registry)
         self.runqueue = RunqueueWaitTracker()
-        self._server: Any = None
+        self._server: metrics_server.BoundedMetricsServer | None = None
         self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
 
@@ -453,7 +541,8 @@ class Metrics:
         self.reaction_latency.observe(seconds)
 
     def attach(self, agent: MetricsSource, log_stats: Callable[[], LogStats] | None = None) -> None:
-        self.registry.register(AgentCollector(agent, self.runqueue, log_stats))
+        for collector in collectors(agent, self.runqueue, log_stats):
+            self.registry.register(collector)
         self.registry.register(_EndpointCollector(self))
 
     def serve(self, listen: str) -> tuple[str, int] | None:
@@ -464,6 +553,25 @@ class Metrics:
         self._server, self._thread = metrics_server.serve(host, port, self.registry)
         self.address = (host, int(self._server.server_address[1]))
         return self.address
+
+    def start(self) -> None:
+        """Open the endpoint. Never raises: no metrics is bad, no scheduling is worse (logged loudly)."""
+        try:
+            address = self.serve(self.listen)
+        except (OSError, ValueError) as exc:
+            self.error = str(exc)
+            log.error("metrics_listen_failed", listen=self.listen, error=self.error)
+            return
+        if address is None:
+            log.info("metrics_disabled")
+        else:
+            log.info("metrics_listening", listen=f"{address[0]}:{address[1]}")
+
+    def stop(self) -> None:
+        self.close()
+
+    def health(self) -> Health:
+        return Health(not self.error, self.error)
 
     def close(self) -> None:
         if self._server is not None:

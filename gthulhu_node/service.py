@@ -5,12 +5,14 @@ Order, and why:
    then, while the process has its only thread, privileges are released (gthulhu_node/privileges.py:
    a stale scheduler taken over, CAP_SYS_ADMIN dropped): capabilities are per thread, so only a drop
    made before the first other thread starts covers every thread;
-2. the metrics endpoint, so a start that hangs can be looked at;
-3. `Agent.start()` (scheduler loaded, saved intents applied), then READY=1: systemd reports the unit
-   active, and `systemctl start` returns, only when the node is really scheduled as its intents say;
+2.-3. one Supervisor (gthulhu_node/lifecycle.py) starts the parts of `_components` in order: the metrics
+   endpoint, so a start that hangs can be looked at; the agent's parts (scheduler loaded, saved intents
+   applied, API open); the probe. Then READY=1: systemd reports the unit active, and `systemctl start`
+   returns, only when the node is really scheduled as its intents say;
 4. the main loop: signals (SIGTERM/SIGINT stop, SIGHUP reloads the local policy files), STATUS= refreshed
    with the agent's one-line summary, log-suppression summaries flushed;
-5. stop: STOPPING=1, the agent stops (the scheduler is unloaded: sched_ext back to `disabled`).
+5. stop: STOPPING=1, the supervisor stops every part in reverse (the scheduler is unloaded: sched_ext back
+   to `disabled`).
 
 The systemd watchdog is fed from the engine's loop through its periodic hook, and only while the main loop
 is alive too: a stuck engine or a stuck main thread stops the pings and systemd restarts the service. A
@@ -30,6 +32,7 @@ import structlog
 
 from gthulhu_node import __version__, logs
 from gthulhu_node.config import AgentConfig
+from gthulhu_node.lifecycle import Component, Supervisor
 from gthulhu_node.metrics import Metrics, MetricsSource
 from gthulhu_node.systemd import Notifier
 
@@ -59,9 +62,8 @@ class ServedAgent(MetricsSource, Protocol):
 
     capabilities: str  # set by the service: what was dropped at start (privileges.Released.describe)
 
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
+    def components(self) -> list[Component]:
+        """The agent's parts in start order; the service's supervisor runs them (lifecycle.py)."""
 
     def reload(self) -> None: ...
 
@@ -87,7 +89,8 @@ class Service:
         self.config_path = config_path
         self.agent_factory = agent_factory
         self.notifier = notifier or Notifier()
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.metrics.listen)
+        self.supervisor = Supervisor([])  # replaced by run() once the agent exists
         self.release_privileges = release_privileges
         self.released: Released | None = None  # what release_privileges returned
         self._agent: ServedAgent | None = None
@@ -177,41 +180,38 @@ class Service:
         if self.released is not None:
             self.agent.capabilities = self.released.describe()
         self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
-        self._serve_metrics()
+        self.supervisor = Supervisor(self._components())
         if not self._start_agent():
             return 1
         if self._stop.is_set():
             return self._shutdown()
         self._wire_engine(self.agent.engine)
-        if self.config.probe.enabled:  # its own thread; a probe that cannot run only logs and exports up=0
-            from gthulhu_node.probe.continuous import start_if_enabled
-            self.probe = start_if_enabled(self.config, self.agent, self.metrics.registry)
         summary = self._summary()
         self.notifier.ready(status=summary)
         log.info("service_ready", summary=summary, watchdog_from_engine=self._watchdog_from_engine)
         self._loop(setup)
         return self._shutdown()
 
-    def _serve_metrics(self) -> None:
-        listen = self.config.metrics.listen
-        try:
-            address = self.metrics.serve(listen)
-        except (OSError, ValueError) as exc:
-            # No metrics is bad, no scheduling is worse: keep running, say so loudly.
-            log.error("metrics_listen_failed", listen=listen, error=str(exc))
-            return
-        if address is None:
-            log.info("metrics_disabled")
-        else:
-            log.info("metrics_listening", listen=f"{address[0]}:{address[1]}")
+    def _components(self) -> list[Component]:
+        """The process's long-lived parts in start order, the one list (stopped in reverse): the metrics
+        endpoint first, so a start that hangs can be looked at; the agent's parts (Agent.components:
+        backend, engine, policy files, status, gRPC API, REST, ready); the probe last, in its own thread
+        (one that cannot run only logs and exports up=0)."""
+        parts: list[Component] = [self.metrics, *self.agent.components()]
+        if self.config.probe.enabled:
+            from gthulhu_node.probe.continuous import probe_for
+
+            self.probe = probe_for(self.config.probe, self.agent.matches, self.metrics.registry)
+            parts.append(self.probe)
+        return parts
 
     def _start_agent(self) -> bool:
-        """Agent.start() in a worker thread, so the main thread can keep systemd informed meanwhile."""
+        """The supervisor's start in a worker thread, so the main thread can keep systemd informed."""
         failure: list[BaseException] = []
 
         def start() -> None:
             try:
-                self.agent.start()
+                self.supervisor.start()
             except BaseException as exc:
                 failure.append(exc)
 
@@ -225,8 +225,8 @@ class Service:
                 self.notifier.watchdog()
         if failure:
             exc = failure[0]
-            log.error("agent_start_failed", error=str(exc), seconds=round(time.monotonic() - started, 3),
-                      exc_info=exc)
+            log.error("agent_start_failed", component=self.supervisor.failed, error=str(exc),
+                      seconds=round(time.monotonic() - started, 3), exc_info=exc)
             self.notifier.status(f"failed to start: {exc}")
             return False
         log.info("agent_started", seconds=round(time.monotonic() - started, 3))
@@ -281,14 +281,7 @@ class Service:
         self.notifier.stopping()
         self.notifier.status("stopping: unloading the scheduler")
         log.info("service_stopping", signal=self._stop_signal or "none")
-        code = 0
-        if self.probe is not None:
-            self.probe.stop()
-        try:
-            self.agent.stop()
-        except Exception as exc:
-            log.error("agent_stop_failed", error=str(exc), exc_info=True)
-            code = 1
-        self.metrics.close()
+        failures = self.supervisor.stop()  # probe, the agent's parts, metrics: each logged if it fails
+        code = 1 if failures else 0
         log.info("service_stopped", exit_code=code)
         return code

@@ -12,12 +12,13 @@ import grpc
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.api.server import MAX_SEND_BYTES
 from gthulhu_node.config import ApiConfig
+from gthulhu_node.errors import Unavailable
 
 DEFAULT_SOCKET = ApiConfig().socket
 START_HINT = "start it with `systemctl start gthulhu-node` (or `gthulhu-node run`)"
 
 
-class ConnectError(Exception):
+class ConnectError(Unavailable):
     """The agent cannot be reached; the message says where it looked and what to do."""
 
 

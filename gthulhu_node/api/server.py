@@ -28,15 +28,12 @@ from gthulhu_node.api import convert, decoding
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.config import ApiConfig
+from gthulhu_node.errors import GthulhuError, InvalidInput, LimitExceeded, edge_of
 from gthulhu_node.intents.model import check_source
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
-from gthulhu_node.intents.store import (
-    IntentNotFoundError,
-    IntentStore,
-    LimitError,
-    StaleGenerationError,
-)
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.lifecycle import Health
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +59,7 @@ class AgentAPI(Protocol):
         """Wait until the last store change is in effect and status reflects it (best effort)."""
 
 
-class ApiConfigError(Exception):
+class ApiConfigError(InvalidInput):
     """The API cannot start as configured (missing TLS files, socket in use, ...)."""
 
 
@@ -73,11 +70,9 @@ class ApiStats:
     watch_streams: int = 0
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+def grpc_status(exc: GthulhuError) -> grpc.StatusCode:
+    """The gRPC edge's one mapping of our exceptions (gthulhu_node/errors.py, the `grpc` column)."""
+    return grpc.StatusCode[edge_of(exc).grpc]
 
 
 class NodeAgentService(pb_grpc.NodeAgentServicer):
@@ -102,16 +97,8 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             self._stats.requests[method] = self._stats.requests.get(method, 0) + 1
         try:
             return fn()
-        except _Aborted as exc:
-            self._fail(method, context, exc.code, exc.message)
-        except IntentValidationError as exc:
-            self._fail(method, context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except StaleGenerationError as exc:
-            self._fail(method, context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except IntentNotFoundError as exc:
-            self._fail(method, context, grpc.StatusCode.NOT_FOUND, str(exc))
-        except LimitError as exc:
-            self._fail(method, context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except GthulhuError as exc:
+            self._fail(method, context, grpc_status(exc), str(exc))
         except OSError as exc:
             self._fail(method, context, grpc.StatusCode.UNAVAILABLE, f"could not persist intents: {exc}")
         raise AssertionError("unreachable")  # context.abort raises
@@ -185,10 +172,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         def admit() -> None:
             with self._lock:
                 if self._stats.watch_streams >= self._max_watchers:
-                    raise _Aborted(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"at most {self._max_watchers} status watchers at a time",
-                    )
+                    raise LimitExceeded(f"at most {self._max_watchers} status watchers at a time")
                 self._stats.watch_streams += 1
 
         self._call("WatchStatus", context, admit)
@@ -221,7 +205,7 @@ class ApiServer:
         self.config = config
         workers = config.workers
         self.service = NodeAgentService(agent, max_watchers=max(1, workers - 2))
-        self.health = health.HealthServicer()
+        self.grpc_health = health.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
@@ -242,17 +226,18 @@ class ApiServer:
         )
         decoding.add_servicer(pb_grpc.add_NodeAgentServicer_to_server, self.service, self._server,
                               self.service.refuse_invalid)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, self._server)
         self._set_health(False)
         self.socket_path: Path | None = config.socket
         self.tcp_port: int | None = None
+        self._listening = False
 
     def _set_health(self, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+            self.grpc_health.set(name, status)
 
     def start(self) -> None:
         """Bind the listeners and start serving (health NOT_SERVING until `set_ready`)."""
@@ -271,6 +256,7 @@ class ApiServer:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        self._listening = True
         log.info("api_listening", socket=str(path), tcp=self.config.tcp_listen, tcp_port=self.tcp_port)
 
     def _add_tls_port(self, config: ApiConfig) -> int:
@@ -282,12 +268,18 @@ class ApiServer:
             raise ApiConfigError(f"cannot listen on {config.tcp_listen}")
         return port
 
+    name = "api"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def health(self) -> Health:
+        return Health(self._listening, "" if self._listening else "not listening")
+
     def set_ready(self, ready: bool) -> None:
         self._set_health(ready)
 
     def stop(self, grace: float = 2.0) -> None:
+        self._listening = False
         self._set_health(False)
-        self.health.enter_graceful_shutdown()
+        self.grpc_health.enter_graceful_shutdown()
         self.service.stop()
         self._server.stop(grace).wait(grace + 1)
         path = self.config.socket

@@ -17,6 +17,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gthulhu_node.errors import BackendError as BackendError  # re-exported: the backends' base error
+from gthulhu_node.errors import Unavailable
 from gthulhu_node.limits import PRIORITY_MAX, SLICE_MAX_NS, SLICE_MIN_NS
 
 
@@ -45,11 +47,7 @@ class Entry:
     start_time: int  # clock ticks since boot of the task the key names (see module docstring)
 
 
-class BackendError(Exception):
-    """A backend could not do what was asked; the message is for people."""
-
-
-class BackendUnavailable(BackendError):
+class BackendUnavailable(Unavailable, BackendError):
     """The backend cannot run on this host (missing kernel support, not root, ...)."""
 
 
@@ -122,6 +120,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def read_back(self) -> dict[EntryKey, Entry]:
         """What the backend holds now, read from where it takes effect (the kernel, for real backends)."""
+
+    @property
+    def capacity(self) -> int | None:
+        """Entries each of the backend's maps holds at most; None when it has no such limit."""
+        return None
 
     def health(self) -> BackendHealth:
         """Whether the backend still works; a real scheduler can be ejected by the kernel."""

@@ -47,9 +47,13 @@ class DryRunBackend(Backend):
 
     name = "dry-run"
 
+    @property
+    def capacity(self) -> int | None:
+        return self._capacity
+
     def __init__(self, record: Path | None = None, capacity: int | None = None) -> None:
         self.record_path = record
-        self.capacity = capacity
+        self._capacity = capacity
         self.table: dict[EntryKey, Entry] = {}
         # Every change in order, for people and tests: ("U", key, entry) or ("D", key, None).
         self.history: collections.deque[tuple[str, EntryKey, Entry | None]] = collections.deque(

@@ -13,13 +13,12 @@ The reason string says which one was chosen and why; status, logs and metrics sh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from gthulhu_node.backends.base import Backend, BackendUnavailable
 from gthulhu_node.backends.dryrun import DryRunBackend
-from gthulhu_node.config import BackendKind
+from gthulhu_node.config import AgentConfig, BackendKind
 
 log = structlog.get_logger(__name__)
 
@@ -30,7 +29,7 @@ def kernel_has_sched_ext(sysfs: Path = SCHED_EXT_SYSFS) -> bool:
     return sysfs.is_dir()
 
 
-def _sched_ext(config: Any) -> Backend:
+def _sched_ext(config: AgentConfig) -> Backend:
     # Imported lazily: the scheduler package needs libbpf and the built BPF object, which hosts without
     # sched_ext do not need.
     from gthulhu_node.scheduler.backend import SchedExtBackend
@@ -39,13 +38,13 @@ def _sched_ext(config: Any) -> Backend:
     return backend
 
 
-def _dry_run(config: Any) -> Backend:
+def _dry_run(config: AgentConfig) -> Backend:
     """The dry run holds as many entries as the scheduler's maps would (scheduler.map_capacity), so what
     it reports (map use against capacity, map-full failures) is what the real scheduler would report."""
     return DryRunBackend(record=config.backend.dry_run_record, capacity=config.scheduler.map_capacity)
 
 
-def _auto_without_sched_ext(config: Any, why: str) -> tuple[Backend, str]:
+def _auto_without_sched_ext(config: AgentConfig, why: str) -> tuple[Backend, str]:
     """The EEVDF backend when a probe on a throwaway thread of our own shows the kernel honours slice
     requests and nice changes (6.12+, root); else the dry run, with the probe's answer in the reason.
     `why` says why sched_ext is out."""
@@ -66,19 +65,19 @@ def _auto_without_sched_ext(config: Any, why: str) -> tuple[Backend, str]:
     )
 
 
-def fallback_after_ejections(config: Any, why: str) -> tuple[Backend, str]:
+def fallback_after_ejections(config: AgentConfig, why: str) -> tuple[Backend, str]:
     """What runs once the kernel ejected our scheduler too often (scheduler.ejection_limit): the next best
     backend, whatever backend.kind asked for, since reloading again would only be ejected again."""
     return _auto_without_sched_ext(config, f"the sched_ext scheduler was given up: {why}")
 
 
-def fallback_after_refusal(config: Any, refusal: str) -> tuple[Backend, str]:
+def fallback_after_refusal(config: AgentConfig, refusal: str) -> tuple[Backend, str]:
     """What `auto` runs when the kernel refused our sched_ext scheduler: the next best backend, with the
     refusal in the reason (status, logs and the backend info metric show it)."""
     return _auto_without_sched_ext(config, f"the kernel refused the sched_ext scheduler ({refusal})")
 
 
-def select_backend(config: Any, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend, str]:
+def select_backend(config: AgentConfig, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[Backend, str]:
     """Return (backend, reason) for an AgentConfig. The backend is not started yet.
 
     Raises BackendUnavailable when a forced kind cannot be built here.

@@ -23,6 +23,7 @@ from gthulhu_node import config as configuration
 from gthulhu_node.api import convert
 from gthulhu_node.api.client import ConnectError, Target, describe_rpc_error, stub
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.cli import exit_code
 from gthulhu_node.intents.localfiles import PolicyFileError, read_file
 from gthulhu_node.intents.model import Intent, intent_key
 from gthulhu_node.intents.parse import IntentValidationError, intent_to_doc
@@ -119,7 +120,7 @@ def _call(args: argparse.Namespace, fn: Callable[[Any], Any]) -> tuple[int, Any]
             return 0, fn(s)
     except ConnectError as exc:
         _err(str(exc))
-        return EXIT_UNREACHABLE, None
+        return exit_code(exc), None
     except grpc.RpcError as exc:
         assert target is not None
         _err(describe_rpc_error(exc, target))
@@ -171,7 +172,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         intents = _read_intents(args.file)
     except PolicyFileError as exc:
         _err(f"{args.file}: {exc}")
-        return EXIT_BAD_FILE
+        return exit_code(exc)
     if args.dry_run:
         return _dry_run(args, intents)
     request = pb.ApplyIntentsRequest(

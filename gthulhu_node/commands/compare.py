@@ -18,6 +18,7 @@ import grpc
 from gthulhu_node.api import convert
 from gthulhu_node.api.client import ConnectError, Target, describe_rpc_error, stub
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.cli import exit_code
 from gthulhu_node.config import ApiConfig
 from gthulhu_node.intents.localfiles import PolicyFileError, read_file
 from gthulhu_node.intents.model import Intent
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         intents = list(read_file(args.file).intents)
     except PolicyFileError as exc:
         print(f"gthulhu-node compare: {args.file}: {exc}", file=sys.stderr)
-        return 2
+        return exit_code(exc)
     if not intents:
         print(f"gthulhu-node compare: {args.file} holds no intent", file=sys.stderr)
         return 2
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         channel, agent = stub(target)
     except ConnectError as exc:
         print(f"gthulhu-node compare: {exc}", file=sys.stderr)
-        return 3
+        return exit_code(exc)
 
     def switch(on: bool) -> None:
         chosen = [convert.intent_to_pb(i) for i in intents] if on else []
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 switch(False)
     except ProbeUnavailable as exc:
         print(str(exc), file=sys.stderr)
-        return 1
+        return exit_code(exc)
     except grpc.RpcError as exc:
         print(f"gthulhu-node compare: {describe_rpc_error(exc, target)}", file=sys.stderr)
         return 1

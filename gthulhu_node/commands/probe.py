@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gthulhu_node.cli import exit_code
 from gthulhu_node.config import ApiConfig
 
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         result = measure(args.duration, regex=args.regex, intent=args.intent, socket_path=args.socket)
     except ProbeUnavailable as exc:
         print(str(exc), file=sys.stderr)
-        return 1
+        return exit_code(exc)
     except KeyboardInterrupt:
         return 130
     if args.output == "json":

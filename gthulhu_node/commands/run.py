@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gthulhu_node import config as configuration
+from gthulhu_node.cli import exit_code
 
 
 def register(subparsers: Any) -> None:
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     except configuration.ConfigError as exc:
         # One clear line; systemd shows it in `systemctl status` and the journal.
         print("gthulhu-node: configuration error: " + " ".join(str(exc).split()), file=sys.stderr)
-        return 2
+        return exit_code(exc)
     if args.check:
         print(f"gthulhu-node: configuration {args.config or configuration.DEFAULT_PATH} is valid "
               f"(backend {cfg.backend.kind})")

@@ -18,11 +18,13 @@ from typing import Any
 
 import yaml
 
+from gthulhu_node.errors import InvalidInput
+
 # An intent set is {intents: [{nodeSelectors: [{key: ...}]}]}: 4 levels. 32 leaves room for any wrapper.
 MAX_DEPTH = 32
 
 
-class DocumentError(ValueError):
+class DocumentError(InvalidInput):
     """A document that cannot be used; the message says where and why (without quoting it)."""
 
 

@@ -42,11 +42,13 @@ from typing import Any
 
 import structlog
 
+from gthulhu_node.errors import InvalidInput, Unavailable
 from gthulhu_node.intents.documents import DocumentError, load_json, load_yaml
 from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import IntentStore, StoreError
 from gthulhu_node.intents.trust import UntrustedError, check_directory, open_policy_file
+from gthulhu_node.lifecycle import Health
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +62,7 @@ MAX_FILE_BYTES = 4 << 20
 Signature = tuple[int, int, int, int, int]
 
 
-class PolicyFileError(ValueError):
+class PolicyFileError(InvalidInput):
     """A policy file that cannot be used; the message names the file and, when known, the field."""
 
 
@@ -176,7 +178,7 @@ def read_file(path: Path) -> FileResult:
     return parse_document(doc, path.stem)
 
 
-class PolicyDirError(OSError):
+class PolicyDirError(Unavailable, OSError):
     """The policy directory could not be listed, or is not trusted: nothing can be concluded from it."""
 
 
@@ -343,6 +345,16 @@ class LocalPolicies:
                 log.error("policy_file_invalid", path=str(path), error=error, kept_previous=False)
         self._combine_errors = errors
         return combined
+
+    name = "policy-files"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def start(self) -> None:
+        self.start_polling()
+
+    def health(self) -> Health:
+        with self._lock:
+            error = self._dir_error
+        return Health(not error, error)
 
     def start_polling(self) -> None:
         """Poll the directory for changes in a background thread (load once with `reload` first)."""

@@ -12,10 +12,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.model import LIST_ENTRIES_PER_SOURCE_MAX, Intent
 
 
-class IntentValidationError(ValueError):
+class IntentValidationError(InvalidInput):
     """A document that is not a valid intent (set). `field` is the path of the offending value."""
 
     def __init__(self, field: str, message: str) -> None:

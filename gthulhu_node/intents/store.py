@@ -40,6 +40,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
+from gthulhu_node.errors import Conflict, GthulhuError, LimitExceeded, NotFound
 from gthulhu_node.intents.documents import load_json
 from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, SenderEntry, check_source
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
@@ -62,19 +63,19 @@ GENERATION_MAX = 2**64 - 1
 STATE_MAX_BYTES = 64 << 20
 
 
-class StoreError(Exception):
+class StoreError(GthulhuError):
     """A request the store refuses; the message is for people."""
 
 
-class StaleGenerationError(StoreError):
+class StaleGenerationError(StoreError, Conflict):
     """A push whose generation is older than (or conflicts with) the stored one: nothing changed."""
 
 
-class IntentNotFoundError(StoreError):
+class IntentNotFoundError(StoreError, NotFound):
     """A delete of an intent (or source) the store does not hold."""
 
 
-class LimitError(StoreError):
+class LimitError(StoreError, LimitExceeded):
     """Too many sources (the per-source intent count is an IntentValidationError on `intents`)."""
 
 
@@ -404,7 +405,7 @@ class IntentStore:
         return count
 
 
-class NewerStateError(Exception):
+class NewerStateError(Conflict):
     """The state file was written by a newer agent (a downgrade). Not corrupt: it stays where it is and
     the start fails with this message, so going back to the newer release finds the intents again."""
 

@@ -18,8 +18,10 @@ import os
 import stat
 from pathlib import Path
 
+from gthulhu_node.errors import InvalidInput
 
-class UntrustedError(ValueError):
+
+class UntrustedError(InvalidInput):
     """A file or directory that someone other than root could change; the message says who and how."""
 
 

@@ -14,14 +14,20 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
+from gthulhu_node.config import ProbeConfig
+from gthulhu_node.lifecycle import Health
 from gthulhu_node.probe.preflight import ProbeUnavailable
 from gthulhu_node.probe.targets import Target
+
+if TYPE_CHECKING:  # the session and BCC are imported when the probe thread starts
+    from gthulhu_node.probe.histogram import WaitHistogram
+    from gthulhu_node.probe.session import Session
 
 log = structlog.get_logger(__name__)
 
@@ -31,10 +37,16 @@ BUCKET_SLOTS = range(10, 35)
 
 
 class MatchedTask(Protocol):
-    tid: int
-    tgid: int
-    comm: str
-    intent: str
+    """What the probe reads of a match (intents.status.MatchRow; read-only, as the frozen row is)."""
+
+    @property
+    def tid(self) -> int: ...
+    @property
+    def tgid(self) -> int: ...
+    @property
+    def comm(self) -> str: ...
+    @property
+    def intent(self) -> str: ...
 
 
 class MatchesTargets:
@@ -71,11 +83,17 @@ class ContinuousProbe:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._session: Any = None
+        self._session: Session | None = None
         self.state = "starting"
         self.reason = ""
         self.syncs = 0
         self.sync_errors = 0
+
+    name = "probe"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def health(self) -> Health:
+        """A probe that cannot run is reported, never fatal: the agent goes on without it."""
+        return Health(self.state in ("starting", "running"), self.reason)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gthulhu-probe", daemon=True)
@@ -121,7 +139,7 @@ class ContinuousProbe:
             probe.close()
             log.info("probe_stopped")
 
-    def histograms(self) -> dict[str, Any]:
+    def histograms(self) -> dict[str, WaitHistogram]:
         """intent key -> WaitHistogram, cumulative since start; empty when not running."""
         with self._lock:
             session = self._session
@@ -169,12 +187,10 @@ class RunqueueLatencyCollector(Collector):
                                   "because its kernel map was full.", value=stats.map_full_errors)
 
 
-def start_if_enabled(config: Any, agent: Any, registry: Any) -> ContinuousProbe | None:
-    """The agent's hook: when `probe.enabled`, start the probe on Agent.matches and register its collector
-    on the agent's metrics registry. Never raises for the probe's own problems."""
-    if not config.probe.enabled:
-        return None
-    probe = ContinuousProbe(agent.matches, config.probe.poll_interval_s)
+def probe_for(config: ProbeConfig, matches: Callable[[], Iterable[MatchedTask]],
+              registry: CollectorRegistry) -> ContinuousProbe:
+    """The service's probe (when `probe.enabled`) on the agent's matches, its collector registered on the
+    metrics registry; the service's supervisor starts it. Never raises for the probe's own problems."""
+    probe = ContinuousProbe(matches, config.poll_interval_s)
     registry.register(RunqueueLatencyCollector(probe))
-    probe.start()
     return probe

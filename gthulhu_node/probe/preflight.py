@@ -12,12 +12,14 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from gthulhu_node.errors import Unsupported
+
 MODULES_ROOT = Path("/lib/modules")
 KHEADERS = Path("/sys/kernel/kheaders.tar.xz")
 TRACEFS_EVENTS = (Path("/sys/kernel/debug/tracing/events"), Path("/sys/kernel/tracing/events"))
 
 
-class ProbeUnavailable(Exception):
+class ProbeUnavailable(Unsupported):
     """The probe cannot run on this machine now; str() is the one-line message for people."""
 
 

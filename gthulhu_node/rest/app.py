@@ -24,11 +24,11 @@ import structlog
 from aiohttp import web
 
 from gthulhu_node import __version__
+from gthulhu_node.errors import GthulhuError, InvalidInput, edge_of
 from gthulhu_node.intents.documents import DocumentError, load_json
 from gthulhu_node.intents.model import SenderEntry
-from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import IntentState, IntentStatus, StatusSnapshot
-from gthulhu_node.intents.store import IntentStore, StoreError
+from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.rest.auth import CLIENT_ID_MAX, TokenAuthority, TokenError
 from gthulhu_node.rest.merkle import EMPTY_ROOT, records_root
 from gthulhu_node.rest.pods import pods_on_node
@@ -88,6 +88,11 @@ def success(data: dict[str, Any] | None = None, status: int = 200) -> web.Respon
         body["data"] = data
     body["timestamp"] = now_rfc3339()
     return web.json_response(body, status=status)
+
+
+def http_status(exc: GthulhuError) -> int:
+    """The REST edge's one mapping of our exceptions (gthulhu_node/errors.py, the `http` column)."""
+    return edge_of(exc).http
 
 
 def failure(status: int, message: str) -> web.Response:
@@ -179,6 +184,8 @@ class DecisionMakerApi:
         """Every answer, errors from aiohttp itself included (404, 405, 413), in upstream's envelope."""
         try:
             response = await handler(request)
+        except GthulhuError as exc:  # the REST edge's one mapping (gthulhu_node/errors.py, `http` column)
+            response = failure(http_status(exc), str(exc))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -242,23 +249,20 @@ class DecisionMakerApi:
     async def token(self, request: web.Request) -> web.Response:
         """A token for a client that shows our public key (upstream v1.3), or, when a trusted Manager key
         is configured, a client assertion signed by it (newer Managers)."""
-        try:
-            body = await self._json(request)
-            if not isinstance(body, dict):
-                raise BodyError("Invalid request payload: expected a JSON object")
-            client_id, expired_at = body.get("client_id", ""), body.get("expired_at", 0)
-            if not isinstance(client_id, str) or len(client_id) > CLIENT_ID_MAX:
-                raise BodyError(f"client_id: expected a string of at most {CLIENT_ID_MAX} characters")
-            if expired_at is None:
-                expired_at = 0
-            if isinstance(expired_at, bool) or not isinstance(expired_at, int):
-                raise BodyError("expired_at: expected an integer (unix seconds)")
-            proof_key = "client_assertion" if self._auth.wants_assertions else "public_key"
-            proof = body.get(proof_key)
-            if not isinstance(proof, str) or not proof:
-                raise BodyError(f"{proof_key}: required")
-        except BodyError as exc:
-            return failure(400, str(exc))
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise BodyError("Invalid request payload: expected a JSON object")
+        client_id, expired_at = body.get("client_id", ""), body.get("expired_at", 0)
+        if not isinstance(client_id, str) or len(client_id) > CLIENT_ID_MAX:
+            raise BodyError(f"client_id: expected a string of at most {CLIENT_ID_MAX} characters")
+        if expired_at is None:
+            expired_at = 0
+        if isinstance(expired_at, bool) or not isinstance(expired_at, int):
+            raise BodyError("expired_at: expected an integer (unix seconds)")
+        proof_key = "client_assertion" if self._auth.wants_assertions else "public_key"
+        proof = body.get(proof_key)
+        if not isinstance(proof, str) or not proof:
+            raise BodyError(f"{proof_key}: required")
         try:
             if self._auth.wants_assertions:
                 self._auth.check_client_assertion(client_id, proof)
@@ -285,10 +289,7 @@ class DecisionMakerApi:
 
     async def delete_node_policies(self, request: web.Request) -> web.Response:
         self._node_contact()
-        try:
-            policy_id, delete_all = _delete_args(await self._json(request), "policyId")
-        except BodyError as exc:
-            return failure(400, str(exc))
+        policy_id, delete_all = _delete_args(await self._json(request), "policyId")
         if not delete_all and not policy_id:
             return failure(400, "policyId is required when 'all' is false")
         # upstream drops every cached entry with that policyID (duplicates included)
@@ -341,10 +342,7 @@ class DecisionMakerApi:
         return await self._apply(request, POD_SOURCE, lambda: push)
 
     async def delete_pod_intents(self, request: web.Request) -> web.Response:
-        try:
-            pod_id, delete_all = _delete_args(await self._json(request), "podId")
-        except BodyError as exc:
-            return failure(400, str(exc))
+        pod_id, delete_all = _delete_args(await self._json(request), "podId")
         if not delete_all and not pod_id:
             return failure(400, "podId is required when 'all' is false")
         return await self._apply(
@@ -411,10 +409,7 @@ class DecisionMakerApi:
         })
 
     async def apply_runtime_config(self, request: web.Request) -> web.Response:
-        try:
-            fields = parse_body(await self._json(request))
-        except BodyError as exc:
-            return failure(400, str(exc))
+        fields = parse_body(await self._json(request))
         try:
             state = await asyncio.to_thread(self._runtime.apply, fields)
         except OSError as exc:
@@ -496,10 +491,10 @@ class DecisionMakerApi:
 
         try:
             push, generation, changed = await asyncio.to_thread(work)
-        except IntentValidationError as exc:
+        except InvalidInput as exc:
             return self._push_refused(request, str(exc))
-        except (StoreError, OSError) as exc:
-            return self._store_failure(exc)
+        except OSError as exc:
+            return failure(500, f"Failed to persist intents: {exc}")
         intents, failed = push.intents, push.failed
         other = sorted(i.id for i in intents if i.node_names and self._node_name not in i.node_names)
         if deleting:
@@ -549,10 +544,6 @@ class DecisionMakerApi:
                     client_id=request.get(CLIENT_ID, ""))
         return failure(400, message)
 
-    def _store_failure(self, exc: Exception) -> web.Response:
-        if isinstance(exc, OSError):
-            return failure(500, f"Failed to persist intents: {exc}")
-        return failure(400, str(exc))
 
 
 def _delete_args(body: Any, id_key: str) -> tuple[str, bool]:

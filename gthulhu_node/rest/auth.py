@@ -20,6 +20,8 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey, RSAPublicKey
 
+from gthulhu_node.errors import InvalidInput, Unauthenticated
+
 log = structlog.get_logger(__name__)
 
 ISSUER = "decision-maker-service"
@@ -32,11 +34,11 @@ LEEWAY_S = 30
 CLIENT_ID_MAX = 256
 
 
-class TokenError(Exception):
+class TokenError(Unauthenticated):
     """A bearer token that is refused; the message says why (it goes into the 401 body)."""
 
 
-class KeyFileError(ValueError):
+class KeyFileError(InvalidInput):
     """A configured key file that cannot be used; the message names the file."""
 
 

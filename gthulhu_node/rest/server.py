@@ -23,7 +23,9 @@ import structlog
 from aiohttp import web
 
 from gthulhu_node.config import RestConfig
+from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.lifecycle import Health
 from gthulhu_node.rest.app import DecisionMakerApi, RestStats, StatusFn
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
 from gthulhu_node.rest.listener import BoundedListener, ListenerStats
@@ -35,7 +37,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["RestConfigError", "RestServer", "RestStats"]
 
 
-class RestConfigError(ValueError):
+class RestConfigError(InvalidInput):
     """The `rest` section cannot be served as configured; the message names the setting."""
 
 
@@ -116,6 +118,12 @@ class RestServer:
         self._start_error: BaseException | None = None
         self._port = 0
         self._api: DecisionMakerApi | None = None
+
+    name = "rest"  # a lifecycle Component (gthulhu_node/lifecycle.py)
+
+    def health(self) -> Health:
+        alive = self._thread is not None and self._thread.is_alive()
+        return Health(alive, "" if alive else "not serving")
 
     @property
     def port(self) -> int:

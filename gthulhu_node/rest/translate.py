@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.model import (
     ID_RE,
     PATTERN_MAX_BYTES,
@@ -44,7 +45,7 @@ REGEX_FIELD_MAX = 16 * PATTERN_MAX_BYTES
 GO_INT64_MIN, GO_INT64_MAX = -(2**63), 2**63 - 1
 
 
-class BodyError(ValueError):
+class BodyError(InvalidInput):
     """A request body that is not what the route expects; the message names the field."""
 
 

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from gthulhu_node.errors import BackendError
+
 BPF_F_SLEEPABLE = 1 << 4
 BPF_ANY = 0
 BPF_NOEXIST = 1
@@ -25,7 +27,7 @@ BPF_MAP_TYPE_STRUCT_OPS = 26
 BTF_KIND_STRUCT = 4
 
 
-class LibbpfError(OSError):
+class LibbpfError(BackendError, OSError):
     """A libbpf call failed; errno and strerror as the kernel reported them."""
 
     def __init__(self, call: str, err: int) -> None:

@@ -34,6 +34,8 @@ from pyroute2.netlink.connector.cn_proc import (
     PROC_EVENT_FORK,
 )
 
+from gthulhu_node.errors import Unavailable
+
 log = structlog.get_logger(__name__)
 
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
@@ -85,7 +87,7 @@ class EventBatch:
     datagrams: int = 0
 
 
-class EventsUnavailable(OSError):
+class EventsUnavailable(Unavailable, OSError):
     """The proc connector cannot be used here (not root, no CONFIG_PROC_EVENTS, another pid namespace)."""
 
 

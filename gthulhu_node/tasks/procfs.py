@@ -20,6 +20,8 @@ from pathlib import Path
 
 import structlog
 
+from gthulhu_node.errors import InvalidInput
+
 log = structlog.get_logger(__name__)
 
 # Errors that mean "the task is gone", not "we could not look".
@@ -48,7 +50,7 @@ class Snapshot:
     duration_s: float = 0.0
 
 
-class StatParseError(ValueError):
+class StatParseError(InvalidInput):
     """A stat file that does not have the kernel's format (never expected; counted as an error)."""
 
 

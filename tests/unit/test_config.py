@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from gthulhu_node.agent import engine_for
 from gthulhu_node.config import AgentConfig
-from gthulhu_node.engine import Engine
 
 
 def test_reload_backoff_lives_under_backend() -> None:
@@ -24,7 +24,7 @@ def test_the_old_scheduler_keys_still_work_and_are_reported() -> None:
     (note,) = config.deprecations()
     assert "scheduler.reload_backoff_initial_s is deprecated" in note
     assert "backend.reload_backoff_initial_s" in note
-    engine = Engine.from_config(None, config)  # type: ignore[arg-type]  # only the settings are read
+    engine = engine_for(None, config)  # type: ignore[arg-type]  # only the settings are read
     try:
         assert engine.reload_backoff_initial_s == 0.5
     finally:

@@ -21,6 +21,10 @@ EDGES = _modules("api", "rest", "probe")
 RULES: dict[str, tuple[str, ...]] = {
     "gthulhu_node.tasks": COMPOSITION + EDGES + _modules(
         "backends", "scheduler", "intents", "matching", "reconciler", "engine"),
+    "gthulhu_node.errors": COMPOSITION + EDGES + _modules(
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "engine", "limits"),
+    "gthulhu_node.lifecycle": COMPOSITION + EDGES + _modules(
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "engine", "limits", "errors"),
     "gthulhu_node.limits": COMPOSITION + EDGES + _modules(
         "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "engine"),
     "gthulhu_node.backends": COMPOSITION + EDGES + _modules("intents", "matching", "reconciler", "engine"),

@@ -3,6 +3,7 @@ run-queue wait counter as tasks come, go and reuse TIDs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -13,12 +14,27 @@ from typing import Any
 import pytest
 
 from gthulhu_node.agent import AgentStats
+from gthulhu_node.api.server import ApiStats
 from gthulhu_node.backends.base import BackendHealth, BackendState, Entry, EntryKey, KeyKind
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.engine import EngineStats
 from gthulhu_node.intents.localfiles import LocalFilesStats
 from gthulhu_node.intents.store import StoreStats
-from gthulhu_node.metrics import Metrics, RunqueueWaitTracker, parse_listen
+from gthulhu_node.logs import LogStats
+from gthulhu_node.metrics import (
+    AgentCollector,
+    ApiCollector,
+    BackendView,
+    EngineCollector,
+    EngineSnapshot,
+    LogCollector,
+    Metrics,
+    PolicyFilesCollector,
+    RestCollector,
+    RunqueueWaitTracker,
+    StoreCollector,
+    parse_listen,
+)
 from gthulhu_node.reconciler import IntentStats, ReconcilerStats
 from gthulhu_node.rest.app import RestStats
 from tests.prom import Samples, scrape
@@ -278,3 +294,93 @@ def test_backend_sizes_are_gauges_and_counter_families_hold_only_counters() -> N
     assert set(STAT_GAUGES) == {"live_tid_entries", "live_tgid_entries"}
     assert not set(STAT_GAUGES) & set(STAT_COUNTERS)
     assert set(STAT_GAUGES) | set(STAT_COUNTERS) == set(STAT_NAMES)
+
+
+class Recorder:
+    """Stands in for a stats object and records which fields a collector reads."""
+
+    def __init__(self, real: object) -> None:
+        self.__dict__["_real"] = real
+        self.__dict__["read"] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        self.read.add(name)
+        return getattr(self._real, name)
+
+
+def unread(real: Any, families: Callable[[Any], Any]) -> set[str]:
+    rec = Recorder(real)
+    list(families(rec))
+    return {f.name for f in dataclasses.fields(real)} - rec.read
+
+
+# Fields of the components' stats that no collector exports, by name. A field added or renamed lands here
+# by failing the test below: export it, or list it with the reason.
+NOT_EXPORTED: dict[str, set[str]] = {
+    "agent": {"store", "local_files", "api", "rest",  # their own collectors read them
+              "matched_tasks"},  # the reconciler's matched_tasks_all is the same figure
+    "store": {"applies_unchanged", "loaded_intents", "persist_writes"},
+    "engine": {"submitted", "gave_up_reason"},  # gave_up_reason: status and sched_ext_given_up
+    "reconciler": {"latency_count", "latency_sum_s", "latency_p50_s", "latency_p99_s",  # the histogram
+                   "policy_updates", "scan_duration_last_s", "tasks_vanished"},
+}
+
+
+def test_each_collector_reads_every_field_of_its_component_stats() -> None:
+    """One collector per component, each reading its typed stats by field name: a field renamed in the
+    stats (and not in the collector) is a mypy error, and one added without its metric fails here."""
+    assert unread(AgentStats(), AgentCollector(lambda: None).families) == NOT_EXPORTED["agent"]
+    assert unread(StoreStats(), StoreCollector(lambda: None).families) == NOT_EXPORTED["store"]
+    assert unread(LocalFilesStats(), PolicyFilesCollector(lambda: None).families) == set()
+    assert unread(ApiStats(), ApiCollector(lambda: None).families) == set()
+    assert unread(RestStats(), RestCollector(lambda: None).families) == set()
+    assert unread(LogStats(), LogCollector(lambda: None).families) == set()
+    engine, reconciler = Recorder(EngineStats()), Recorder(ReconcilerStats())
+    backend = Recorder(BackendView("dry-run", "given", 8, "", ""))
+    snap = EngineSnapshot(engine, reconciler, {}, None, {}, {}, backend)  # type: ignore[arg-type]
+    list(EngineCollector(lambda: None).families(snap))
+    fields = {name: {f.name for f in dataclasses.fields(cls)}
+              for name, cls in (("engine", EngineStats), ("reconciler", ReconcilerStats),
+                                ("backend", BackendView))}
+    assert fields["engine"] - engine.read == NOT_EXPORTED["engine"]
+    assert fields["reconciler"] - reconciler.read == NOT_EXPORTED["reconciler"]
+    assert fields["backend"] - backend.read == set()
+
+
+def test_every_family_from_a_real_agent_has_samples(tmp_path: Path) -> None:
+    """A real agent (dry-run backend) with one intent governing this process and one refused gRPC call:
+    each family its collectors export carries at least one sample, read from the real components."""
+    import grpc
+
+    from gthulhu_node.agent import Agent
+    from gthulhu_node.api.client import Target, stub
+    from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+    from gthulhu_node.config import AgentConfig
+    from gthulhu_node.intents.parse import parse_intent
+
+    cfg = AgentConfig.model_validate({
+        "state": {"directory": str(tmp_path / "state")},
+        "policies": {"directory": str(tmp_path / "policies")},
+        "api": {"socket": str(tmp_path / "api.sock")},
+    })
+    agent = Agent(cfg, backend=DryRunBackend())
+    agent.start()
+    try:
+        me = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+        agent.store.apply("test", 1, [parse_intent({"id": "me", "commandRegex": f"^{me}$", "priority": 5})])
+        agent.sync()
+        channel, client = stub(Target(cfg.api.socket, None, None, None, None, None))
+        with channel, pytest.raises(grpc.RpcError):
+            client.DeleteIntent(pb.DeleteIntentRequest(source="test", id="nobody"), timeout=5)
+        metrics = Metrics()
+        metrics.attach(agent, log_stats=lambda: LogStats(records=1, suppressed={"x": 1}))
+        families = {f.name: f for f in metrics.registry.collect()}
+    finally:
+        agent.stop()
+    empty = sorted(name for name, f in families.items() if not f.samples)
+    assert empty == []
+    assert {"gthulhu_node_source_intents", "gthulhu_node_policy_files", "gthulhu_node_api_errors",
+            "gthulhu_node_proc_events", "gthulhu_node_backend", "gthulhu_node_matched_tasks",
+            "gthulhu_node_log_records"} <= set(families)
+    codes = {s.labels["code"] for s in families["gthulhu_node_api_errors"].samples}
+    assert codes == {"NOT_FOUND"}

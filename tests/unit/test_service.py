@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gthulhu_node.config import AgentConfig, LogConfig, MetricsConfig
+from gthulhu_node.lifecycle import Component, Step
 from gthulhu_node.service import Service
 from gthulhu_node.systemd import Notifier
 
@@ -55,6 +56,10 @@ class FakeAgent:
     def stop(self) -> None:
         self.engine.close()
         self.events.append("agent.stop")
+
+    def components(self) -> list[Component]:
+        """The service starts the agent's parts through its supervisor: here one part, this agent."""
+        return [Step("agent", self.start, self.stop)]
 
     def reload(self) -> None:
         self.events.append("agent.reload")
