@@ -1,9 +1,9 @@
-"""The arm64 scheduler objects (gthulhu_node/data/*.aarch64.bpf.o) without an arm64 machine: what libbpf 1.1.2
-checks before the verifier runs, against the BTF of Debian's arm64 7.3 cloud kernel (tests/btfcheck.py:
-ops members, kfunc prototypes, CO-RE field paths, enumerators), as test_scheduler_compat.py does for
-x86_64; that they are BPF objects; and that each architecture's object was built from its own kernel's
-vmlinux.h. No arm64 kernel boots here (docs/arm64.md): fetching its packages needs the network once, then
-the lab cache answers.
+"""The arm64 scheduler objects (gthulhu_node/data/*.aarch64.bpf.o) without an arm64 machine: what libbpf
+1.1.2 checks before the verifier runs, against the BTF of Debian's arm64 7.3 cloud kernel
+(tests/btfcheck.py: ops members, kfunc prototypes, CO-RE field paths, enumerators) and of every other arm64
+cloud kernel the suite offers, as test_scheduler_compat.py does for x86_64; that they are BPF objects; and
+that each architecture's object was built from its own kernel's vmlinux.h. No arm64 kernel boots here
+(docs/arm64.md): fetching its packages needs the network once, then the lab cache answers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.btfcheck import Btf, check
-from tests.vm.kernel import lab_kernel
+from tests.vm.kernel import lab_kernel, other_btfs
 
 DATA = Path(__file__).resolve().parents[2] / "gthulhu_node" / "data"
 ARM_NEW, ARM_OLD = DATA / "gthulhu.aarch64.bpf.o", DATA / "gthulhu-6.12.aarch64.bpf.o"
@@ -39,6 +39,14 @@ def test_the_arm64_6_12_object_differs_from_7_3_only_in_the_old_kfunc_names() ->
     problems = check(ARM_OLD, arm64_btf())
     missing = {m.group(1) for p in problems if (m := re.fullmatch(r"kfunc (\w+): not in the kernel", p))}
     assert missing == NAMES_6_12 and len(problems) == len(missing), problems
+
+
+@pytest.mark.parametrize("version", sorted(other_btfs(arch="arm64")))
+def test_the_arm64_6_13_object_matches_every_offered_arm64_kernel(version: str) -> None:
+    """Every arm64 cloud kernel of the suite (7.2.6-7.3.4 on 2026-12-01) fits entirely: unlike Debian's
+    amd64 7.2.x kernels (test_scheduler_compat.py), the arm64 ones declare the sched_ext kfuncs without
+    the extra `aux` argument, so nothing here is refused before the verifier."""
+    assert check(ARM_NEW, other_btfs(arch="arm64")[version]) == []
 
 
 @pytest.mark.parametrize("obj", [ARM_NEW, ARM_OLD], ids=lambda p: p.name)

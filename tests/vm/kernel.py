@@ -254,19 +254,20 @@ def lab_kernel(name: str = DEFAULT_KERNEL, cache: Path = CACHE, arch: str = LAB_
     raise ValueError(f"unknown lab kernel {name!r} (known: {', '.join(KERNELS)})")
 
 
-def other_btfs(cache: Path = CACHE) -> dict[str, Path]:
-    """BTF of every other amd64 cloud kernel the suite offers (version -> an ELF with .BTF), fetched once.
+def other_btfs(cache: Path = CACHE, arch: str = LAB_ARCH) -> dict[str, Path]:
+    """BTF of every cloud kernel of that architecture the suite offers (version -> an ELF with .BTF),
+    fetched once.
 
     Only the headers package is needed (about 1.5 MB: its vmlinux carries just the BTF). The compatibility
     check of the scheduler object runs against each, covering kernels the lab does not boot."""
-    base = apt_base(cache)
+    base = apt_base(cache, arch)
     if not (base / "parts" / "lab.sources").exists():
-        apt_setup(base)
-    out = subprocess.run(["apt-cache", *apt_opts(base), "pkgnames", "linux-headers-"],
+        apt_setup(base, arch=arch)
+    out = subprocess.run(["apt-cache", *apt_opts(base, arch), "pkgnames", "linux-headers-"],
                          check=True, capture_output=True, text=True).stdout
     found: dict[str, Path] = {}
     for name in sorted(out.split()):
-        m = re.match(r"^linux-headers-(\d+\.\d+\.\d+\+deb\d+-cloud-amd64)$", name)
+        m = re.match(rf"^linux-headers-(\d+\.\d+\.\d+\+deb\d+-cloud-{arch})$", name)
         if not m:
             continue
         full = m.group(1)
@@ -274,7 +275,7 @@ def other_btfs(cache: Path = CACHE) -> dict[str, Path]:
         if not target.exists():
             debs = cache / "btf" / ".debs"
             debs.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["apt-get", *apt_opts(base), "download", name], check=True, cwd=debs,
+            subprocess.run(["apt-get", *apt_opts(base, arch), "download", name], check=True, cwd=debs,
                            stdout=subprocess.DEVNULL)
             deb = next(debs.glob(f"{name}_*.deb"))
             tmp = cache / "btf" / f".{full}.partial"
