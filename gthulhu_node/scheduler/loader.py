@@ -16,6 +16,8 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import platform
+import re
 import struct
 import time
 from collections.abc import Iterable
@@ -85,14 +87,32 @@ def kfunc_flavour(btf: Path = KERNEL_BTF) -> str:
     return "6.13" if b"\0scx_bpf_dsq_insert\0" in data else "6.12"
 
 
-def object_path(flavour: str, override: Path | None = None) -> Path:
+_OBJECT_NAME = re.compile(r"gthulhu(?:-6\.12)?\.(\w+)\.bpf\.o")
+
+
+def packaged_objects() -> Path:
+    """The package's folder of prebuilt objects: `gthulhu[-6.12].<arch>.bpf.o`, <arch> as platform.machine()
+    names it (x86_64, aarch64), since each is built against its architecture's vmlinux.h."""
+    return Path(str(resources.files("gthulhu_node") / "data"))
+
+
+def object_path(flavour: str, override: Path | None = None, machine: str | None = None) -> Path:
+    """The object for this kernel's kfunc names and this machine's architecture (or `override`)."""
     if override is not None:
         return override
-    name = "gthulhu.bpf.o" if flavour == "6.13" else "gthulhu-6.12.bpf.o"
-    path = Path(str(resources.files("gthulhu_node") / "data" / name))
-    if not path.is_file():
-        raise BackendUnavailable(f"{path} is missing: build it with `make -C bpf`")
-    return path
+    machine = machine or platform.machine()
+    stem = "gthulhu" if flavour == "6.13" else "gthulhu-6.12"
+    data = packaged_objects()
+    path = data / f"{stem}.{machine}.bpf.o"
+    if path.is_file():
+        return path
+    built = sorted({m.group(1) for p in data.glob("*.bpf.o") if (m := _OBJECT_NAME.fullmatch(p.name))})
+    if machine not in built:
+        raise BackendUnavailable(
+            f"no sched_ext scheduler object for this architecture ({machine}): the package carries "
+            f"{', '.join(built) or 'none'} (docs/arm64.md)"
+        )
+    raise BackendUnavailable(f"{path} is missing: build it with `make -C bpf`")
 
 
 def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:

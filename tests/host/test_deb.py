@@ -10,6 +10,7 @@ this file checks everything that does not need to own /opt and /etc of the machi
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.host
 
 VENV = "opt/gthulhu-node/venv"
 PYVER = f"{sys.version_info[0]}.{sys.version_info[1]}"
+MACHINE = platform.machine()  # the architecture whose scheduler objects a package for this machine carries
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +85,22 @@ def test_file_list(unpacked: Path) -> None:
         "etc/gthulhu-node/config.yaml",
         "etc/gthulhu-node/policies.d/vllm.yaml.example",
         f"{VENV}/bin/gthulhu-node",
-        f"{site}/gthulhu_node/data/gthulhu.bpf.o",
-        f"{site}/gthulhu_node/data/gthulhu-6.12.bpf.o",
+        f"{site}/gthulhu_node/data/gthulhu.{MACHINE}.bpf.o",
+        f"{site}/gthulhu_node/data/gthulhu-6.12.{MACHINE}.bpf.o",
         "opt/gthulhu-node/remote-api.conf",
         "usr/share/doc/gthulhu-node/copyright",
         "usr/share/doc/gthulhu-node/changelog.Debian.gz",
         "usr/share/lintian/overrides/gthulhu-node",
     ):
         assert expected in files, expected
+    # the package is for one architecture: no other architecture's scheduler objects, and its record of
+    # installed files (RECORD) names only what is there
+    assert {f for f in files if f.endswith(".bpf.o")} == {
+        f"{site}/gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in ("gthulhu", "gthulhu-6.12")}
+    [record] = [f for f in files if f.startswith(f"{site}/gthulhu_node-") and f.endswith("/RECORD")]
+    listed = {line.split(",")[0] for line in (unpacked / record).read_text().splitlines()}
+    assert {n for n in listed if n.endswith(".bpf.o")} == {
+        f"gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in ("gthulhu", "gthulhu-6.12")}
     # no pip in a dpkg-owned tree, no byte code (postinst compiles it), nothing naming the build machine
     assert not any("/pip/" in f or f.endswith(".pyc") for f in files)
     assert not any(f.startswith(f"{site}/gthulhu_node-") and f.endswith("direct_url.json") for f in files)

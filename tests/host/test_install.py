@@ -45,8 +45,9 @@ def test_install_and_reinstall(scratch: Path) -> None:
     # the package is a copy (not an editable link to this checkout) and carries the scheduler object
     where = subprocess.run(
         [str(scratch / "opt" / "venv" / "bin" / "python"), "-c",
-         "import gthulhu_node, importlib.resources as r; print(gthulhu_node.__file__); "
-         "print(r.files('gthulhu_node').joinpath('data/gthulhu.bpf.o').read_bytes()[:4])"],
+         "import gthulhu_node, importlib.resources as r, platform; print(gthulhu_node.__file__); "
+         "obj = f'data/gthulhu.{platform.machine()}.bpf.o'; "
+         "print(r.files('gthulhu_node').joinpath(obj).read_bytes()[:4])"],
         capture_output=True, text=True, check=True, cwd="/")
     module, magic = where.stdout.splitlines()
     assert module.startswith(str(scratch / "opt" / "venv"))

@@ -1,9 +1,10 @@
 """The scheduler objects against the BTF of every kernel we can get, booted or not (tests/btfcheck.py).
 
-The lab boots 6.12 and 7.3; between them, Debian's trixie-backports offers the 7.2 cloud kernels, whose
-headers packages carry their BTF. What libbpf 1.1.2 checks before the verifier runs (ops members, kfunc
-prototypes, CO-RE fields and enumerators) is checked here for each. Fetching the BTF needs the network
-once; after that the cache (/var/cache/gthulhu-node-lab) answers.
+These are the x86_64 objects (the arm64 ones: test_scheduler_arm64.py). The lab boots 6.12 and 7.3;
+between them, Debian's trixie-backports offers the 7.2 cloud kernels, whose headers packages carry their
+BTF. What libbpf 1.1.2 checks before the verifier runs (ops members, kfunc prototypes, CO-RE fields and
+enumerators) is checked here for each. Fetching the BTF needs the network once; after that the cache
+(/var/cache/gthulhu-node-lab) answers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.vm.kernel import lab_kernel, other_btfs
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "gthulhu_node" / "data"
-NEW, OLD = DATA / "gthulhu.bpf.o", DATA / "gthulhu-6.12.bpf.o"
+NEW, OLD = DATA / "gthulhu.x86_64.bpf.o", DATA / "gthulhu-6.12.x86_64.bpf.o"
 UNLOADABLE = REPO / "bpf" / ".output" / "gthulhu-unloadable.bpf.o"
 
 

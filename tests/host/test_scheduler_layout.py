@@ -1,5 +1,6 @@
-"""The structs Python writes into the scheduler's maps match the compiled object's BTF, field by field;
-and on this machine's kernel (no sched_ext) the loader says clearly why it cannot run.
+"""The structs Python writes into the scheduler's maps match the compiled objects' BTF, field by field
+(every architecture's objects: one Python serves them all); the loader picks this machine's architecture's
+object; and on this machine's kernel (no sched_ext) the loader says clearly why it cannot run.
 
 Opening an object (not loading it) needs no privileges and changes nothing on this kernel.
 """
@@ -7,6 +8,7 @@ Opening an object (not loading it) needs no privileges and changes nothing on th
 from __future__ import annotations
 
 import ctypes
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from gthulhu_node.scheduler import libbpf, loader
 from gthulhu_node.scheduler.layout import MIRRORS, fields_of
 
 DATA = Path(__file__).resolve().parents[2] / "gthulhu_node" / "data"
-OBJECTS = ["gthulhu.bpf.o", "gthulhu-6.12.bpf.o"]
+ARCHES = ["x86_64", "aarch64"]
+OBJECTS = [f"{stem}.{arch}.bpf.o" for arch in ARCHES for stem in ("gthulhu", "gthulhu-6.12")]
 
 
 @pytest.fixture(params=OBJECTS)
@@ -49,7 +52,7 @@ def test_rodata_and_bss_are_exactly_the_shared_structs(bpf_object: libbpf.BpfObj
 
 
 def test_patch_ops_sets_timeout_and_name() -> None:
-    elf = (DATA / "gthulhu.bpf.o").read_bytes()
+    elf = (DATA / "gthulhu.x86_64.bpf.o").read_bytes()
     patched = loader.patch_ops(elf, timeout_ms=2000, name="other")
     obj = libbpf.BpfObject(patched, "gthulhu")
     try:
@@ -76,3 +79,20 @@ def test_kfunc_flavour_is_read_from_btf(tmp_path: Path) -> None:
     old.write_bytes(b"\0scx_bpf_dispatch\0scx_bpf_consume\0")
     assert loader.kfunc_flavour(new) == "6.13"
     assert loader.kfunc_flavour(old) == "6.12"
+
+
+@pytest.mark.parametrize("machine", ARCHES)
+def test_the_loader_picks_the_object_of_the_machine(machine: str) -> None:
+    assert loader.object_path("6.13", machine=machine) == DATA / f"gthulhu.{machine}.bpf.o"
+    assert loader.object_path("6.12", machine=machine) == DATA / f"gthulhu-6.12.{machine}.bpf.o"
+
+
+def test_the_loader_defaults_to_this_machine() -> None:
+    assert loader.object_path("6.13") == DATA / f"gthulhu.{platform.machine()}.bpf.o"
+
+
+def test_an_architecture_without_objects_is_named() -> None:
+    """A machine the package has no objects for gets an error naming its architecture and those the package
+    has (backend auto then falls back to eevdf), not a missing-file path."""
+    with pytest.raises(BackendUnavailable, match=r"architecture \(riscv64\).* carries aarch64, x86_64"):
+        loader.object_path("6.13", machine="riscv64")

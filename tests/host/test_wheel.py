@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +27,13 @@ def build_wheel() -> Path:
 
 
 @pytest.fixture(scope="module")
-def venv() -> Iterator[Path]:
+def wheel() -> Path:
+    return build_wheel()
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path) -> Iterator[Path]:
     """A fresh environment from the system's Python (the one a user has), the wheel installed by pip."""
-    wheel = build_wheel()
     base = short_dir()
     env = base / "venv"
     subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", str(env)], check=True, timeout=120)
@@ -51,12 +56,25 @@ def test_wheel_runs_and_carries_the_scheduler_objects(venv: Path) -> None:
         [str(venv / "bin" / "python"), "-c",
          "import gthulhu_node, importlib.resources as r; d = r.files('gthulhu_node') / 'data'; "
          "print(gthulhu_node.__file__); "
-         "print(*(d.joinpath(n).read_bytes()[:4] for n in ('gthulhu.bpf.o', 'gthulhu-6.12.bpf.o')))"],
+         "print(*(d.joinpath(f'{s}.{a}.bpf.o').read_bytes()[:4] for a in ('x86_64', 'aarch64') "
+         "for s in ('gthulhu', 'gthulhu-6.12')))"],
         capture_output=True, text=True, check=True, cwd="/")
     module, magics = where.stdout.splitlines()
     assert module.startswith(str(venv)), "the package came from the checkout, not the wheel"
     elf = repr(b"\x7fELF")
-    assert magics == f"{elf} {elf}"
+    assert magics == " ".join([elf] * 4)
+
+
+def test_the_wheel_carries_each_architectures_objects_and_nothing_else(wheel: Path) -> None:
+    """One wheel for every machine: both architectures' objects (the loader picks by platform.machine()),
+    no other object (the names from before there was one per architecture are gone), each the one the
+    build made (test_scheduler_arm64.py checks the arm64 ones against the arm64 kernel)."""
+    with zipfile.ZipFile(wheel) as archive:
+        objects = {n for n in archive.namelist() if n.endswith(".bpf.o")}
+        assert objects == {f"gthulhu_node/data/{stem}.{arch}.bpf.o" for arch in ("x86_64", "aarch64")
+                           for stem in ("gthulhu", "gthulhu-6.12")}
+        for name in objects:
+            assert archive.read(name) == (REPO / name).read_bytes(), name
 
 
 def test_install_service_from_the_wheel(venv: Path) -> None:

@@ -4,6 +4,9 @@ The machine's own kernel has no sched_ext, so the lab boots Debian's trixie-back
 qemu. The packages are only downloaded and unpacked into a private cache (never installed), through an apt
 configuration that lives in the cache folder, so the machine's own apt sources stay untouched. The mirror
 comes from the machine's existing Debian source entry at run time.
+
+The same is done for arm64 (`--arch arm64`): the objects for arm64 hosts are built against that kernel's
+BTF (bpf/Makefile). Those packages live beside the amd64 ones, with an apt setup of their own.
 """
 
 from __future__ import annotations
@@ -24,14 +27,21 @@ from pathlib import Path
 CACHE = Path(os.environ.get("GTHULHU_LAB_CACHE", "/var/cache/gthulhu-node-lab"))
 SUITE = "trixie-backports"
 DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
-_BINARY_RE = re.compile(r"^linux-binary-unsigned-(\d+\.\d+\.\d+\+deb\d+)-cloud-amd64$")
+# Debian's names of the architectures the scheduler is built for; amd64 is the lab's own (it boots only it).
+ARCHES = ("amd64", "arm64")
+LAB_ARCH = "amd64"
+_FLAVOUR_RE = re.compile(r"-cloud-(?:amd64|arm64)$")
+
+
+def _binary_re(arch: str) -> re.Pattern[str]:
+    return re.compile(rf"^linux-binary-unsigned-(\d+\.\d+\.\d+\+deb\d+)-cloud-{arch}$")
 
 
 @dataclass(frozen=True)
 class LabKernel:
     """Paths of one unpacked lab kernel."""
 
-    version: str  # e.g. 7.3.4+deb13-cloud-amd64
+    version: str  # e.g. 7.3.4+deb13-cloud-amd64 (or -cloud-arm64)
     root: Path
 
     @property
@@ -55,7 +65,7 @@ class LabKernel:
 
     @property
     def common_headers(self) -> Path:
-        base = self.version.removesuffix("-cloud-amd64")
+        base = _FLAVOUR_RE.sub("", self.version)
         return self.root / "usr/src" / f"linux-headers-{base}-common"
 
 
@@ -69,9 +79,17 @@ def _mirror_uri() -> str:
     raise RuntimeError(f"no Debian URIs: entry in {DEBIAN_SOURCES}")
 
 
-def apt_opts(base: Path) -> list[str]:
-    """apt options that use only the private source list and package lists under `base`."""
-    return [
+def apt_base(cache: Path, arch: str = LAB_ARCH) -> Path:
+    """The private apt folder for one architecture's packages (amd64's is the one the lab always had)."""
+    return cache / "apt" if arch == LAB_ARCH else cache / f"apt-{arch}"
+
+
+def apt_opts(base: Path, arch: str = LAB_ARCH) -> list[str]:
+    """apt options that use only the private source list and package lists under `base`; for another
+    architecture than the machine's, apt is told to want that one only."""
+    foreign = [] if arch == LAB_ARCH else [
+        "-o", f"APT::Architectures::={arch}", "-o", f"APT::Architecture={arch}"]
+    return [*foreign,
         "-o", "Dir::Etc::SourceList=/dev/null",
         "-o", f"Dir::Etc::SourceParts={base / 'parts'}",
         "-o", f"Dir::State::Lists={base / 'lists'}",
@@ -82,28 +100,30 @@ def apt_opts(base: Path) -> list[str]:
     ]
 
 
-def apt_setup(base: Path, suite: str = SUITE) -> None:
-    """A private apt configuration for one suite of the machine's own mirror, updated."""
+def apt_setup(base: Path, suite: str = SUITE, arch: str = LAB_ARCH) -> None:
+    """A private apt configuration for one suite (and architecture) of the machine's own mirror, updated."""
     (base / "parts").mkdir(parents=True, exist_ok=True)
     (base / "lists" / "partial").mkdir(parents=True, exist_ok=True)
     (base / "parts" / "lab.sources").write_text(
         "Types: deb\n"
         f"URIs: {_mirror_uri()}\n"
         f"Suites: {suite}\n"
-        "Components: main\n"
+        + ("" if arch == LAB_ARCH else f"Architectures: {arch}\n")
+        + "Components: main\n"
         "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
     )
-    subprocess.run(["apt-get", *apt_opts(base), "update"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["apt-get", *apt_opts(base, arch), "update"], check=True, stdout=subprocess.DEVNULL)
 
 
-def _newest_cloud_kernel(base: Path) -> str:
+def _newest_cloud_kernel(base: Path, arch: str) -> str:
     out = subprocess.run(
-        ["apt-cache", *apt_opts(base), "pkgnames", "linux-binary-unsigned-"],
+        ["apt-cache", *apt_opts(base, arch), "pkgnames", "linux-binary-unsigned-"],
         check=True, capture_output=True, text=True,
     ).stdout
-    versions = [m.group(1) for name in out.split() if (m := _BINARY_RE.match(name))]
+    pattern = _binary_re(arch)
+    versions = [m.group(1) for name in out.split() if (m := pattern.match(name))]
     if not versions:
-        raise RuntimeError(f"{SUITE} offers no linux-binary-unsigned-*-cloud-amd64 package")
+        raise RuntimeError(f"{SUITE} offers no linux-binary-unsigned-*-cloud-{arch} package")
 
     def key(v: str) -> tuple[int, ...]:
         return tuple(int(x) for x in v.split("+")[0].split("."))
@@ -119,8 +139,8 @@ def check_config(config: Path) -> None:
             raise RuntimeError(f"lab kernel config {config} lacks {opt}")
 
 
-def _current(cache: Path) -> LabKernel | None:
-    return from_meta(cache / "current.json")
+def _current(cache: Path, arch: str) -> LabKernel | None:
+    return from_meta(cache / ("current.json" if arch == LAB_ARCH else f"current-{arch}.json"))
 
 
 def from_meta(meta: Path) -> LabKernel | None:
@@ -145,34 +165,37 @@ def cache_lock(cache: Path, name: str) -> Iterator[None]:
         yield
 
 
-def _cached(cache: Path, version: str | None) -> LabKernel | None:
+def _cached(cache: Path, version: str | None, arch: str) -> LabKernel | None:
     if version is not None:
-        full = f"{version}-cloud-amd64"
+        full = f"{version}-cloud-{arch}"
         pinned = LabKernel(version=full, root=cache / full)
         return pinned if pinned.vmlinuz.exists() and pinned.vmlinux.exists() else None
-    found = _current(cache)
+    found = _current(cache, arch)
     if found is not None:
         check_config(found.config)
     return found
 
 
-def obtain(cache: Path = CACHE, version: str | None = None) -> LabKernel:
+def obtain(cache: Path = CACHE, version: str | None = None, arch: str = LAB_ARCH) -> LabKernel:
     """Return the cached lab kernel, downloading and unpacking it the first time (one caller at a time).
 
     `version` (e.g. "7.2.9+deb13") asks for one particular cloud kernel of the suite instead of the newest,
-    to check the scheduler on a kernel between the lab's two."""
-    found = _cached(cache, version)
+    to check the scheduler on a kernel between the lab's two. `arch` "arm64" gives that architecture's
+    kernel (its BTF builds the arm64 objects; no lab VM boots it yet)."""
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {arch!r} (known: {', '.join(ARCHES)})")
+    found = _cached(cache, version, arch)
     if found is not None:
         return found
     with cache_lock(cache, "obtain-debian-kernel"):
-        return _cached(cache, version) or _download(cache, version)
+        return _cached(cache, version, arch) or _download(cache, version, arch)
 
 
-def _download(cache: Path, version: str | None) -> LabKernel:
-    apt_base = cache / "apt"
-    apt_setup(apt_base)
-    ver = version or _newest_cloud_kernel(apt_base)
-    full = f"{ver}-cloud-amd64"
+def _download(cache: Path, version: str | None, arch: str) -> LabKernel:
+    base = apt_base(cache, arch)
+    apt_setup(base, arch=arch)
+    ver = version or _newest_cloud_kernel(base, arch)
+    full = f"{ver}-cloud-{arch}"
     pkgs = [
         f"linux-binary-unsigned-{full}",
         f"linux-headers-{full}",
@@ -180,7 +203,7 @@ def _download(cache: Path, version: str | None) -> LabKernel:
     ]
     dl = cache / "debs"
     dl.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["apt-get", *apt_opts(apt_base), "download", *pkgs], check=True, cwd=dl,
+    subprocess.run(["apt-get", *apt_opts(base, arch), "download", *pkgs], check=True, cwd=dl,
                    stdout=subprocess.DEVNULL)
     root = cache / full
     tmp = cache / f".{full}.partial"
@@ -195,7 +218,8 @@ def _download(cache: Path, version: str | None) -> LabKernel:
     check_config(kernel.config)
     _fix_header_links(kernel)
     if version is None:
-        (cache / "current.json").write_text(json.dumps({"version": full, "root": str(root)}))
+        meta = "current.json" if arch == LAB_ARCH else f"current-{arch}.json"
+        (cache / meta).write_text(json.dumps({"version": full, "root": str(root)}))
     return kernel
 
 
@@ -216,10 +240,13 @@ KERNELS = ("7.3", "6.12")
 DEFAULT_KERNEL = "7.3"
 
 
-def lab_kernel(name: str = DEFAULT_KERNEL, cache: Path = CACHE) -> LabKernel:
-    """The lab kernel of that name, obtained (downloaded or built) the first time."""
+def lab_kernel(name: str = DEFAULT_KERNEL, cache: Path = CACHE, arch: str = LAB_ARCH) -> LabKernel:
+    """The lab kernel of that name, obtained (downloaded or built) the first time. Only the 7.3 kernel
+    exists for arm64 (Debian's; the 6.12 build is amd64's)."""
     if name == "7.3":
-        return obtain(cache)
+        return obtain(cache, arch=arch)
+    if arch != LAB_ARCH:
+        raise ValueError(f"no {name} kernel for {arch}: only 7.3 (Debian's cloud kernel) is obtained for it")
     if name == "6.12":
         from tests.vm.kernel_build import build
 
@@ -227,19 +254,20 @@ def lab_kernel(name: str = DEFAULT_KERNEL, cache: Path = CACHE) -> LabKernel:
     raise ValueError(f"unknown lab kernel {name!r} (known: {', '.join(KERNELS)})")
 
 
-def other_btfs(cache: Path = CACHE) -> dict[str, Path]:
-    """BTF of every other amd64 cloud kernel the suite offers (version -> an ELF with .BTF), fetched once.
+def other_btfs(cache: Path = CACHE, arch: str = LAB_ARCH) -> dict[str, Path]:
+    """BTF of every cloud kernel of that architecture the suite offers (version -> an ELF with .BTF),
+    fetched once.
 
     Only the headers package is needed (about 1.5 MB: its vmlinux carries just the BTF). The compatibility
     check of the scheduler object runs against each, covering kernels the lab does not boot."""
-    apt_base = cache / "apt"
-    if not (apt_base / "parts" / "lab.sources").exists():
-        apt_setup(apt_base)
-    out = subprocess.run(["apt-cache", *apt_opts(apt_base), "pkgnames", "linux-headers-"],
+    base = apt_base(cache, arch)
+    if not (base / "parts" / "lab.sources").exists():
+        apt_setup(base, arch=arch)
+    out = subprocess.run(["apt-cache", *apt_opts(base, arch), "pkgnames", "linux-headers-"],
                          check=True, capture_output=True, text=True).stdout
     found: dict[str, Path] = {}
     for name in sorted(out.split()):
-        m = re.match(r"^linux-headers-(\d+\.\d+\.\d+\+deb\d+-cloud-amd64)$", name)
+        m = re.match(rf"^linux-headers-(\d+\.\d+\.\d+\+deb\d+-cloud-{arch})$", name)
         if not m:
             continue
         full = m.group(1)
@@ -247,7 +275,7 @@ def other_btfs(cache: Path = CACHE) -> dict[str, Path]:
         if not target.exists():
             debs = cache / "btf" / ".debs"
             debs.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["apt-get", *apt_opts(apt_base), "download", name], check=True, cwd=debs,
+            subprocess.run(["apt-get", *apt_opts(base, arch), "download", name], check=True, cwd=debs,
                            stdout=subprocess.DEVNULL)
             deb = next(debs.glob(f"{name}_*.deb"))
             tmp = cache / "btf" / f".{full}.partial"
@@ -265,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print", choices=["version", "vmlinuz", "vmlinux", "headers", "root"],
                         default="version")
     parser.add_argument("--kernel", choices=KERNELS, default=DEFAULT_KERNEL)
+    parser.add_argument("--arch", choices=ARCHES, default=LAB_ARCH, help="Debian's name (default amd64)")
     args = parser.parse_args(argv)
-    kernel = lab_kernel(args.kernel)
+    kernel = lab_kernel(args.kernel, arch=args.arch)
     print(getattr(kernel, args.print))
     return 0
 
