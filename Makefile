@@ -42,7 +42,7 @@ lab-kernels: deps
 	@$(PY) -m tests.vm.libbpf_build >/dev/null
 
 test: build lint lab-kernels
-	$(PYTEST) -n $(LANES) --dist loadgroup -m "not bench" tests
+	$(PYTEST) -n $(LANES) --dist loadgroup --durations=40 -m "not bench" tests
 
 test-unit: build
 	$(PYTEST) tests/unit
