@@ -16,17 +16,12 @@ fails the test.
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
-import socket
 import subprocess
 import time
-import urllib.parse
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -34,116 +29,20 @@ import yaml
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.intents.store import STATE_FILE
 from tests.host.agent_support import REPO, NamedThread, agent_process, client, intent, short_dir, wait_for
+from tests.prom_support import RULE_TESTS, RULES, Prometheus, dashboard_queries, free_port, rules, selectors
 from tests.unit.rest_support import write_rsa_key
 
 pytestmark = pytest.mark.host
 
-DASHBOARD = REPO / "deploy" / "grafana" / "gthulhu-node.json"
-RULES = REPO / "deploy" / "prometheus" / "gthulhu-node-rules.yaml"
-RULE_TESTS = REPO / "deploy" / "prometheus" / "gthulhu-node-rules.test.yaml"
 STATE_FIXTURE = REPO / "tests" / "fixtures" / "state" / "intents-0.1.0.json"
-JOB = "gthulhu-node"
-# Grafana's variables, as a query of the dashboard would be sent with "All" selected.
-GRAFANA_VARIABLES = {"$instance": ".+", "$intent": ".+", "$__rate_interval": "1m"}
-# Metric names the dashboard and the rules use, with the selectors that follow them.
-SELECTOR = re.compile(r"\b(?P<name>gthulhu_node_[a-z0-9_]+|up)\b(?P<matchers>\{[^}]*\})?")
-# Series this host cannot produce, and why. Each is exported only where the lab VM has what it needs; a
-# check of these selectors in the lab VM is still to be written (docs/watching.md, "Dashboard").
+# Series this host cannot produce, and why. Each is exported where the lab VM has what it needs, and
+# checked there (tests/vm/test_scheduler_safety.py, the ejections scenario).
 NOT_ON_THIS_HOST = {
     # The BCC run-queue probe compiles against the running kernel's headers, which this host's kernel does
     # not have (tests/host/test_probe_agent_host.py); the lab VM's kernels do.
     "gthulhu_node_runqueue_wait_latency_seconds_bucket":
         "BCC probe (probe.enabled): needs the running kernel's headers, absent on this host",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def dashboard_queries() -> list[str]:
-    doc = json.loads(DASHBOARD.read_text())
-    out: list[str] = []
-    for panel in doc["panels"]:
-        for target in panel.get("targets", ()):
-            expr = target["expr"]
-            for var, value in GRAFANA_VARIABLES.items():
-                expr = expr.replace(var, value)
-            assert "$" not in expr, f"unknown Grafana variable in {target['expr']!r}"
-            out.append(expr)
-    return out
-
-
-def rules() -> list[dict[str, Any]]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
-
-
-def selectors(expr: str) -> list[tuple[str, str]]:
-    """(metric name, selector) of every metric an expression reads."""
-    return [(m["name"], m["name"] + (m["matchers"] or "")) for m in SELECTOR.finditer(expr)]
-
-
-class Prometheus:
-    """The prometheus binary with a scrape job for one agent and the rules (every `for:` set to 0s, so an
-    alert whose condition holds fires at the next evaluation)."""
-
-    def __init__(self, base: Path, metrics_port: int) -> None:
-        self.base = base
-        self.port = free_port()
-        instant = []
-        for group in yaml.safe_load(RULES.read_text())["groups"]:
-            for rule in group["rules"]:
-                rule.pop("for", None)
-            instant.append(group)
-        (base / "rules.yaml").write_text(yaml.safe_dump({"groups": instant}))
-        (base / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(base / "rules.yaml")],
-            "scrape_configs": [{"job_name": JOB, "static_configs": [
-                {"targets": [f"127.0.0.1:{metrics_port}"]}]}],
-        }))
-        self.log = base / "prometheus.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                ["prometheus", f"--config.file={base / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={base / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdout=out, stderr=subprocess.STDOUT)
-        wait_for(self._ready, timeout=60, what="prometheus to be ready")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"prometheus exited:\n{self.log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
-
-    def api(self, path: str, **params: str) -> Any:
-        url = f"http://127.0.0.1:{self.port}/api/v1/{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode(params)
-        try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                doc = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            doc = json.loads(exc.read())
-        return doc
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        doc = self.api("query", query=expr)
-        assert doc["status"] == "success", f"{expr}: {doc.get('error')}"
-        return list(doc["data"]["result"])
-
-    def firing(self) -> set[str]:
-        alerts = self.api("alerts")["data"]["alerts"]
-        return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def rest_call(port: int, path: str) -> int:

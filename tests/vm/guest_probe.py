@@ -112,11 +112,13 @@ AGENT_POLICIES = [
 ]
 
 
-def start_agent(backend: str) -> subprocess.Popen[bytes]:
+def start_agent(backend: str, policies: list[dict[str, Any]] | None = None) -> subprocess.Popen[bytes]:
     """The real agent (sched_ext backend in the lab) with three local intents: the boosted twin (priority
-    10), the plain twin and the spawner's threads (priority 0, the default slice: not boosted)."""
+    10), the plain twin and the spawner's threads (priority 0, the default slice: not boosted); or with
+    the given ones."""
     (AGENT_DIR / "policies.d").mkdir(parents=True, exist_ok=True)
-    (AGENT_DIR / "policies.d" / "probe.json").write_text(json.dumps(AGENT_POLICIES))
+    (AGENT_DIR / "policies.d" / "probe.json").write_text(
+        json.dumps(AGENT_POLICIES if policies is None else policies))
     config = AGENT_DIR / "config.yaml"
     config.write_text(json.dumps({
         "backend": {"kind": backend},
@@ -353,6 +355,42 @@ def overhead(seconds: float) -> None:
     print(json.dumps(out))
 
 
+def compare(duration: float, window: float, hogs: int) -> int:
+    """`gthulhu-node compare` as the operator's guide runs it, against the real agent (sched_ext) and the
+    real probe: an engine-step worker beside CPU hogs, its intent (priority 10) on and off in windows.
+    The hogs start once the probe has attached (compiling next to them takes minutes under TCG). Prints
+    the command's JSON."""
+    me = [sys.executable, os.path.abspath(__file__)]
+    intent = AGENT_DIR / "engine.yaml"
+    AGENT_DIR.mkdir(parents=True, exist_ok=True)
+    intent.write_text(json.dumps([{"id": "engine", "commandRegex": "^probe_cmp$", "priority": 10}]))
+    procs: list[subprocess.Popen[Any]] = [start_agent("sched_ext", policies=[])]
+    try:
+        procs.append(subprocess.Popen([*me, "worker", "probe_cmp", str(WORKER_S)], stdout=subprocess.DEVNULL))
+        wait_for_comm([procs[-1].pid], ["probe_cmp"])
+        socket = AGENT_DIR / "api.sock"
+        deadline = time.monotonic() + 600  # starting the agent takes minutes under TCG
+        while not socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        cmd = [str(Path(sys.executable).with_name("gthulhu-node")), "compare", "-f", str(intent),
+               "--socket", str(socket), "--duration", f"{duration:g}", "--window", f"{window:g}",
+               "--settle", "0.5", "-o", "json"]
+        run_cmp = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(run_cmp)
+        while run_cmp.poll() is None and not bcc_attached():
+            time.sleep(0.2)
+        procs.append(start_hogs(hogs, duration + 120))
+        stdout, stderr = run_cmp.communicate(timeout=900)
+        sys.stderr.write(stderr)
+        print(stdout, end="")
+        return run_cmp.returncode
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -371,6 +409,10 @@ def main() -> None:
     c = sub.add_parser("cli")
     c.add_argument("--duration", type=float, default=5.0)
     c.add_argument("--hogs", type=int, default=8)
+    m = sub.add_parser("compare")
+    m.add_argument("--duration", type=float, default=16.0)
+    m.add_argument("--window", type=float, default=2.0)
+    m.add_argument("--hogs", type=int, default=8)
     s = sub.add_parser("spawner")
     s.add_argument("seconds", type=float)
     args = ap.parse_args()
@@ -382,6 +424,8 @@ def main() -> None:
         overhead(args.seconds)
     elif args.mode == "cli":
         sys.exit(cli(args.duration, args.hogs))
+    elif args.mode == "compare":
+        sys.exit(compare(args.duration, args.window, args.hogs))
     else:
         spawner(args.seconds)
 

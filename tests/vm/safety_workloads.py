@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
 from gthulhu_node.scheduler.backend import SchedExtBackend
+from tests.prom_support import Prometheus, dashboard_queries, rules, selectors
 from tests.vm.sched_workloads import (
     busy_fraction,
     cpu_shares,
@@ -107,6 +109,39 @@ def _bound_ms(threads: int, ncpu: int, slice_ms: float = 5.0, window_ms: float =
     return window_ms + 3 * per_cpu * turn
 
 
+@contextlib.contextmanager
+def emulator_stalls() -> Iterator[dict[str, float]]:
+    """The longest time the guest stood still as a whole while the block ran, in ms: a SCHED_FIFO 99
+    process (above sched_ext, so our scheduler plays no part) sleeps 1 ms in a loop and records how late
+    it woke. Under TCG the host deschedules the emulator's thread on a busy machine, and every task in the
+    guest then waits that long whatever its scheduler does; a wait bound is checked net of it."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python-level cleanup, just the loop and one number on SIGTERM
+        os.close(read_end)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
+        worst = 0.0
+
+        def report(*_: Any) -> None:
+            os.write(write_end, f"{worst * 1e3:.3f}".encode())
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, report)
+        while True:
+            t0 = time.monotonic()
+            time.sleep(0.001)
+            worst = max(worst, time.monotonic() - t0 - 0.001)
+    os.close(write_end)
+    out: dict[str, float] = {}
+    try:
+        yield out
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        with os.fdopen(read_end) as f:
+            out["max_ms"] = float(f.read() or "nan")
+
+
 def mixed(args: argparse.Namespace) -> dict[str, Any]:
     """Random mixes of boosted priorities 1-20 (CPU-bound or periodic) and unboosted CPU-bound threads,
     from fewer threads than CPUs to 4x as many. Per seed: the mix, then the mix with its lowest and its
@@ -126,7 +161,8 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
                    if rng.random() < 0.6 else (0, "spin") for _ in range(n)]
             if not any(p for p, _ in mix):
                 mix[0] = (rng.randint(1, 20), "spin")
-            res = run_mix(backend, mix, args.seconds, probe)
+            with emulator_stalls() as stalls:
+                res = run_mix(backend, mix, args.seconds, probe)
             boosted = [i for i, (p, _) in enumerate(mix) if p]
             low = min(boosted, key=lambda i: mix[i][0])
             high = max(boosted, key=lambda i: mix[i][0])
@@ -143,6 +179,7 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
                 "shares": res["shares"],
                 "max_wait_ms": [None if w is None else w["max_ms"] for w in waits],
                 "bound_ms": _bound_ms(n, ncpu),
+                "emulator_stall_ms": stalls["max_ms"],
                 "compare": compare,
             }
         out["health"] = backend.health().state.value
@@ -311,7 +348,8 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
     AGENT_DIR.mkdir(parents=True, exist_ok=True)
     (AGENT_DIR / "policies.d").mkdir(exist_ok=True)
     (AGENT_DIR / "policies.d" / "ej.json").write_text(json.dumps(
-        [{"id": "ej", "commandRegex": "^ej-worker$", "priority": 10}]))
+        [{"id": "ej", "commandRegex": "^ej-worker$", "priority": 10},
+         {"id": "ej-busy", "commandRegex": "^ej-busy$", "priority": 5}]))
     config = AGENT_DIR / "config.yaml"
     config.write_text(json.dumps({
         "backend": {"kind": "auto"},
@@ -321,19 +359,25 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
         "metrics": {"listen": "127.0.0.1:9813"},
         "log": {"format": "json"},
         "scheduler": {"reload_backoff_initial_s": 0.5, "ejection_limit": 3, "ejection_window_s": 300},
+        # the run-queue wait histogram, for the dashboard's heatmap (checked below with prometheus)
+        "probe": {"enabled": True},
     }))
     exe = Path(sys.executable).with_name("gthulhu-node")
     out: dict[str, Any] = {"sysrq": []}
     with workers() as pids, (AGENT_DIR / "agent.log").open("wb") as log:
         pids.append(fork_worker(lambda: time.sleep(600), "ej-worker"))
+        pids.append(fork_worker(busy_fraction(2, 6), "ej-busy"))
         agent = subprocess.Popen([str(exe), "run", "--config", str(config)], stdout=log,
                                  stderr=subprocess.STDOUT)
+        prom: Prometheus | None = None
         try:
             # Starting the agent (imports, loading the scheduler) takes minutes under TCG.
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and not (
                     _agent_status(config) and state() == {"state": "enabled", "ops": "gthulhu"}):
                 time.sleep(0.5)
+            prom = Prometheus(AGENT_DIR, 9813)
+            out["selectors_before"] = _selectors_without_series(prom)
             t0 = time.monotonic()
             for _ in range(args.threads):
                 deadline = time.monotonic() + 120
@@ -360,12 +404,41 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
                                                        "gthulhu_node_scheduler_ejections_total",
                                                        "gthulhu_node_scheduler_reloads_total"))]
             out["agent_alive"] = agent.poll() is None
+            out["alerts"] = _ejection_alerts(prom)
         finally:
+            if prom is not None:
+                prom.stop()
             agent.terminate()
             agent.wait(60)
     logged = (AGENT_DIR / "agent.log").read_text(errors="replace").splitlines()
     out["log_given_up"] = [line for line in logged if "backend_given_up" in line]
     return out
+
+
+def _selectors_without_series(prom: Prometheus) -> list[str]:
+    """Every selector of the dashboard and the rules that has no series from this agent (sched_ext
+    backend, BCC probe), after the run-queue histogram has its first samples (the probe compiles first,
+    which takes minutes under emulation) and two scrapes."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (
+            prom.query("gthulhu_node_runqueue_wait_latency_seconds_bucket")
+            and prom.query("count_over_time(gthulhu_node_ready[1m]) >= 2")):
+        time.sleep(1)
+    exprs = dashboard_queries() + [rule["expr"] for rule in rules()]
+    seen = {selector for expr in exprs for _, selector in selectors(expr)}
+    return sorted(selector for selector in seen if not prom.query(selector))
+
+
+def _ejection_alerts(prom: Prometheus) -> dict[str, bool]:
+    """Whether each ejection alert fired (every `for:` is 0 s here): the ejected state lasts only until
+    the agent's reload, so ALERTS' history is asked, not the alerts firing now."""
+    names = ("GthulhuNodeSchedulerEjected", "GthulhuNodeSchedulerRepeatedEjections")
+    deadline = time.monotonic() + 60
+    fired = {name: False for name in names}
+    while time.monotonic() < deadline and not all(fired.values()):
+        fired = {name: prom.ever_fired(name) for name in names}
+        time.sleep(1)
+    return fired
 
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

@@ -116,3 +116,21 @@ def test_cli_shows_a_boosted_twin_waiting_far_less(lab_session: Lab) -> None:
     boost, plain = rows["probe_boost"], rows["probe_plain"]
     assert int(boost["COUNT"]) > 50 and int(plain["COUNT"]) > 50
     assert float(boost["P99_US"]) * 4 < float(plain["P99_US"]), (boost, plain)
+
+
+def test_compare_against_the_real_agent_and_probe(lab_session: Lab) -> None:
+    """`gthulhu-node compare` as docs/probe.md's recipe runs it, with the real agent (sched_ext) and the
+    BCC probe, an engine-step worker beside 8 CPU hogs: both sides measured in alternating windows, and the
+    side with the intent on waits less."""
+    lab_session.ensure_alive()
+    r = lab_session.run([lab_session.venv_python, "tests/vm/guest_probe.py", "compare", "--duration", "16",
+                         "--window", "2"], timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    print(json.dumps(doc["sides"]))
+    assert len(doc["windows"]) == 8 and {w["on"] for w in doc["windows"]} == {True, False}, doc
+    on, off = doc["sides"]["on"], doc["sides"]["off"]
+    assert on["threads"] == off["threads"] == 1, doc
+    assert on["waits"] > 50 and off["waits"] > 50, doc
+    assert on["p99_us"] < off["p99_us"] and on["mean_us"] < off["mean_us"], doc
+

@@ -53,7 +53,9 @@ def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
     for seed, res in out["seeds"].items():
         waits = [w for w in res["max_wait_ms"] if w is not None]
         assert waits, (seed, res)
-        assert max(waits) < res["bound_ms"], (seed, res)
+        # net of the emulator: the whole guest stood still that long at least once (safety_workloads.py,
+        # emulator_stalls); a bound on real hardware has no such term
+        assert max(waits) < res["bound_ms"] + res["emulator_stall_ms"], (seed, res)
         for role, c in res["compare"].items():
             ratios[role].append(c["boosted"] / max(c["unboosted"], 1e-3))
     for role, values in ratios.items():
@@ -113,5 +115,15 @@ def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any)
     assert "3 ejections within 300 s" in agent["backendReason"], out
     assert "gthulhu_node_sched_ext_given_up 1.0" in out["metric_lines"], out
     assert len(out["log_given_up"]) == 1, out
-    applied = [i for i in out["status"]["intents"] if i["key"].endswith("ej")]
+    applied = [i for i in out["status"]["intents"] if i["key"].split("/")[-1] == "ej"]
     assert applied and applied[0]["state"] == "INTENT_STATE_APPLIED", out
+    # Debian's prometheus, run in the guest, scraped this agent (sched_ext backend, BCC probe): every
+    # selector of the dashboard and the rules has series but those this agent cannot have (no REST
+    # listener, no Failed intent: tests/host/test_prometheus.py covers them); both ejection alerts fired.
+    assert [s for s in out["selectors_before"] if not s.startswith(SELECTORS_ONLY_ON_THE_HOST)] == [], out
+    assert out["alerts"] == {"GthulhuNodeSchedulerEjected": True,
+                             "GthulhuNodeSchedulerRepeatedEjections": True}, out
+
+
+# what the ejections scenario's agent cannot export: it has no REST listener and no Failed intent
+SELECTORS_ONLY_ON_THE_HOST = ("gthulhu_node_rest_", 'gthulhu_node_intents{state="failed"}')
