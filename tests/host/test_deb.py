@@ -3,9 +3,8 @@ dependencies (no compiler), the file list (prebuilt scheduler objects, the unit,
 without pip or byte code), conffiles, maintainer scripts that never start the service on install, lintian
 with no tag left but the justified overrides, and the packaged environment itself running the agent.
 
-Installing, upgrading, removing and purging it under systemd needs a machine with a writable root where
-the package may really be installed: that is the lab VM's part (docs/packaging.md says how far it got);
-this file checks everything that does not need to own /opt and /etc of the machine running it."""
+Installing, upgrading, removing and purging it under systemd needs a machine whose /opt and /etc may
+change: tests/vm/test_deb_lab.py does that in the lab guest; this file checks everything that does not."""
 
 from __future__ import annotations
 
