@@ -90,8 +90,15 @@ def test_file_list(unpacked: Path) -> None:
         "usr/share/lintian/overrides/gthulhu-node",
     ):
         assert expected in files, expected
-    # no pip in a dpkg-owned tree, no byte code (postinst compiles it), nothing naming the build machine
-    assert not any("/pip/" in f or f.endswith(".pyc") for f in files)
+    # no pip in a dpkg-owned tree, nothing naming the build machine
+    assert not any("/pip/" in f for f in files)
+    # byte code built with the package: hash-checked (valid whatever mtimes dpkg sets), no staging path
+    tag = f"cpython-{PYVER.replace('.', '')}"
+    pyc = unpacked / site / "gthulhu_node" / "__pycache__" / f"agent.{tag}.pyc"
+    head = pyc.read_bytes()
+    assert int.from_bytes(head[4:8], "little") == 0b11, "not a checked-hash .pyc"
+    assert b"/tmp" not in head and f"/{site}/gthulhu_node/agent.py".encode() in head
+    assert sum(f.endswith(".pyc") for f in files) > 500
     assert not any(f.startswith(f"{site}/gthulhu_node-") and f.endswith("direct_url.json") for f in files)
     assert (unpacked / VENV / "bin" / "python").readlink() == Path(f"python{PYVER}")
     assert (unpacked / VENV / "bin" / f"python{PYVER}").readlink() == Path(f"/usr/bin/python{PYVER}")
