@@ -61,7 +61,7 @@ def build_packages() -> tuple[Path, Path]:
     newer = version.rsplit("-", 1)[0] + "-" + str(int(version.rsplit("-", 1)[1]) + 1)
     control.write_text(control.read_text().replace(f"Version: {version}\n", f"Version: {newer}\n"))
     second = first.with_name(first.name.replace(version, newer))
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(work), str(second)], check=True,
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-b", str(work), str(second)], check=True,
                    capture_output=True)
     shutil.rmtree(work)
     return first, second
