@@ -3,9 +3,8 @@ dependencies (no compiler), the file list (prebuilt scheduler objects, the unit,
 without pip or byte code), conffiles, maintainer scripts that never start the service on install, lintian
 with no tag left but the justified overrides, and the packaged environment itself running the agent.
 
-Installing, upgrading, removing and purging it under systemd needs a machine with a writable root where
-the package may really be installed: that is the lab VM's part (docs/packaging.md says how far it got);
-this file checks everything that does not need to own /opt and /etc of the machine running it."""
+Installing, upgrading, removing and purging it under systemd needs a machine whose /opt and /etc may
+change: tests/vm/test_deb_lab.py does that in the lab guest; this file checks everything that does not."""
 
 from __future__ import annotations
 
@@ -101,8 +100,15 @@ def test_file_list(unpacked: Path) -> None:
     listed = {line.split(",")[0] for line in (unpacked / record).read_text().splitlines()}
     assert {n for n in listed if n.endswith(".bpf.o")} == {
         f"gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in ("gthulhu", "gthulhu-6.12")}
-    # no pip in a dpkg-owned tree, no byte code (postinst compiles it), nothing naming the build machine
-    assert not any("/pip/" in f or f.endswith(".pyc") for f in files)
+    # no pip in a dpkg-owned tree, nothing naming the build machine
+    assert not any("/pip/" in f for f in files)
+    # byte code built with the package: hash-checked (valid whatever mtimes dpkg sets), no staging path
+    tag = f"cpython-{PYVER.replace('.', '')}"
+    pyc = unpacked / site / "gthulhu_node" / "__pycache__" / f"agent.{tag}.pyc"
+    head = pyc.read_bytes()
+    assert int.from_bytes(head[4:8], "little") == 0b11, "not a checked-hash .pyc"
+    assert b"/tmp" not in head and f"/{site}/gthulhu_node/agent.py".encode() in head
+    assert sum(f.endswith(".pyc") for f in files) > 500
     assert not any(f.startswith(f"{site}/gthulhu_node-") and f.endswith("direct_url.json") for f in files)
     assert (unpacked / VENV / "bin" / "python").readlink() == Path(f"python{PYVER}")
     assert (unpacked / VENV / "bin" / f"python{PYVER}").readlink() == Path(f"/usr/bin/python{PYVER}")
