@@ -96,6 +96,7 @@ def scheduler(lab: Lab) -> str:
 
 
 @pytest.mark.timeout(5400)
+@pytest.mark.lab_seconds(600)  # 9 min measured, with the package build (docs/packaging.md)
 def test_install_enable_upgrade_remove_purge(guest: Lab) -> None:
     lab = guest
     first, second = build_packages()

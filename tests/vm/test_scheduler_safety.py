@@ -33,6 +33,7 @@ def assert_still_ours(out: dict[str, Any]) -> None:
     assert out["health"] == "running" and out["state"] == ENABLED, out
 
 
+@pytest.mark.lab_seconds(150)  # measured 2026-12-01 (--durations)
 @both_kernels
 def test_a_low_priority_boost_is_never_worse_than_no_boost(lab: Any) -> None:
     # Before the reserve and the deadline order: the priority-5 thread got 0.15 s of 45 s (0.3 % of a
@@ -46,6 +47,7 @@ def test_a_low_priority_boost_is_never_worse_than_no_boost(lab: Any) -> None:
     assert out["boosted"]["low_share"] >= 0.05, out
 
 
+@pytest.mark.lab_seconds(250)  # measured 2026-12-01 (--durations)
 def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
     out = scenario(lab, "mixed", "1,2,3,4", "--seconds", "3", timeout=900)
     assert_still_ours(out)
@@ -86,6 +88,7 @@ def test_cpu_hotplug_under_load_does_not_eject_the_scheduler(lab: Any) -> None:
     assert shares["boosted"] > 1.2 * shares["twin"], out  # measured 1.38-1.74x
 
 
+@pytest.mark.lab_guest("")  # the shared 8-vCPU guest: a second one would only add a boot
 @pytest.mark.parametrize("lab", matrix.WIDE, indirect=True)
 def test_cpu_hotplug_on_8_cpus_over_2_numa_nodes(lab: Any) -> None:
     # Function only on 8 emulated CPUs over the machine's 2 cores: no ejection, entries intact.
@@ -105,6 +108,7 @@ def test_a_cpuset_confined_boost_leaves_the_cpus_reserve_to_unboosted_tasks(lab:
     assert out["boosted_total"] >= 0.5, out
 
 
+@pytest.mark.lab_seconds(400)  # measured 2026-12-01 (--durations)
 def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any) -> None:
     # Before the limit the engine reloaded forever (backoff capped at 60 s).
     out = scenario(lab, "ejections", "--threads", "5", timeout=900)
