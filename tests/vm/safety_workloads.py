@@ -377,7 +377,6 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
                     _agent_status(config) and state() == {"state": "enabled", "ops": "gthulhu"}):
                 time.sleep(0.5)
             prom = Prometheus(AGENT_DIR, 9813)
-            out["selectors_before"] = _selectors_without_series(prom)
             t0 = time.monotonic()
             for _ in range(args.threads):
                 deadline = time.monotonic() + 120
@@ -405,6 +404,7 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
                                                        "gthulhu_node_scheduler_reloads_total"))]
             out["agent_alive"] = agent.poll() is None
             out["alerts"] = _ejection_alerts(prom)
+            out["selectors_without_series"] = _selectors_without_series(prom)
         finally:
             if prom is not None:
                 prom.stop()
@@ -416,17 +416,16 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _selectors_without_series(prom: Prometheus) -> list[str]:
-    """Every selector of the dashboard and the rules that has no series from this agent (sched_ext
-    backend, BCC probe), after the run-queue histogram has its first samples (the probe compiles first,
-    which takes minutes under emulation) and two scrapes."""
+    """Every selector of the dashboard and the rules that had no series from this agent at any scrape of
+    the run: with the sched_ext backend, then ejected, then on eevdf, with the BCC probe on. Asked at the
+    end, once the run-queue histogram has its first samples (the probe compiles while the ejections run:
+    minutes under emulation)."""
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (
-            prom.query("gthulhu_node_runqueue_wait_latency_seconds_bucket")
-            and prom.query("count_over_time(gthulhu_node_ready[1m]) >= 2")):
+    while time.monotonic() < deadline and not prom.query("gthulhu_node_runqueue_wait_latency_seconds_bucket"):
         time.sleep(1)
     exprs = dashboard_queries() + [rule["expr"] for rule in rules()]
     seen = {selector for expr in exprs for _, selector in selectors(expr)}
-    return sorted(selector for selector in seen if not prom.query(selector))
+    return sorted(s for s in seen if not prom.query(f"last_over_time({s}[30m])"))
 
 
 def _ejection_alerts(prom: Prometheus) -> dict[str, bool]:

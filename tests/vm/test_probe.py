@@ -118,6 +118,7 @@ def test_cli_shows_a_boosted_twin_waiting_far_less(lab_session: Lab) -> None:
     assert float(boost["P99_US"]) * 4 < float(plain["P99_US"]), (boost, plain)
 
 
+@pytest.mark.lab_seconds(540)  # 9 min measured: the agent, then BCC compiling, under TCG
 def test_compare_against_the_real_agent_and_probe(lab_session: Lab) -> None:
     """`gthulhu-node compare` as docs/probe.md's recipe runs it, with the real agent (sched_ext) and the
     BCC probe, an engine-step worker beside 8 CPU hogs: both sides measured in alternating windows, and the
