@@ -77,16 +77,24 @@ def compile_pattern(pattern: str, field: str = "commandRegex") -> Any:
         raise ValueError(f"{field} is empty")
     if size > PATTERN_MAX_BYTES:
         raise ValueError(f"{field} is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
-    options = re2.Options()
-    options.max_mem = RE2_MAX_MEM
-    options.log_errors = False
     try:
-        return re2.compile(pattern, options)
+        return _compiled(pattern)
     except re2.error as exc:
         why = exc.args[0] if exc.args else ""
         if isinstance(why, bytes):
             why = why.decode("utf-8", "replace")
         raise ValueError(f"{field} {pattern!r} is not valid RE2 syntax: {why}") from None
+
+
+# Validation compiles a pattern, and so does every policy build after it: a cache makes the second (and
+# a re-push of the same patterns) free. A compiled pattern is immutable and safe to share between threads;
+# about 2 KB each, and the entries of the policy in effect are shared with it.
+@functools.lru_cache(maxsize=16_384)
+def _compiled(pattern: str) -> Any:
+    options = re2.Options()
+    options.max_mem = RE2_MAX_MEM
+    options.log_errors = False
+    return re2.compile(pattern, options)
 
 
 @functools.lru_cache(maxsize=4096)
