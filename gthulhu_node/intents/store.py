@@ -14,10 +14,15 @@ accepted push and the digest of its content:
 A delete removes one intent and keeps the generation, so a retried push of the same generation stays a
 no-op rather than bringing the deleted intent back.
 
-Persistence: one JSON file, `intents.json`, under the state directory, written as temp file + fsync +
-rename + fsync of the directory, so after a crash (SIGKILL, power loss) the file holds either the old or
-the new set, never a mix. The `local` source is not persisted: the policy files are its persistence.
-A file that cannot be read is logged, renamed aside with a timestamp, and the store starts empty.
+Persistence, under the state directory: a snapshot, `intents.json` (written as temp file + fsync +
+rename + fsync of the directory), and a journal, `intents.journal`, to which each change appends one
+checksummed, fsync'd record of what it changed (intents/journal.py). When the journal outgrows the
+snapshot (or 1 MiB, whichever is larger), the next change writes a new snapshot instead: a change costs
+its own size on disk, amortized. After a crash (SIGKILL, power loss) reading finds either the old or the
+new set, never a mix. The `local` source is not persisted: the policy files are its persistence.
+A snapshot (or a journal record) that cannot be read is logged, renamed aside with a timestamp, and the
+store starts empty. A snapshot of version 1 (release 0.1.0, no journal) is read as it is, and the first
+change writes it in the current version.
 
 Thread-safe: gRPC handlers, the REST server and the local-file watcher call it concurrently. Listeners
 are told "source X changed" after the change is stored and persisted; they read `snapshot()` for the rest.
@@ -41,6 +46,16 @@ import structlog
 from pydantic import ValidationError
 
 from gthulhu_node.intents.documents import load_json
+from gthulhu_node.intents.journal import (
+    COMPACT_MIN_BYTES,
+    JOURNAL_FILE,
+    Journal,
+    apply_diff,
+    diff_items,
+    encode_line,
+    new_journal_id,
+    read_journal,
+)
 from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, SenderEntry, check_source
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
 
@@ -52,7 +67,9 @@ STATE_FORMAT = "gthulhu-node-intents"
 # saved intents are what make a restart after `apt-get upgrade` keep scheduling); tests/fixtures/state/
 # keeps a file of each release as it wrote it. Raise it only for a change an older agent would misread,
 # and keep reading every older version here.
-STATE_VERSION = 1
+# Version 2: the journal beside the snapshot (an agent of version 1 would read the snapshot alone and
+# lose the journal's changes: it refuses the file instead). Compact JSON, `journal` names its journal.
+STATE_VERSION = 2
 # Sources whose intents live elsewhere on disk and are therefore not written to the state file.
 NOT_PERSISTED = frozenset({"local"})
 # Generations travel as uint64 in the gRPC API.
@@ -159,6 +176,8 @@ class IntentStore:
         self._sources: dict[str, SourceSet] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._stats = StoreStats()
+        self._journal = Journal(state_dir / JOURNAL_FILE, STATE_VERSION) if state_dir is not None else None
+        self._snapshot_bytes = 0  # size of the snapshot on disk
 
     @property
     def max_intents_per_source(self) -> int:
@@ -310,7 +329,7 @@ class IntentStore:
         if source in NOT_PERSISTED:
             return
         try:
-            self._save()
+            self._persist(source, old, new)
         except (OSError, StateTooLargeError) as exc:
             if old is None:
                 del self._sources[source]
@@ -335,10 +354,11 @@ class IntentStore:
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def _document(self) -> dict[str, Any]:
+    def _document(self, journal_id: str) -> dict[str, Any]:
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
+            "journal": journal_id,
             "sources": {
                 name: {
                     "generation": ss.generation,
@@ -352,16 +372,39 @@ class IntentStore:
             },
         }
 
-    def _save(self) -> None:
-        target = self.state_file
-        if target is None:
+    def _persist(self, source: str, old: SourceSet | None, new: SourceSet) -> None:
+        """Append the change to the journal, or write a snapshot when the journal has grown past it (or
+        there is no snapshot of this version yet: the first change after a start on an older one)."""
+        journal = self._journal
+        if journal is None:
             return
-        data = json.dumps(self._document(), indent=1, ensure_ascii=False).encode() + b"\n"
+        line = encode_line(_change_record(source, old, new))
+        grown = journal.size + len(line)
+        if (
+            not journal.journal_id
+            or grown > max(COMPACT_MIN_BYTES, self._snapshot_bytes)
+            or self._snapshot_bytes + grown > STATE_MAX_BYTES  # an upper bound of the state's size
+        ):
+            self._save()
+            return
+        journal.append(line)
+        self._stats.persist_writes += 1
+
+    def _save(self) -> None:
+        """Write the whole state as a new snapshot, which starts a new journal."""
+        target = self.state_file
+        if target is None or self._journal is None:
+            return
+        journal_id = new_journal_id()
+        doc = self._document(journal_id)
+        data = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
         if len(data) > STATE_MAX_BYTES:
             raise StateTooLargeError(
                 f"the intents of all sources would take {len(data)} bytes of state, at most {STATE_MAX_BYTES}"
             )
         atomic_write(target, data)
+        self._snapshot_bytes = len(data)
+        self._journal.reset(journal_id)
         self._stats.persist_writes += 1
 
     def load(self) -> int:
@@ -376,8 +419,10 @@ class IntentStore:
         remove_stale_temps(target)
         # An OSError other than ENOENT (EMFILE, EIO, EACCES) propagates: the file may be fine, so it stays
         # where it is and the start fails (systemd retries) rather than starting with no intents.
+        assert self._journal is not None
         try:
-            sources = _parse_state(_read_state(target))
+            blob = _read_state(target)
+            sources, journal_id, valid = _parse_state(blob, self._journal.path)
         except FileNotFoundError:
             return 0
         except NewerStateError as exc:
@@ -385,15 +430,20 @@ class IntentStore:
             raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            aside = target.with_name(f"{target.name}.corrupt-{stamp}")
-            try:
-                os.replace(target, aside)
-            except OSError as mv_exc:
-                log.error("intents_state_move_failed", path=str(target), error=str(mv_exc))
-            log.error("intents_state_corrupt", path=str(target), moved_to=str(aside), error=str(exc))
+            for path in (target, self._journal.path):
+                aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+                try:
+                    os.replace(path, aside)
+                except FileNotFoundError:
+                    continue
+                except OSError as mv_exc:
+                    log.error("intents_state_move_failed", path=str(path), error=str(mv_exc))
+                log.error("intents_state_corrupt", path=str(path), moved_to=str(aside), error=str(exc))
             with self._lock:
                 self._stats.corrupt_state_files += 1
             return 0
+        self._snapshot_bytes = len(blob)
+        self._journal.adopt(journal_id, valid)
         count = sum(len(ss.intents) for ss in sources.values())
         with self._lock:
             self._sources.update(sources)
@@ -419,20 +469,78 @@ def _read_state(target: Path) -> bytes:
     return blob
 
 
-def _parse_state(blob: bytes) -> dict[str, SourceSet]:
-    """Parse and validate a state file; ValueError says what is wrong."""
+def _check_version(version: object, what: str) -> None:
+    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
+        raise NewerStateError(f"{what} version {version} was written by a newer gthulhu-node (this one reads "
+                              f"up to {STATE_VERSION}); start the newer release, or move the file aside")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"unsupported {what} version {version!r}")
+
+
+# Version 1: release 0.1.0's snapshot, no journal.
+READABLE_VERSIONS = (1, STATE_VERSION)
+
+
+def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet], str, int]:
+    """Parse and validate a snapshot and the valid prefix of its journal: (sources, the snapshot's
+    journal id, valid journal bytes). ValueError says what is wrong."""
     doc = load_json(blob)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
-    version = doc.get("version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
-        raise NewerStateError(f"state version {version} was written by a newer gthulhu-node (this one reads "
-                              f"up to {STATE_VERSION}); start the newer release, or move the file aside")
-    if version != STATE_VERSION:
-        raise ValueError(f"unsupported state version {version!r}")
+    _check_version(doc.get("version"), "state")
     raw_sources = doc.get("sources")
     if not isinstance(raw_sources, Mapping):
         raise ValueError("sources: expected an object")
+    journal_id = doc.get("journal", "") if doc.get("version") == STATE_VERSION else ""
+    if not isinstance(journal_id, str):
+        raise ValueError("journal: expected a string")
+    valid = 0
+    sources: dict[str, Any] = dict(raw_sources)
+    if journal_id:
+        records, valid, version = read_journal(journal_path, journal_id, STATE_MAX_BYTES + COMPACT_MIN_BYTES)
+        if version is not None:
+            _check_version(version, "journal")
+        for n, record in enumerate(records):
+            try:
+                _replay(sources, record)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"{JOURNAL_FILE} record {n + 1}: {exc!r}") from None
+    return _parse_sources(sources), journal_id, valid
+
+
+def _change_record(source: str, old: SourceSet | None, new: SourceSet) -> dict[str, Any]:
+    """A journal record: `source`'s new generation and digests, and how its intents and entries changed."""
+    record: dict[str, Any] = {"source": source, "generation": new.generation, "pushDigest": new.push_digest,
+                              "updated": new.updated}
+    intents = diff_items(old.intents if old else (), new.intents, lambda i: i.id, intent_to_doc)
+    entries = diff_items(old.entries if old else (), new.entries, lambda e: e.key, _entry_doc)
+    if intents is not None:
+        record["intents"] = intents
+    if entries is not None:
+        record["entries"] = entries
+    return record
+
+
+def _replay(sources: dict[str, Any], record: Mapping[str, Any]) -> None:
+    """Apply one journal record to the snapshot's source documents."""
+    name = record["source"]
+    if not isinstance(name, str):
+        raise ValueError("source: expected a string")
+    current = dict(sources.get(name) or {"intents": []})
+    for field_name in ("generation", "pushDigest", "updated"):
+        current[field_name] = record[field_name]
+    if "intents" in record:
+        current["intents"] = apply_diff(list(current.get("intents", [])), record["intents"], "id")
+    if "entries" in record:
+        entries = apply_diff(list(current.get("entries", [])), record["entries"], "key")
+        if entries:
+            current["entries"] = entries
+        else:
+            current.pop("entries", None)
+    sources[name] = current
+
+
+def _parse_sources(raw_sources: Mapping[str, Any]) -> dict[str, SourceSet]:
     out: dict[str, SourceSet] = {}
     for name, entry in raw_sources.items():
         check_source(name, allow_reserved=True)
