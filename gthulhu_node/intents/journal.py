@@ -76,22 +76,23 @@ def decode_lines(blob: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def diff_items(
-    old: Sequence[T], new: Sequence[T], key: Callable[[T], Hashable], to_doc: Callable[[T], Any]
+    old: Sequence[T], new: Sequence[T], key: Callable[[T], Hashable], doc_of: Callable[[int], Any]
 ) -> dict[str, Any] | None:
     """How `new` differs from `old`: {"put": [docs], "drop": [keys], "order": [keys] (only when it is not
-    old's order with the put ones appended)} or {"all": [docs]} when keys repeat; None when equal."""
+    old's order with the put ones appended)} or {"all": [docs]} when keys repeat; None when equal.
+    `doc_of(n)`: the document of new[n]."""
     old_keys = [key(x) for x in old]
     new_keys = [key(x) for x in new]
     if len(set(old_keys)) != len(old_keys) or len(set(new_keys)) != len(new_keys):
-        return None if list(old) == list(new) else {"all": [to_doc(x) for x in new]}
+        return None if list(old) == list(new) else {"all": [doc_of(n) for n in range(len(new))]}
     before = dict(zip(old_keys, old, strict=True))
     wanted = set(new_keys)
-    put = [x for k, x in zip(new_keys, new, strict=True) if k not in before or before[k] != x]
+    put = [n for n, (k, x) in enumerate(zip(new_keys, new, strict=True)) if k not in before or before[k] != x]
     drop = [k for k in old_keys if k not in wanted]
     natural = [k for k in old_keys if k in wanted] + [k for k in new_keys if k not in before]
     if not put and not drop and natural == new_keys:
         return None
-    out: dict[str, Any] = {"put": [to_doc(x) for x in put], "drop": drop}
+    out: dict[str, Any] = {"put": [doc_of(n) for n in put], "drop": drop}
     if natural != new_keys:
         out["order"] = new_keys
     return out

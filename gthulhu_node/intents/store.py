@@ -142,11 +142,28 @@ def digest(intents: Sequence[Intent], entries: Sequence[SenderEntry] = ()) -> st
     """Content digest of a set, independent of order (precedence never depends on it, and a sender's
     re-push in another order is the same set). Without sender entries the digest is the one earlier
     versions computed, so their state files stay valid."""
-    docs: list[Any] = sorted((intent_to_doc(i) for i in intents), key=lambda d: str(d["id"]))
-    if entries:
-        docs = [docs, sorted(json.dumps(_entry_doc(e), sort_keys=True) for e in entries)]
-    blob = json.dumps(docs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _digest_docs(_Docs.of(intents, entries))
+
+
+def _digest_docs(docs: _Docs) -> str:
+    ordered: list[Any] = sorted(docs.intents, key=lambda d: str(d["id"]))
+    if docs.entries:
+        ordered = [ordered, sorted(json.dumps(e, sort_keys=True) for e in docs.entries)]
+    blob = json.dumps(ordered, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Docs:
+    """The JSON documents of a set's intents and entries, made once per change: the digest, the journal
+    record and the snapshot all need them, and making them is most of a large push's cost."""
+
+    intents: list[dict[str, Any]]
+    entries: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, intents: Sequence[Intent], entries: Sequence[SenderEntry]) -> _Docs:
+        return cls([intent_to_doc(i) for i in intents], [_entry_doc(e) for e in entries])
 
 
 def _entry_doc(entry: SenderEntry) -> dict[str, Any]:
@@ -178,6 +195,10 @@ class IntentStore:
         self._stats = StoreStats()
         self._journal = Journal(state_dir / JOURNAL_FILE, STATE_VERSION) if state_dir is not None else None
         self._snapshot_bytes = 0  # size of the snapshot on disk
+        self._digests: dict[str, str] = {}  # source -> digest() of its content, once computed
+        # source -> its part of the snapshot (JSON) as last written, until it changes: a compaction
+        # serializes only the sources that changed since the last one
+        self._source_json: dict[str, bytes] = {}
 
     @property
     def max_intents_per_source(self) -> int:
@@ -242,12 +263,13 @@ class IntentStore:
         except IntentValidationError:
             self._count("refused_invalid")
             raise
-        new_digest = digest(intents, entries)
+        docs = _Docs.of(intents, entries)
+        new_digest = _digest_docs(docs)
         with self._lock:
             current = self._sources.get(source)
             cur_gen = current.generation if current else 0
             cur_push = current.push_digest if current else EMPTY_DIGEST
-            cur_content = digest(current.intents, current.entries) if current else EMPTY_DIGEST
+            cur_content = self._content_digest(source)
             if generation == 0:
                 if new_digest == cur_content:
                     self._stats.applies_unchanged += 1
@@ -291,7 +313,7 @@ class IntentStore:
                     )
             changed = new_digest != cur_content
             new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time(), tuple(entries))
-            self._commit(source, new)
+            self._commit(source, new, docs, new_digest)
             self._stats.applies += 1
         log.info(
             "intents_accepted",
@@ -322,15 +344,32 @@ class IntentStore:
         self._notify(source)
         return new
 
-    def _commit(self, source: str, new: SourceSet) -> None:
-        """Swap in `new` and persist; on a write error the old set stays (lock held by the caller)."""
+    def _content_digest(self, source: str) -> str:
+        """digest() of what `source` holds now, remembered from its last change (lock held)."""
+        known = self._digests.get(source)
+        if known is None:
+            current = self._sources.get(source)
+            known = digest(current.intents, current.entries) if current else EMPTY_DIGEST
+            self._digests[source] = known
+        return known
+
+    def _commit(self, source: str, new: SourceSet, docs: _Docs | None = None, content: str = "") -> None:
+        """Swap in `new` and persist; on a write error the old set stays (lock held by the caller).
+        `docs`, `content`: new's documents and digest when the caller has them."""
         old = self._sources.get(source)
+        old_json = self._source_json.pop(source, None)
         self._sources[source] = new
+        self._digests.pop(source, None)
+        if content:
+            self._digests[source] = content
         if source in NOT_PERSISTED:
             return
         try:
-            self._persist(source, old, new)
+            self._persist(source, old, new, docs)
         except (OSError, StateTooLargeError) as exc:
+            self._digests.pop(source, None)
+            if old_json is not None:
+                self._source_json[source] = old_json
             if old is None:
                 del self._sources[source]
             else:
@@ -354,55 +393,50 @@ class IntentStore:
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def _document(self, journal_id: str) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "journal": journal_id,
-            "sources": {
-                name: {
-                    "generation": ss.generation,
-                    "pushDigest": ss.push_digest,
-                    "updated": ss.updated,
-                    "intents": [intent_to_doc(i) for i in ss.intents],
-                    **({"entries": [_entry_doc(e) for e in ss.entries]} if ss.entries else {}),
-                }
-                for name, ss in sorted(self._sources.items())
-                if name not in NOT_PERSISTED
-            },
-        }
-
-    def _persist(self, source: str, old: SourceSet | None, new: SourceSet) -> None:
+    def _persist(self, source: str, old: SourceSet | None, new: SourceSet, docs: _Docs | None) -> None:
         """Append the change to the journal, or write a snapshot when the journal has grown past it (or
         there is no snapshot of this version yet: the first change after a start on an older one)."""
         journal = self._journal
         if journal is None:
             return
-        line = encode_line(_change_record(source, old, new))
+        if not journal.journal_id:  # no snapshot of this version yet (a first start, or an older file)
+            self._save({source: docs} if docs is not None else {})
+            return
+        line = encode_line(_change_record(source, old, new, docs))
         grown = journal.size + len(line)
         if (
-            not journal.journal_id
-            or grown > max(COMPACT_MIN_BYTES, self._snapshot_bytes)
+            grown > max(COMPACT_MIN_BYTES, self._snapshot_bytes)
             or self._snapshot_bytes + grown > STATE_MAX_BYTES  # an upper bound of the state's size
         ):
-            self._save()
+            self._save({source: docs} if docs is not None else {})
             return
         journal.append(line)
         self._stats.persist_writes += 1
 
-    def _save(self) -> None:
-        """Write the whole state as a new snapshot, which starts a new journal."""
+    def _save(self, known: Mapping[str, _Docs]) -> None:
+        """Write the whole state as a new snapshot, which starts a new journal. `known`: documents of
+        sources the caller has made already."""
         target = self.state_file
         if target is None or self._journal is None:
             return
         journal_id = new_journal_id()
-        doc = self._document(journal_id)
-        data = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        parts: dict[str, bytes] = {}
+        for name, ss in sorted(self._sources.items()):
+            if name in NOT_PERSISTED:
+                continue
+            part = self._source_json.get(name)
+            if part is None:
+                part = _dumps(_source_doc(ss, known.get(name) or _Docs.of(ss.intents, ss.entries)))
+            parts[name] = part
+        head = _dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "journal": journal_id})
+        body = b",".join(_dumps(name) + b":" + part for name, part in parts.items())
+        data = head[:-1] + b',"sources":{' + body + b"}}\n"
         if len(data) > STATE_MAX_BYTES:
             raise StateTooLargeError(
                 f"the intents of all sources would take {len(data)} bytes of state, at most {STATE_MAX_BYTES}"
             )
         atomic_write(target, data)
+        self._source_json = parts
         self._snapshot_bytes = len(data)
         self._journal.reset(journal_id)
         self._stats.persist_writes += 1
@@ -508,12 +542,34 @@ def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet],
     return _parse_sources(sources), journal_id, valid
 
 
-def _change_record(source: str, old: SourceSet | None, new: SourceSet) -> dict[str, Any]:
+def _dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _source_doc(ss: SourceSet, docs: _Docs) -> dict[str, Any]:
+    """A source's part of the snapshot."""
+    return {
+        "generation": ss.generation,
+        "pushDigest": ss.push_digest,
+        "updated": ss.updated,
+        "intents": docs.intents,
+        **({"entries": docs.entries} if docs.entries else {}),
+    }
+
+
+def _change_record(source: str, old: SourceSet | None, new: SourceSet, docs: _Docs | None) -> dict[str, Any]:
     """A journal record: `source`'s new generation and digests, and how its intents and entries changed."""
     record: dict[str, Any] = {"source": source, "generation": new.generation, "pushDigest": new.push_digest,
                               "updated": new.updated}
-    intents = diff_items(old.intents if old else (), new.intents, lambda i: i.id, intent_to_doc)
-    entries = diff_items(old.entries if old else (), new.entries, lambda e: e.key, _entry_doc)
+
+    def intent_doc(n: int) -> Any:
+        return docs.intents[n] if docs is not None else intent_to_doc(new.intents[n])
+
+    def entry_doc(n: int) -> Any:
+        return docs.entries[n] if docs is not None else _entry_doc(new.entries[n])
+
+    intents = diff_items(old.intents if old else (), new.intents, lambda i: i.id, intent_doc)
+    entries = diff_items(old.entries if old else (), new.entries, lambda e: e.key, entry_doc)
     if intents is not None:
         record["intents"] = intents
     if entries is not None:

@@ -10,21 +10,33 @@ tests/bench/test_agent_side_bench.py` (docs/benchmarks.md, "Agent side", has the
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import re2
 import structlog
 
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.intents.model import RE2_MAX_MEM, Intent
-from gthulhu_node.intents.parse import parse_intent
+from gthulhu_node.intents.parse import intent_to_doc, parse_intent
+from gthulhu_node.intents.store import STATE_FORMAT, IntentStore, SourceSet, atomic_write
 from gthulhu_node.matching import CommMatch, CompiledIntent, PolicySet, precedence_rank
 from gthulhu_node.reconciler import Reconciler
+from gthulhu_node.rest.translate import node_policies
 from gthulhu_node.tasks.procfs import Snapshot, Task
+from tests.bench.test_rest_bench import body as manager_body
+from tests.host.agent_support import agent_process, client, short_dir, statuses, wait_for
+from tests.unit.rest_support import call, client_context, make_pki, public_pem, write_rsa_key
 
 pytestmark = pytest.mark.bench
 ROUNDS = 5
@@ -119,3 +131,136 @@ def test_apply_1000_intents_to_2000_threads() -> None:
           f"names), {ROUNDS} rounds, median [min-max]")
     for name, values in timings.items():
         print(f"  {name:32s} {spread(values)}  {old / statistics.median(values):6.1f}x faster than old")
+
+
+# ---- 10,000 policies over REST ------------------------------------------------------------------------
+
+# Measured before this change (issue 17), on the same machine: the old path cannot run beside the new one.
+REST_10K_BEFORE_S = 2.6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_10000_policies_over_rest_to_an_agent_process() -> None:
+    """A real agent process (dry-run backend, state on ext4 with fsync), the Manager's exchange over mutual
+    TLS on loopback: token, push of 10,000 policies, merkle check; then the time until the agent's
+    status shows the new policies in effect."""
+    base = short_dir()
+    try:
+        pki = make_pki(base)
+        key = write_rsa_key(base / "jwt.key")
+        port = free_port()
+        rest = {"enabled": True, "listen": f"127.0.0.1:{port}", "tls_cert": str(pki.server_cert),
+                "tls_key": str(pki.server_key), "tls_client_ca": str(pki.ca),
+                "jwt_private_key": str(base / "jwt.key")}
+        exchange: list[float] = []
+        push_only: list[float] = []
+        in_effect: list[float] = []
+        with agent_process(base, node={"name": "bench-node"}, rest=rest) as agent, \
+                client(agent.socket) as stub:
+            ctx = client_context(pki)
+            url = f"https://localhost:{port}"
+            for r in range(ROUNDS):
+                raw = json.dumps(manager_body(10_000, r + 1))
+                t0 = time.perf_counter()
+                tok = call(url, "POST", "/api/v1/auth/token",
+                           json.dumps({"public_key": public_pem(key), "client_id": "manager-client"}),
+                           {"Content-Type": "application/json"}, ctx)
+                auth = {"Authorization": f"Bearer {tok.body['data']['token']}"}
+                t1 = time.perf_counter()
+                push = call(url, "POST", "/api/v1/node-intents", raw,
+                            {**auth, "Content-Type": "application/json"}, ctx)
+                t2 = time.perf_counter()
+                merkle = call(url, "GET", "/api/v1/node-intents/merkle", None, auth, ctx)
+                t3 = time.perf_counter()
+                assert push.status == 200 and push.body["data"]["accepted"] == 10_000, push.body
+                assert merkle.status == 200
+                exchange.append(t3 - t0)
+                push_only.append(t2 - t1)
+                wanted = f"manager/{r + 1:08x}{9999:016x}"
+
+                def applied(w: str = wanted) -> bool | None:
+                    row = statuses(stub, "manager").get(w)
+                    return (row is not None and row.state == pb.INTENT_STATE_APPLIED) or None
+
+                wait_for(applied, timeout=120, what="the pushed policies in effect")
+                in_effect.append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    ratio = REST_10K_BEFORE_S / statistics.median(exchange)
+    print(f"\n10,000 policies over REST (mTLS, loopback) to an agent process, {ROUNDS} rounds, "
+          "median [min-max]")
+    print(f"  token+push+merkle                {spread(exchange)}  {ratio:5.1f}x faster than before "
+          f"({REST_10K_BEFORE_S:.1f} s, issue 17's figure)")
+    print(f"  push alone                       {spread(push_only)}")
+    print(f"  until status shows it in effect  {spread(in_effect)}")
+
+
+# ---- a one-intent change after a 10,000-intent push ---------------------------------------------------
+
+
+class WholeFileStore(IntentStore):
+    """The replaced persistence: every change rewrote the whole state file (indented JSON, version 1)."""
+
+    def _persist(self, source: str, old: SourceSet | None, new: SourceSet, docs: Any) -> None:
+        target = self.state_file
+        assert target is not None
+        doc = {"format": STATE_FORMAT, "version": 1, "sources": {
+            name: {"generation": ss.generation, "pushDigest": ss.push_digest, "updated": ss.updated,
+                   "intents": [intent_to_doc(i) for i in ss.intents],
+                   **({"entries": [e.model_dump(by_alias=True, mode="json") for e in ss.entries]}
+                      if ss.entries else {})}
+            for name, ss in sorted(self.snapshot().items()) if name != "local"}}
+        atomic_write(target, json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n")
+
+
+def written_bytes() -> int:
+    """Bytes this process has handed to write(2) so far."""
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(io["wchar"])
+
+
+def test_one_intent_change_after_a_10000_intent_push() -> None:
+    """The Manager's 10,000 policies (with their sender entries) stored, then a one-intent change: to
+    another source (a CLI apply) and inside the large one (the Manager deletes one policy). State on ext4,
+    fsync'd as in service."""
+    push = node_policies(manager_body(10_000, 1), 100_000)
+    results: dict[str, dict[str, list[float]]] = {}
+    for name, kind in (("old: whole file", WholeFileStore), ("new: journal", IntentStore)):
+        rows = results[name] = {"cli apply, s": [], "cli apply, bytes": [], "manager delete, s": [],
+                                "manager delete, bytes": [], "state file bytes": []}
+        base = Path(tempfile.mkdtemp(prefix="gnb-", dir="/var/tmp"))
+        try:
+            store = kind(base)
+            store.apply("manager", 0, push.intents, allow_reserved=True, entries=push.entries)
+            rows["state file bytes"].append(sum(p.stat().st_size for p in base.iterdir()))
+            for r in range(ROUNDS):
+                one = parse_intent({"id": "one", "commandRegex": "^one$", "priority": 1 + r})
+                for label, change in (
+                    ("cli apply", lambda s=store, i=one: s.apply("cli", 0, [i])),  # type: ignore[misc]
+                    ("manager delete", lambda s=store, r=r: s.delete(  # type: ignore[misc]
+                        "manager", push.intents[r].id, allow_reserved=True)),
+                ):
+                    w0, t0 = written_bytes(), time.perf_counter()
+                    change()
+                    rows[f"{label}, s"].append(time.perf_counter() - t0)
+                    rows[f"{label}, bytes"].append(written_bytes() - w0)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    print(f"\none-intent change after a 10,000-intent Manager push (state on ext4, fsync), {ROUNDS} rounds, "
+          "median [min-max]")
+    old, new = results["old: whole file"], results["new: journal"]
+    print(f"  state after the push: old {old['state file bytes'][0] / 1e6:.1f} MB, "
+          f"new {new['state file bytes'][0] / 1e6:.1f} MB")
+    for label in ("cli apply", "manager delete"):
+        for name, rows in results.items():
+            print(f"  {label:15s} {name:17s} {spread(rows[f'{label}, s'])}  "
+                  f"written {statistics.median(rows[f'{label}, bytes']) / 1e3:10.1f} kB")
+        faster = statistics.median(old[f"{label}, s"]) / statistics.median(new[f"{label}, s"])
+        fewer = statistics.median(old[f"{label}, bytes"]) / statistics.median(new[f"{label}, bytes"])
+        print(f"  {label:15s} new vs old: {faster:.1f}x faster, {fewer:.0f}x fewer bytes")
