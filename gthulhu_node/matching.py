@@ -284,6 +284,23 @@ class PatternSet:
         return out
 
 
+# The last PatternSet built, by its patterns in order: a policy change that keeps the patterns (a re-push
+# with other priorities or ids, a change to one intent's values) reuses its compiled sets. Immutable once
+# built, so sharing it between policy sets (and threads) is safe.
+_last_patterns: tuple[tuple[str, ...], PatternSet] | None = None
+
+
+def _pattern_set(patterns: Sequence[tuple[str, Any]]) -> PatternSet:
+    global _last_patterns
+    key = tuple(p for p, _ in patterns)
+    last = _last_patterns
+    if last is not None and last[0] == key:
+        return last[1]
+    built = PatternSet(patterns)
+    _last_patterns = (key, built)
+    return built
+
+
 class PolicySet:
     """An immutable, compiled set of intents for this node.
 
@@ -311,8 +328,9 @@ class PolicySet:
         for pos, c in enumerate(ordered):
             by_pattern.setdefault(c.intent.matching_pattern, []).append(pos)
             compiled_of.setdefault(c.intent.matching_pattern, c.pattern)
-        self._positions: list[list[int]] = list(by_pattern.values())
-        self._patterns = PatternSet([(p, compiled_of[p]) for p in by_pattern])
+        distinct = sorted(by_pattern)  # in an order that does not depend on ranks: see _pattern_set
+        self._positions: list[list[int]] = [by_pattern[p] for p in distinct]
+        self._patterns = _pattern_set([(p, compiled_of[p]) for p in distinct])
 
     @classmethod
     def build(cls, intents: Iterable[tuple[str, Intent]], *, named_only: bool = False) -> PolicySet:

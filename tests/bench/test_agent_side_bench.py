@@ -15,6 +15,7 @@ import logging
 import shutil
 import socket
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.rest.translate import node_policies
 from gthulhu_node.tasks.procfs import Snapshot, Task
 from tests.bench.test_rest_bench import body as manager_body
-from tests.host.agent_support import agent_process, client, short_dir, statuses, wait_for
+from tests.host.agent_support import REPO, AgentProcess, client, short_dir, statuses, wait_for, write_config
 from tests.unit.rest_support import call, client_context, make_pki, public_pem, write_rsa_key
 
 pytestmark = pytest.mark.bench
@@ -135,7 +136,9 @@ def test_apply_1000_intents_to_2000_threads() -> None:
 
 # ---- 10,000 policies over REST ------------------------------------------------------------------------
 
-# Measured before this change (issue 17), on the same machine: the old path cannot run beside the new one.
+# The agent before issue 17's agent-side work: run from this commit's files beside the current one.
+BASELINE_COMMIT = "309ede70b88cbeb6b26c5cf82ac4a848d3891fd3"
+# What issue 17 measured for the exchange before; printed when the baseline cannot be built (no git).
 REST_10K_BEFORE_S = 2.6
 
 
@@ -146,23 +149,44 @@ def free_port() -> int:
         return port
 
 
-def test_10000_policies_over_rest_to_an_agent_process() -> None:
-    """A real agent process (dry-run backend, state on ext4 with fsync), the Manager's exchange over mutual
-    TLS on loopback: token, push of 10,000 policies, merkle check; then the time until the agent's
-    status shows the new policies in effect."""
-    base = short_dir()
+def baseline_tree(dest: Path) -> Path | None:
+    """BASELINE_COMMIT's package (with this checkout's generated gRPC code, which git does not hold)."""
+    r = subprocess.run(["git", "-C", str(REPO), "archive", BASELINE_COMMIT, "gthulhu_node"],
+                       capture_output=True, check=False)
+    if r.returncode != 0:
+        return None
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=r.stdout, check=True)
+    shutil.copytree(REPO / "gthulhu_node" / "api" / "gen", dest / "gthulhu_node" / "api" / "gen")
+    return dest
+
+
+class TreeAgent(AgentProcess):
+    """`gthulhu-node run` from the package in `tree`."""
+
+    def __init__(self, config: Path, socket_path: Path, tree: Path) -> None:
+        super().__init__(config, socket_path)
+        self.tree = tree
+
+    def _env(self) -> dict[str, str]:
+        return {**super()._env(), "PYTHONPATH": str(self.tree)}
+
+
+def rest_rounds(base: Path, tree: Path) -> dict[str, list[float]]:
+    """The Manager's exchange with an agent process run from `tree`, ROUNDS times."""
+    pki = make_pki(base)
+    key = write_rsa_key(base / "jwt.key")
+    port = free_port()
+    rest = {"enabled": True, "listen": f"127.0.0.1:{port}", "tls_cert": str(pki.server_cert),
+            "tls_key": str(pki.server_key), "tls_client_ca": str(pki.ca),
+            "jwt_private_key": str(base / "jwt.key")}
+    out: dict[str, list[float]] = {"token+push+merkle": [], "push alone": [],
+                                   "until status shows it in effect": []}
+    config = write_config(base, node={"name": "bench-node"}, rest=rest)
+    agent = TreeAgent(config, base / "run" / "api.sock", tree)
+    agent.start()
     try:
-        pki = make_pki(base)
-        key = write_rsa_key(base / "jwt.key")
-        port = free_port()
-        rest = {"enabled": True, "listen": f"127.0.0.1:{port}", "tls_cert": str(pki.server_cert),
-                "tls_key": str(pki.server_key), "tls_client_ca": str(pki.ca),
-                "jwt_private_key": str(base / "jwt.key")}
-        exchange: list[float] = []
-        push_only: list[float] = []
-        in_effect: list[float] = []
-        with agent_process(base, node={"name": "bench-node"}, rest=rest) as agent, \
-                client(agent.socket) as stub:
+        with client(agent.socket) as stub:
             ctx = client_context(pki)
             url = f"https://localhost:{port}"
             for r in range(ROUNDS):
@@ -180,25 +204,47 @@ def test_10000_policies_over_rest_to_an_agent_process() -> None:
                 t3 = time.perf_counter()
                 assert push.status == 200 and push.body["data"]["accepted"] == 10_000, push.body
                 assert merkle.status == 200
-                exchange.append(t3 - t0)
-                push_only.append(t2 - t1)
+                out["token+push+merkle"].append(t3 - t0)
+                out["push alone"].append(t2 - t1)
                 wanted = f"manager/{r + 1:08x}{9999:016x}"
 
                 def applied(w: str = wanted) -> bool | None:
                     row = statuses(stub, "manager").get(w)
                     return (row is not None and row.state == pb.INTENT_STATE_APPLIED) or None
 
-                wait_for(applied, timeout=120, what="the pushed policies in effect")
-                in_effect.append(time.perf_counter() - t0)
+                wait_for(applied, timeout=300, what="the pushed policies in effect")
+                out["until status shows it in effect"].append(time.perf_counter() - t0)
+    finally:
+        agent.stop()
+    return out
+
+
+def test_10000_policies_over_rest_to_an_agent_process() -> None:
+    """A real agent process (dry-run backend, state on ext4 with fsync), the Manager's exchange over mutual
+    TLS on loopback: token, push of 10,000 new policies, merkle check; then the time until the agent's
+    status shows them in effect. The agent of BASELINE_COMMIT runs the same rounds first."""
+    results: dict[str, dict[str, list[float]]] = {}
+    base = short_dir()
+    try:
+        old_tree = baseline_tree(base / "baseline")
+        if old_tree is not None:
+            (base / "old").mkdir()
+            results["old"] = rest_rounds(base / "old", old_tree)
+        (base / "new").mkdir()
+        results["new"] = rest_rounds(base / "new", REPO)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    ratio = REST_10K_BEFORE_S / statistics.median(exchange)
     print(f"\n10,000 policies over REST (mTLS, loopback) to an agent process, {ROUNDS} rounds, "
           "median [min-max]")
-    print(f"  token+push+merkle                {spread(exchange)}  {ratio:5.1f}x faster than before "
-          f"({REST_10K_BEFORE_S:.1f} s, issue 17's figure)")
-    print(f"  push alone                       {spread(push_only)}")
-    print(f"  until status shows it in effect  {spread(in_effect)}")
+    for row in results["new"]:
+        for name, rows in results.items():
+            print(f"  {row:32s} {name:3s} {spread(rows[row])}")
+        new = statistics.median(results["new"][row])
+        if "old" in results:
+            print(f"  {row:32s} new vs old: {statistics.median(results['old'][row]) / new:.1f}x faster")
+        elif row == "token+push+merkle":
+            print(f"  {row:32s} {REST_10K_BEFORE_S / new:.1f}x faster than issue 17's {REST_10K_BEFORE_S} s "
+                  "(no baseline: git archive failed)")
 
 
 # ---- a one-intent change after a 10,000-intent push ---------------------------------------------------

@@ -212,6 +212,7 @@ def matched(ps: PolicySet, comm: str) -> list[str]:
 def test_pattern_sets_answer_as_one_search_per_intent(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many intents per pattern, both scopes, sets split in chunks: the same intents match, same order."""
     monkeypatch.setattr(matching, "SET_CHUNK", chunk)
+    monkeypatch.setattr(matching, "_last_patterns", None)  # built anew with this chunk size
     intents = [
         (f"s/{n}", intent(str(n), regex=p, priority=n % 21, scope="process" if n % 3 == 0 else "thread"))
         for n, p in enumerate(SET_PATTERNS * 3)
@@ -229,7 +230,20 @@ def test_a_set_whose_dfa_fails_falls_back_to_searching_each_pattern(monkeypatch:
     """RE2::Set::Match says "no match" when its DFA cannot run: a set that fails its check after
     compiling must not be used, or every name would silently match nothing."""
     monkeypatch.setattr(matching, "SET_MAX_MEM", 1 << 10)
+    monkeypatch.setattr(matching, "_last_patterns", None)
     ps = PolicySet.build([(f"s/{n}", intent(str(n), regex=p)) for n, p in enumerate(SET_PATTERNS)])
     assert ps._patterns.loose == len(SET_PATTERNS)
     for comm in SET_COMMS:
         assert matched(ps, comm) == per_pattern(ps, comm), comm
+
+
+def test_a_policy_change_that_keeps_the_patterns_reuses_their_sets() -> None:
+    """Compiling the sets of 10,000 patterns is most of a policy build: a re-push with other priorities
+    (or ids) keeps them, and must still rank by the new values."""
+    first = PolicySet.build([(f"s/{n}", intent(str(n), regex=p, priority=1))
+                             for n, p in enumerate(SET_PATTERNS)])
+    second = PolicySet.build([(f"s/{n}", intent(str(n), regex=p, priority=1 + n % 20))
+                              for n, p in enumerate(SET_PATTERNS)])
+    assert second._patterns is first._patterns
+    for comm in SET_COMMS:
+        assert matched(second, comm) == per_pattern(second, comm), comm
