@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from gthulhu_node.intents import store as store_module
 from gthulhu_node.intents.model import Intent, SenderEntry
@@ -68,6 +69,8 @@ def expected_states(count: int) -> list[Content]:
 
 
 def writer(state: Path) -> None:
+    # stdout carries the acknowledgements only: the store's log lines go to stderr
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     store_module.COMPACT_MIN_BYTES = 16 << 10  # compactions every few changes
     store = IntentStore(state)
     rng = random.Random(SEED)
@@ -91,9 +94,9 @@ def test_sigkill_at_random_moments_leaves_the_old_or_the_new_set(tmp_path: Path)
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(kills.uniform(0.0, 1.0))
         proc.send_signal(signal.SIGKILL)
-        lines = proc.stdout.read().split()
+        acks = [line for line in proc.stdout.read().split() if line.isdigit()]
         proc.wait()
-        acknowledged = int(lines[-1]) if lines else 0
+        acknowledged = int(acks[-1]) if acks else 0
         if len(states) < acknowledged + 2:
             states = expected_states(acknowledged + 50)
         store = IntentStore(state)
