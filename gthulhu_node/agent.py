@@ -585,8 +585,8 @@ def engine_for(reconciler: Reconciler, config: AgentConfig,
 
 def _owner_warnings(intent: Intent) -> list[str]:
     """What a person should know about who this intent can boost (docs/security.md)."""
-    out = [f"users entry {name!r} is no user on this node: it matches nothing"
-           for name in resolve_users(intent.users)[1]]
+    unknown = resolve_users(intent.users)[1] if intent.users else ()  # asked for every intent every second
+    out = [f"users entry {name!r} is no user on this node: it matches nothing" for name in unknown]
     if intent.executable_regex is not None and not intent.names_owner:
         out.append(EXECUTABLE_WARNING)
     return out

@@ -14,10 +14,15 @@ accepted push and the digest of its content:
 A delete removes one intent and keeps the generation, so a retried push of the same generation stays a
 no-op rather than bringing the deleted intent back.
 
-Persistence: one JSON file, `intents.json`, under the state directory, written as temp file + fsync +
-rename + fsync of the directory, so after a crash (SIGKILL, power loss) the file holds either the old or
-the new set, never a mix. The `local` source is not persisted: the policy files are its persistence.
-A file that cannot be read is logged, renamed aside with a timestamp, and the store starts empty.
+Persistence, under the state directory: a snapshot, `intents.json` (written as temp file + fsync +
+rename + fsync of the directory), and a journal, `intents.journal`, to which each change appends one
+checksummed, fsync'd record of what it changed (intents/journal.py). When the journal outgrows the
+snapshot (or 1 MiB, whichever is larger), the next change writes a new snapshot instead: a change costs
+its own size on disk, amortized. After a crash (SIGKILL, power loss) reading finds either the old or the
+new set, never a mix. The `local` source is not persisted: the policy files are its persistence.
+A snapshot (or a journal record) that cannot be read is logged, renamed aside with a timestamp, and the
+store starts empty. A snapshot of version 1 (release 0.1.0, no journal) is read as it is, and the first
+change writes it in the current version.
 
 Thread-safe: gRPC handlers, the REST server and the local-file watcher call it concurrently. Listeners
 are told "source X changed" after the change is stored and persisted; they read `snapshot()` for the rest.
@@ -42,6 +47,16 @@ from pydantic import ValidationError
 
 from gthulhu_node.errors import Conflict, GthulhuError, LimitExceeded, NotFound
 from gthulhu_node.intents.documents import load_json
+from gthulhu_node.intents.journal import (
+    COMPACT_MIN_BYTES,
+    JOURNAL_FILE,
+    Journal,
+    apply_diff,
+    diff_items,
+    encode_line,
+    new_journal_id,
+    read_journal,
+)
 from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, SenderEntry, check_source
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
 
@@ -53,7 +68,9 @@ STATE_FORMAT = "gthulhu-node-intents"
 # saved intents are what make a restart after `apt-get upgrade` keep scheduling); tests/fixtures/state/
 # keeps a file of each release as it wrote it. Raise it only for a change an older agent would misread,
 # and keep reading every older version here.
-STATE_VERSION = 1
+# Version 2: the journal beside the snapshot (an agent of version 1 would read the snapshot alone and
+# lose the journal's changes: it refuses the file instead). Compact JSON, `journal` names its journal.
+STATE_VERSION = 2
 # Sources whose intents live elsewhere on disk and are therefore not written to the state file.
 NOT_PERSISTED = frozenset({"local"})
 # Generations travel as uint64 in the gRPC API.
@@ -126,11 +143,28 @@ def digest(intents: Sequence[Intent], entries: Sequence[SenderEntry] = ()) -> st
     """Content digest of a set, independent of order (precedence never depends on it, and a sender's
     re-push in another order is the same set). Without sender entries the digest is the one earlier
     versions computed, so their state files stay valid."""
-    docs: list[Any] = sorted((intent_to_doc(i) for i in intents), key=lambda d: str(d["id"]))
-    if entries:
-        docs = [docs, sorted(json.dumps(_entry_doc(e), sort_keys=True) for e in entries)]
-    blob = json.dumps(docs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _digest_docs(_Docs.of(intents, entries))
+
+
+def _digest_docs(docs: _Docs) -> str:
+    ordered: list[Any] = sorted(docs.intents, key=lambda d: str(d["id"]))
+    if docs.entries:
+        ordered = [ordered, sorted(json.dumps(e, sort_keys=True) for e in docs.entries)]
+    blob = json.dumps(ordered, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Docs:
+    """The JSON documents of a set's intents and entries, made once per change: the digest, the journal
+    record and the snapshot all need them, and making them is most of a large push's cost."""
+
+    intents: list[dict[str, Any]]
+    entries: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, intents: Sequence[Intent], entries: Sequence[SenderEntry]) -> _Docs:
+        return cls([intent_to_doc(i) for i in intents], [_entry_doc(e) for e in entries])
 
 
 def _entry_doc(entry: SenderEntry) -> dict[str, Any]:
@@ -160,6 +194,12 @@ class IntentStore:
         self._sources: dict[str, SourceSet] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._stats = StoreStats()
+        self._journal = Journal(state_dir / JOURNAL_FILE, STATE_VERSION) if state_dir is not None else None
+        self._snapshot_bytes = 0  # size of the snapshot on disk
+        self._digests: dict[str, str] = {}  # source -> digest() of its content, once computed
+        # source -> its part of the snapshot (JSON) as last written, until it changes: a compaction
+        # serializes only the sources that changed since the last one
+        self._source_json: dict[str, bytes] = {}
 
     @property
     def max_intents_per_source(self) -> int:
@@ -224,12 +264,13 @@ class IntentStore:
         except IntentValidationError:
             self._count("refused_invalid")
             raise
-        new_digest = digest(intents, entries)
+        docs = _Docs.of(intents, entries)
+        new_digest = _digest_docs(docs)
         with self._lock:
             current = self._sources.get(source)
             cur_gen = current.generation if current else 0
             cur_push = current.push_digest if current else EMPTY_DIGEST
-            cur_content = digest(current.intents, current.entries) if current else EMPTY_DIGEST
+            cur_content = self._content_digest(source)
             if generation == 0:
                 if new_digest == cur_content:
                     self._stats.applies_unchanged += 1
@@ -273,7 +314,7 @@ class IntentStore:
                     )
             changed = new_digest != cur_content
             new = SourceSet(source, new_gen, tuple(intents), new_digest, time.time(), tuple(entries))
-            self._commit(source, new)
+            self._commit(source, new, docs, new_digest)
             self._stats.applies += 1
         log.info(
             "intents_accepted",
@@ -304,15 +345,32 @@ class IntentStore:
         self._notify(source)
         return new
 
-    def _commit(self, source: str, new: SourceSet) -> None:
-        """Swap in `new` and persist; on a write error the old set stays (lock held by the caller)."""
+    def _content_digest(self, source: str) -> str:
+        """digest() of what `source` holds now, remembered from its last change (lock held)."""
+        known = self._digests.get(source)
+        if known is None:
+            current = self._sources.get(source)
+            known = digest(current.intents, current.entries) if current else EMPTY_DIGEST
+            self._digests[source] = known
+        return known
+
+    def _commit(self, source: str, new: SourceSet, docs: _Docs | None = None, content: str = "") -> None:
+        """Swap in `new` and persist; on a write error the old set stays (lock held by the caller).
+        `docs`, `content`: new's documents and digest when the caller has them."""
         old = self._sources.get(source)
+        old_json = self._source_json.pop(source, None)
         self._sources[source] = new
+        self._digests.pop(source, None)
+        if content:
+            self._digests[source] = content
         if source in NOT_PERSISTED:
             return
         try:
-            self._save()
+            self._persist(source, old, new, docs)
         except (OSError, StateTooLargeError) as exc:
+            self._digests.pop(source, None)
+            if old_json is not None:
+                self._source_json[source] = old_json
             if old is None:
                 del self._sources[source]
             else:
@@ -336,33 +394,52 @@ class IntentStore:
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def _document(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "sources": {
-                name: {
-                    "generation": ss.generation,
-                    "pushDigest": ss.push_digest,
-                    "updated": ss.updated,
-                    "intents": [intent_to_doc(i) for i in ss.intents],
-                    **({"entries": [_entry_doc(e) for e in ss.entries]} if ss.entries else {}),
-                }
-                for name, ss in sorted(self._sources.items())
-                if name not in NOT_PERSISTED
-            },
-        }
-
-    def _save(self) -> None:
-        target = self.state_file
-        if target is None:
+    def _persist(self, source: str, old: SourceSet | None, new: SourceSet, docs: _Docs | None) -> None:
+        """Append the change to the journal, or write a snapshot when the journal has grown past it (or
+        there is no snapshot of this version yet: the first change after a start on an older one)."""
+        journal = self._journal
+        if journal is None:
             return
-        data = json.dumps(self._document(), indent=1, ensure_ascii=False).encode() + b"\n"
+        if not journal.journal_id:  # no snapshot of this version yet (a first start, or an older file)
+            self._save({source: docs} if docs is not None else {})
+            return
+        line = encode_line(_change_record(source, old, new, docs))
+        grown = journal.size + len(line)
+        if (
+            grown > max(COMPACT_MIN_BYTES, self._snapshot_bytes)
+            or self._snapshot_bytes + grown > STATE_MAX_BYTES  # an upper bound of the state's size
+        ):
+            self._save({source: docs} if docs is not None else {})
+            return
+        journal.append(line)
+        self._stats.persist_writes += 1
+
+    def _save(self, known: Mapping[str, _Docs]) -> None:
+        """Write the whole state as a new snapshot, which starts a new journal. `known`: documents of
+        sources the caller has made already."""
+        target = self.state_file
+        if target is None or self._journal is None:
+            return
+        journal_id = new_journal_id()
+        parts: dict[str, bytes] = {}
+        for name, ss in sorted(self._sources.items()):
+            if name in NOT_PERSISTED:
+                continue
+            part = self._source_json.get(name)
+            if part is None:
+                part = _dumps(_source_doc(ss, known.get(name) or _Docs.of(ss.intents, ss.entries)))
+            parts[name] = part
+        head = _dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "journal": journal_id})
+        body = b",".join(_dumps(name) + b":" + part for name, part in parts.items())
+        data = head[:-1] + b',"sources":{' + body + b"}}\n"
         if len(data) > STATE_MAX_BYTES:
             raise StateTooLargeError(
                 f"the intents of all sources would take {len(data)} bytes of state, at most {STATE_MAX_BYTES}"
             )
         atomic_write(target, data)
+        self._source_json = parts
+        self._snapshot_bytes = len(data)
+        self._journal.reset(journal_id)
         self._stats.persist_writes += 1
 
     def load(self) -> int:
@@ -377,8 +454,10 @@ class IntentStore:
         remove_stale_temps(target)
         # An OSError other than ENOENT (EMFILE, EIO, EACCES) propagates: the file may be fine, so it stays
         # where it is and the start fails (systemd retries) rather than starting with no intents.
+        assert self._journal is not None
         try:
-            sources = _parse_state(_read_state(target))
+            blob = _read_state(target)
+            sources, journal_id, valid = _parse_state(blob, self._journal.path)
         except FileNotFoundError:
             return 0
         except NewerStateError as exc:
@@ -386,15 +465,20 @@ class IntentStore:
             raise
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            aside = target.with_name(f"{target.name}.corrupt-{stamp}")
-            try:
-                os.replace(target, aside)
-            except OSError as mv_exc:
-                log.error("intents_state_move_failed", path=str(target), error=str(mv_exc))
-            log.error("intents_state_corrupt", path=str(target), moved_to=str(aside), error=str(exc))
+            for path in (target, self._journal.path):
+                aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+                try:
+                    os.replace(path, aside)
+                except FileNotFoundError:
+                    continue
+                except OSError as mv_exc:
+                    log.error("intents_state_move_failed", path=str(path), error=str(mv_exc))
+                log.error("intents_state_corrupt", path=str(path), moved_to=str(aside), error=str(exc))
             with self._lock:
                 self._stats.corrupt_state_files += 1
             return 0
+        self._snapshot_bytes = len(blob)
+        self._journal.adopt(journal_id, valid)
         count = sum(len(ss.intents) for ss in sources.values())
         with self._lock:
             self._sources.update(sources)
@@ -420,20 +504,100 @@ def _read_state(target: Path) -> bytes:
     return blob
 
 
-def _parse_state(blob: bytes) -> dict[str, SourceSet]:
-    """Parse and validate a state file; ValueError says what is wrong."""
+def _check_version(version: object, what: str) -> None:
+    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
+        raise NewerStateError(f"{what} version {version} was written by a newer gthulhu-node (this one reads "
+                              f"up to {STATE_VERSION}); start the newer release, or move the file aside")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"unsupported {what} version {version!r}")
+
+
+# Version 1: release 0.1.0's snapshot, no journal.
+READABLE_VERSIONS = (1, STATE_VERSION)
+
+
+def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet], str, int]:
+    """Parse and validate a snapshot and the valid prefix of its journal: (sources, the snapshot's
+    journal id, valid journal bytes). ValueError says what is wrong."""
     doc = load_json(blob)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
-    version = doc.get("version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
-        raise NewerStateError(f"state version {version} was written by a newer gthulhu-node (this one reads "
-                              f"up to {STATE_VERSION}); start the newer release, or move the file aside")
-    if version != STATE_VERSION:
-        raise ValueError(f"unsupported state version {version!r}")
+    _check_version(doc.get("version"), "state")
     raw_sources = doc.get("sources")
     if not isinstance(raw_sources, Mapping):
         raise ValueError("sources: expected an object")
+    journal_id = doc.get("journal", "") if doc.get("version") == STATE_VERSION else ""
+    if not isinstance(journal_id, str):
+        raise ValueError("journal: expected a string")
+    valid = 0
+    sources: dict[str, Any] = dict(raw_sources)
+    if journal_id:
+        records, valid, version = read_journal(journal_path, journal_id, STATE_MAX_BYTES + COMPACT_MIN_BYTES)
+        if version is not None:
+            _check_version(version, "journal")
+        for n, record in enumerate(records):
+            try:
+                _replay(sources, record)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"{JOURNAL_FILE} record {n + 1}: {exc!r}") from None
+    return _parse_sources(sources), journal_id, valid
+
+
+def _dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _source_doc(ss: SourceSet, docs: _Docs) -> dict[str, Any]:
+    """A source's part of the snapshot."""
+    return {
+        "generation": ss.generation,
+        "pushDigest": ss.push_digest,
+        "updated": ss.updated,
+        "intents": docs.intents,
+        **({"entries": docs.entries} if docs.entries else {}),
+    }
+
+
+def _change_record(source: str, old: SourceSet | None, new: SourceSet, docs: _Docs | None) -> dict[str, Any]:
+    """A journal record: `source`'s new generation and digests, and how its intents and entries changed."""
+    record: dict[str, Any] = {"source": source, "generation": new.generation, "pushDigest": new.push_digest,
+                              "updated": new.updated}
+
+    def intent_doc(n: int) -> Any:
+        return docs.intents[n] if docs is not None else intent_to_doc(new.intents[n])
+
+    def entry_doc(n: int) -> Any:
+        return docs.entries[n] if docs is not None else _entry_doc(new.entries[n])
+
+    intents = diff_items(old.intents if old else (), new.intents, lambda i: i.id, intent_doc)
+    entries = diff_items(old.entries if old else (), new.entries, lambda e: e.key, entry_doc)
+    if intents is not None:
+        record["intents"] = intents
+    if entries is not None:
+        record["entries"] = entries
+    return record
+
+
+def _replay(sources: dict[str, Any], record: Mapping[str, Any]) -> None:
+    """Apply one journal record to the snapshot's source documents."""
+    name = record["source"]
+    if not isinstance(name, str):
+        raise ValueError("source: expected a string")
+    current = dict(sources.get(name) or {"intents": []})
+    for field_name in ("generation", "pushDigest", "updated"):
+        current[field_name] = record[field_name]
+    if "intents" in record:
+        current["intents"] = apply_diff(list(current.get("intents", [])), record["intents"], "id")
+    if "entries" in record:
+        entries = apply_diff(list(current.get("entries", [])), record["entries"], "key")
+        if entries:
+            current["entries"] = entries
+        else:
+            current.pop("entries", None)
+    sources[name] = current
+
+
+def _parse_sources(raw_sources: Mapping[str, Any]) -> dict[str, SourceSet]:
     out: dict[str, SourceSet] = {}
     for name, entry in raw_sources.items():
         check_source(name, allow_reserved=True)

@@ -50,7 +50,8 @@ def test_push_latency(tmp_path: Path, n: int) -> None:
         for r in range(ROUNDS):
             doc = body(n, r)
             t0 = time.perf_counter()
-            direct_store.apply("manager", 0, node_policies(doc, 100_000), allow_reserved=True)
+            push = node_policies(doc, 100_000)
+            direct_store.apply("manager", 0, push.intents, allow_reserved=True, entries=push.entries)
             direct.append(time.perf_counter() - t0)
 
             raw = json.dumps(doc)

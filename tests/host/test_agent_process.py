@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.intents.journal import JOURNAL_FILE
 from gthulhu_node.intents.store import STATE_FILE
 from tests.host.agent_support import (
     NamedThread,
@@ -97,7 +98,8 @@ def test_sigkill_during_a_stream_of_applies_keeps_an_acknowledged_state() -> Non
         (gen,) = {s.generation for s in st.values()}
         assert gen in (last_acked, last_acked + 1)  # the one in flight may or may not have landed
         assert set(st) == {f"storm/g{gen}", "storm/fixed"}
-        assert not [f for f in (base / "state").iterdir() if f.name != STATE_FILE]  # no stray temp files
+        # no stray temp files
+        assert not [f for f in (base / "state").iterdir() if f.name not in (STATE_FILE, JOURNAL_FILE)]
 
 
 def test_sighup_rereads_policy_files() -> None:

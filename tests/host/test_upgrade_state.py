@@ -44,7 +44,7 @@ def test_agent_refuses_a_newer_release_state_file() -> None:
     base = short_dir()
     try:
         (base / "state").mkdir()
-        newer = FIXTURE.read_text().replace('"version": 1', '"version": 2', 1)
+        newer = FIXTURE.read_text().replace('"version": 1', '"version": 99', 1)
         (base / "state" / STATE_FILE).write_text(newer)
         p = AgentProcess(write_config(base), base / "run" / "api.sock")
         with pytest.raises(AssertionError, match="agent exited with 1"):

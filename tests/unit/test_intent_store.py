@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gthulhu_node.intents import store as store_module
+from gthulhu_node.intents.journal import JOURNAL_FILE
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import (
@@ -145,7 +146,7 @@ def test_persisted_and_loaded(tmp_path: Path) -> None:
     assert again.get("local") is None  # the files are the local source's persistence
     with pytest.raises(StaleGenerationError):
         again.apply("b", 8, [])
-    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temp files left behind
+    assert {p.name for p in tmp_path.iterdir()} <= {STATE_FILE, JOURNAL_FILE}  # no temp files left behind
 
 
 def test_sender_entries_persist_with_their_intents(tmp_path: Path) -> None:
@@ -166,7 +167,11 @@ def test_sender_entries_persist_with_their_intents(tmp_path: Path) -> None:
     assert reordered.changed is False
     assert again.apply("manager", 0, [intent("y")], allow_reserved=True).changed is True  # entries count
     doc = json.loads((tmp_path / STATE_FILE).read_text())
-    assert "entries" not in doc["sources"]["b"]  # sources without entries are written as before
+    # sources without entries are written as before, in the snapshot and in the journal
+    assert "entries" not in doc["sources"].get("b", {})
+    journal = (tmp_path / JOURNAL_FILE).read_bytes().splitlines()
+    records = [json.loads(line.split(b" ", 1)[1]) for line in journal]
+    assert all("entries" not in r for r in records if r.get("source") == "b")
     assert again.get("b").push_digest == store.get("b").push_digest  # type: ignore[union-attr]
 
 
@@ -220,6 +225,7 @@ def test_persist_failure_changes_nothing(tmp_path: Path) -> None:
             target.chmod(0o700)
             (target / STATE_FILE).unlink()
             (target / STATE_FILE).mkdir()
+            (target / JOURNAL_FILE).mkdir()
         with pytest.raises(OSError):
             store.apply("a", 2, [intent("y")])
         assert ids(store, "a") == ["x"] and store.get("a").generation == 1  # type: ignore[union-attr]

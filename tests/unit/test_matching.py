@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from gthulhu_node import matching
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import PolicySet, normalize_pod_uid, pod_uid_of, precedence_rank
 
@@ -184,3 +185,65 @@ def test_re2_errors_are_plain_words() -> None:
     with pytest.raises(IntentValidationError) as exc:
         parse_intent({"id": "a", "commandRegex": "(ab"})
     assert str(exc.value) == "commandRegex: commandRegex '(ab' is not valid RE2 syntax: missing ): (ab"
+
+
+# Patterns of every kind the contract allows, against names of every kind a comm can be.
+SET_PATTERNS = [
+    VLLM, "^worker-[0-9]+$", "worker", "(?i)^PYTHON", "^$", ".", "^.{15}$", "^kworker/[0-9]+:[0-9]+H?$",
+    "ä", "\\bgc\\b", "^(a|b)+c?$", "[^a-z]", "^x*$", "Core_DP1$", "^\\d", "(?s).", "^[[:upper:]]+$",
+]
+SET_COMMS = [
+    "", "EngineCore", "EngineCore_DP12", "worker-7", "Python3", "kworker/3:1H", "gc", "jvm gc thread",
+    "häh", "\ufffd\ufffd", "aab", "c", "xxxxxxxxxxxxxxx", "UPPER", "9lives", "a b", "x" * 15,
+]
+
+
+def per_pattern(ps: PolicySet, comm: str) -> list[str]:
+    """The answer one search per intent gives (what matching did before RE2 sets)."""
+    return [c.key for c in ps.ordered if c.pattern.search(comm) is not None]
+
+
+def matched(ps: PolicySet, comm: str) -> list[str]:
+    m = ps.match(comm)
+    return sorted((c.key for c in (*m.thread, *m.process)), key=lambda k: ps.by_key[k].rank)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_pattern_sets_answer_as_one_search_per_intent(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many intents per pattern, both scopes, sets split in chunks: the same intents match, same order."""
+    monkeypatch.setattr(matching, "SET_CHUNK", chunk)
+    monkeypatch.setattr(matching, "_last_patterns", None)  # built anew with this chunk size
+    intents = [
+        (f"s/{n}", intent(str(n), regex=p, priority=n % 21, scope="process" if n % 3 == 0 else "thread"))
+        for n, p in enumerate(SET_PATTERNS * 3)
+    ]
+    ps = PolicySet.build(intents)
+    assert ps._patterns.loose == 0
+    for comm in SET_COMMS:
+        assert matched(ps, comm) == per_pattern(ps, comm), comm
+        m = ps.match(comm)
+        assert all(c.scope.value == "process" for c in m.process) and all(c.scope.value == "thread"
+                                                                          for c in m.thread)
+
+
+def test_a_set_whose_dfa_fails_falls_back_to_searching_each_pattern(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RE2::Set::Match says "no match" when its DFA cannot run: a set that fails its check after
+    compiling must not be used, or every name would silently match nothing."""
+    monkeypatch.setattr(matching, "SET_MAX_MEM", 1 << 10)
+    monkeypatch.setattr(matching, "_last_patterns", None)
+    ps = PolicySet.build([(f"s/{n}", intent(str(n), regex=p)) for n, p in enumerate(SET_PATTERNS)])
+    assert ps._patterns.loose == len(SET_PATTERNS)
+    for comm in SET_COMMS:
+        assert matched(ps, comm) == per_pattern(ps, comm), comm
+
+
+def test_a_policy_change_that_keeps_the_patterns_reuses_their_sets() -> None:
+    """Compiling the sets of 10,000 patterns is most of a policy build: a re-push with other priorities
+    (or ids) keeps them, and must still rank by the new values."""
+    first = PolicySet.build([(f"s/{n}", intent(str(n), regex=p, priority=1))
+                             for n, p in enumerate(SET_PATTERNS)])
+    second = PolicySet.build([(f"s/{n}", intent(str(n), regex=p, priority=1 + n % 20))
+                              for n, p in enumerate(SET_PATTERNS)])
+    assert second._patterns is first._patterns
+    for comm in SET_COMMS:
+        assert matched(second, comm) == per_pattern(second, comm), comm
