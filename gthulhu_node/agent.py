@@ -51,6 +51,7 @@ from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
 from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.reconciler import IntentStats, Reconciler
+from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
 
 if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)
     from gthulhu_node.rest.app import RestStats
@@ -76,6 +77,7 @@ INSECURE_REST_WARNING = (
 MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
 MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
 SYNC_TIMEOUT_S = 5.0
+SCHED_EXT = "sched_ext"  # the backend that takes cpu.max away from the kernel (docs/scheduler.md)
 
 
 @dataclass(slots=True)
@@ -92,6 +94,7 @@ class AgentStats:
     policy_updates: int = 0
     policy_errors: int = 0
     rest: RestStats | None = None  # while the REST listener runs
+    cgroup_limits: CgroupLimitsStats = field(default_factory=CgroupLimitsStats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,8 @@ class Agent:
         self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
         self.sched_ext_given_up = ""  # why the engine stopped reloading an ejected scheduler, else ""
         self.capabilities = ""  # set by the service: the capabilities dropped at start, for status
+        self.cgroup_limits = CpuMaxWatch(config.watch.cgroup_root, config.watch.cgroup_scan_interval_s,
+                                         self.cpu_max_enforced)
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: RestServer | None = None  # when rest.enabled
@@ -153,6 +158,7 @@ class Agent:
             Step("backend", self._start_backend, self._stop_backend, self._backend_health),
             Step("engine", self._start_engine, self._stop_engine, self._engine_health),
             self.local,
+            self.cgroup_limits,
             Step("status", self._start_status, self._stop_status),
             Created("api", self._new_api),
         ]
@@ -214,6 +220,14 @@ class Agent:
             if not chosen or self.config.backend.kind != "auto":
                 raise
             self._fall_back(exc)
+
+    def cpu_max_enforced(self) -> bool:
+        """False while our sched_ext scheduler runs: the kernel's CFS bandwidth control (cgroup cpu.max)
+        does not apply to its tasks. True for the other backends, and while the scheduler is ejected."""
+        backend = self.backend
+        if backend is None or backend.name != SCHED_EXT:
+            return True
+        return self._backend_state()[0] not in (BackendState.RUNNING.value, "starting")
 
     def _stop_backend(self) -> None:
         if self.backend is not None:
@@ -480,6 +494,8 @@ class Agent:
             version=__version__,
             warnings=self._agent_warnings(),
             capabilities=self.capabilities,
+            cgroup_cpu_max=describe(self.cgroup_limits.latest(), self.cpu_max_enforced(),
+                                    self.backend.name if self.backend is not None else "no"),
         )
 
     def _agent_warnings(self) -> tuple[str, ...]:
@@ -565,6 +581,7 @@ class Agent:
             policy_updates=self._policy_updates,
             policy_errors=self._policy_errors,
             rest=self.rest.stats() if self.rest is not None else None,
+            cgroup_limits=self.cgroup_limits.stats(),
         )
 
 

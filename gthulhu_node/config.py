@@ -101,6 +101,9 @@ class WatchConfig(_Section):
 
     rescan_interval_s: float = Field(default=30.0, gt=0)
     proc_root: Path = Path("/proc")
+    # the cgroup v2 tree walked for cpu.max limits, which the sched_ext scheduler does not enforce
+    cgroup_root: Path = Path("/sys/fs/cgroup")
+    cgroup_scan_interval_s: float = Field(default=60.0, gt=0)
 
 
 class ApiConfig(_Section):

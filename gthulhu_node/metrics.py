@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only nee
     from gthulhu_node.intents.store import StoreStats
     from gthulhu_node.logs import LogStats
     from gthulhu_node.rest.app import RestStats
+    from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 
 log = structlog.get_logger(__name__)
 
@@ -500,6 +501,27 @@ class LogCollector(StatsCollector["LogStats"]):
                        stats.send_errors)
 
 
+class CgroupLimitsCollector(StatsCollector["CgroupLimitsStats"]):
+    """cgroup v2 cpu.max limits on the node and whether they hold (gthulhu_node/tasks/cgroup_limits.py)."""
+
+    component = "cgroup-limits"
+
+    def families(self, stats: CgroupLimitsStats) -> Iterator[Metric]:
+        limited = GaugeMetricFamily(PREFIX + "cgroup_cpu_max_limited",
+                                    "Cgroups with a cpu.max quota at the last scan (none while unknown).")
+        if stats.limited is not None:
+            limited.add_metric([], float(stats.limited))
+        yield limited
+        yield _gauge("cgroup_cpu_max_enforced", "1 when the running backend leaves cgroup cpu.max to the "
+                     "kernel; 0 while the sched_ext scheduler runs (limits not enforced).",
+                     1.0 if stats.enforced else 0.0)
+        yield _gauge("cgroup_scan_capped", "1 when the last cgroup scan stopped at its cap (the count is a "
+                     "lower bound).", 1.0 if stats.capped else 0.0)
+        yield _counter("cgroup_scan_errors_total", "Cgroup scans whose root could not be read, plus cgroups "
+                       "whose cpu.max could not be read or parsed.", stats.errors)
+        yield _counter("cgroup_scans_total", "Walks of the cgroup tree.", stats.scans)
+
+
 def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None,
                log_stats: Callable[[], LogStats] | None = None) -> list[Collector]:
     """One collector per component, each reading that component's typed stats at scrape time."""
@@ -511,6 +533,7 @@ def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None
         RestCollector(lambda: agent.stats().rest),
         EngineCollector(lambda: read_engine(agent)),
         MatchesCollector(agent, runqueue),
+        CgroupLimitsCollector(lambda: agent.stats().cgroup_limits),
     ]
     if log_stats is not None:
         out.append(LogCollector(log_stats))

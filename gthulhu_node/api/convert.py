@@ -112,6 +112,7 @@ def summary_to_pb(a: AgentSummary) -> pb.AgentSummary:
         version=a.version,
         warnings=list(a.warnings),
         capabilities=a.capabilities,
+        cgroup_cpu_max=a.cgroup_cpu_max,
     )
 
 

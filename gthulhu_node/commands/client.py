@@ -270,6 +270,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  scheduler: {a.scheduler_reason}")
     if a.capabilities:
         print(f"  capabilities: {a.capabilities}")
+    if a.cgroup_cpu_max:
+        print(f"  cgroup cpu.max: {a.cgroup_cpu_max}")
     for w in a.warnings:
         print(f"  warning: {w}")
     for src in resp.sources:

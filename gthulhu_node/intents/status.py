@@ -83,6 +83,7 @@ class AgentSummary:
     version: str
     warnings: tuple[str, ...] = ()
     capabilities: str = ""  # what the agent gave up at start (privileges.Released.describe), or ""
+    cgroup_cpu_max: str = ""  # cgroups with cpu.max limits and whether they hold (cgroup_limits.describe)
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,10 +88,11 @@ def test_the_process_order_is_one_list(tmp_path: Path) -> None:
     service = Service(cfg, agent_factory=lambda c: Agent(c, backend=DryRunBackend()))
     service._agent = service.agent_factory(cfg)
     assert [c.name for c in service._components()] == [
-        "metrics", "backend", "engine", "policy-files", "status", "api", "rest", "ready", "probe"]
+        "metrics", "backend", "engine", "policy-files", "cgroup-limits", "status", "api", "rest", "ready",
+        "probe"]
     agent = Agent(config(tmp_path), backend=DryRunBackend())
-    assert [c.name for c in agent.components()] == ["backend", "engine", "policy-files", "status", "api",
-                                                     "ready"]
+    assert [c.name for c in agent.components()] == ["backend", "engine", "policy-files", "cgroup-limits",
+                                                     "status", "api", "ready"]
 
 
 def test_an_agent_that_fails_to_start_undoes_its_parts(tmp_path: Path) -> None:

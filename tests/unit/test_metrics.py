@@ -25,6 +25,7 @@ from gthulhu_node.metrics import (
     AgentCollector,
     ApiCollector,
     BackendView,
+    CgroupLimitsCollector,
     EngineCollector,
     EngineSnapshot,
     LogCollector,
@@ -37,6 +38,7 @@ from gthulhu_node.metrics import (
 )
 from gthulhu_node.reconciler import IntentStats, ReconcilerStats
 from gthulhu_node.rest.app import RestStats
+from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 from tests.prom import Samples, scrape
 
 
@@ -317,7 +319,7 @@ def unread(real: Any, families: Callable[[Any], Any]) -> set[str]:
 # Fields of the components' stats that no collector exports, by name. A field added or renamed lands here
 # by failing the test below: export it, or list it with the reason.
 NOT_EXPORTED: dict[str, set[str]] = {
-    "agent": {"store", "local_files", "api", "rest",  # their own collectors read them
+    "agent": {"store", "local_files", "api", "rest", "cgroup_limits",  # their own collectors read them
               "matched_tasks"},  # the reconciler's matched_tasks_all is the same figure
     "store": {"applies_unchanged", "loaded_intents", "persist_writes"},
     "engine": {"submitted", "gave_up_reason"},  # gave_up_reason: status and sched_ext_given_up
@@ -335,6 +337,7 @@ def test_each_collector_reads_every_field_of_its_component_stats() -> None:
     assert unread(ApiStats(), ApiCollector(lambda: None).families) == set()
     assert unread(RestStats(), RestCollector(lambda: None).families) == set()
     assert unread(LogStats(), LogCollector(lambda: None).families) == set()
+    assert unread(CgroupLimitsStats(), CgroupLimitsCollector(lambda: None).families) == set()
     engine, reconciler = Recorder(EngineStats()), Recorder(ReconcilerStats())
     backend = Recorder(BackendView("dry-run", "given", 8, "", ""))
     snap = EngineSnapshot(engine, reconciler, {}, None, {}, {}, backend)  # type: ignore[arg-type]
