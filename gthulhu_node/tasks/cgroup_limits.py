@@ -8,8 +8,9 @@ operator relies on a limit.
 
 The walk is bounded (`max_cgroups`) and tolerates cgroups that vanish while it runs (ENOENT, ENODEV). A
 cgroup without `cpu.max` (the cpu controller not enabled for it, the root) has no limit. Anything else that
-cannot be read or parsed is counted, never read as "no limit"; a root that cannot be read makes the
-count unknown (None), never 0.
+cannot be read or parsed is counted, never read as "no limit"; a root that cannot be read, or is not a
+cgroup v2 hierarchy (cgroup v1 keeps CPU limits in `cpu.cfs_quota_us`, not counted here), makes the count
+unknown (None), never 0.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def parse_cpu_max(text: str) -> bool:
 def scan_cpu_max(root: Path = DEFAULT_ROOT, *, max_cgroups: int = MAX_CGROUPS) -> CpuMaxScan:
     """Walk the cgroup v2 tree under `root` and count the cgroups whose `cpu.max` sets a quota."""
     try:
+        if not os.path.isfile(root / "cgroup.controllers"):
+            return CpuMaxScan(None, error=f"{root} is not a cgroup v2 hierarchy (no cgroup.controllers; "
+                                          "cgroup v1 CPU limits, cpu.cfs_quota_us, are not counted)")
         top = list(os.scandir(root))
     except OSError as exc:
         return CpuMaxScan(None, error=f"{root}: {exc.strerror or exc}")
@@ -200,11 +204,12 @@ class CpuMaxWatch:
         started = time.monotonic()
         result = scan_cpu_max(self.root, max_cgroups=self.max_cgroups)
         with self._lock:
-            self._last = result
+            previous, self._last = self._last, result
             self._scans += 1
             self._errors += result.errors + (result.limited is None)
         if result.limited is None:
-            log.error("cgroup_scan_unreadable", root=str(self.root), error=result.error)
+            if previous is None or previous.error != result.error:  # once, not every interval
+                log.error("cgroup_scan_unreadable", root=str(self.root), error=result.error)
             return result
         if result.errors:
             log.warning("cgroup_scan_errors", errors=result.errors, first=result.first_error)

@@ -28,6 +28,7 @@ import yaml
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.intents.store import STATE_FILE
+from tests.fakecgroup import tree
 from tests.host.agent_support import REPO, NamedThread, agent_process, client, intent, short_dir, wait_for
 from tests.prom_support import RULE_TESTS, RULES, Prometheus, dashboard_queries, free_port, rules, selectors
 from tests.unit.rest_support import write_rsa_key
@@ -64,6 +65,8 @@ def scraped() -> Iterator[Prometheus]:
     write_rsa_key(base / "jwt.key")
     try:
         with agent_process(base, metrics={"listen": f"127.0.0.1:{metrics_port}"},
+                           # the cpu.max count needs cgroup v2; this host's may be v1 (count unknown)
+                           watch={"cgroup_root": str(tree(base / "cgroup"))},
                            rest={"enabled": True, "listen": f"127.0.0.1:{rest_port}",
                                  "insecure_allow_plain_http": True,
                                  "jwt_private_key": str(base / "jwt.key")}) as agent, \

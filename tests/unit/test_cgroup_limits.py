@@ -12,26 +12,7 @@ import structlog
 
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.tasks.cgroup_limits import CpuMaxScan, CpuMaxWatch, describe, parse_cpu_max, scan_cpu_max
-
-
-def cgroup(root: Path, rel: str, cpu_max: str | None) -> Path:
-    path = root / rel
-    path.mkdir(parents=True, exist_ok=True)
-    if cpu_max is not None:
-        (path / "cpu.max").write_text(cpu_max)
-    return path
-
-
-def tree(root: Path) -> Path:
-    """Two limited cgroups (one nested), two unlimited, one without the cpu controller."""
-    root.mkdir(exist_ok=True)
-    (root / "cgroup.controllers").write_text("cpu memory\n")
-    cgroup(root, "kubepods.slice", "max 100000\n")
-    cgroup(root, "kubepods.slice/pod-a", "20000 100000\n")
-    cgroup(root, "kubepods.slice/pod-a/ctr", "max 100000\n")
-    cgroup(root, "docker/abc", "150000 100000\n")
-    cgroup(root, "system.slice", None)
-    return root
+from tests.fakecgroup import cgroup, tree
 
 
 def test_counts_the_cgroups_with_a_quota(tmp_path: Path) -> None:
@@ -82,11 +63,28 @@ def test_a_cgroup_vanishing_mid_walk_is_normal(tmp_path: Path, monkeypatch: pyte
     assert (scan.limited, scan.errors) == (1, 0)  # docker/abc went with its parent
 
 
-def test_an_unreadable_root_is_unknown_never_zero(tmp_path: Path) -> None:
+def test_an_unreadable_root_is_unknown_never_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scan = scan_cpu_max(tmp_path / "missing")
     assert scan.limited is None
     assert "missing" in scan.error
     assert describe(scan, False, "sched_ext").startswith("unknown: the cgroup tree could not be read")
+    tree(tmp_path)
+
+    def refused(path: str | Path) -> os._ScandirIterator[str]:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "scandir", refused)
+    scan = scan_cpu_max(tmp_path)
+    assert (scan.limited, scan.error) == (None, f"{tmp_path}: Permission denied")
+
+
+def test_a_cgroup_v1_tree_is_unknown_not_zero(tmp_path: Path) -> None:
+    """A v1 (or hybrid) /sys/fs/cgroup has no cpu.max anywhere: "0 limited" would be a lie."""
+    (tmp_path / "cpu" / "docker" / "abc").mkdir(parents=True)
+    (tmp_path / "cpu" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("20000\n")
+    scan = scan_cpu_max(tmp_path)
+    assert scan.limited is None
+    assert "not a cgroup v2 hierarchy" in scan.error
 
 
 def test_the_walk_stops_at_its_cap_and_says_so(tmp_path: Path) -> None:
@@ -109,6 +107,7 @@ def test_status_line() -> None:
 
 def test_warns_at_start_and_when_limits_appear_while_not_enforced(tmp_path: Path) -> None:
     enforced = [False]
+    (tmp_path / "cgroup.controllers").write_text("cpu\n")
     watch = CpuMaxWatch(tmp_path, 60, lambda: enforced[0])
     with structlog.testing.capture_logs() as logs:
         watch.scan()  # nothing limited: nothing to say
@@ -141,13 +140,15 @@ def test_unreadable_root_is_logged_and_counted(tmp_path: Path) -> None:
     watch = CpuMaxWatch(tmp_path / "missing", 60, lambda: False)
     with structlog.testing.capture_logs() as logs:
         watch.scan()
-    assert [e["event"] for e in logs] == ["cgroup_scan_unreadable"]
+        watch.scan()
+    assert [e["event"] for e in logs] == ["cgroup_scan_unreadable"]  # once, not every interval
     stats = watch.stats()
-    assert (stats.limited, stats.errors) == (None, 1)
+    assert (stats.limited, stats.errors) == (None, 2)
     assert watch.health().ok is False
 
 
 def test_rescans_on_its_own_thread(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu\n")
     watch = CpuMaxWatch(tmp_path, 0.01, lambda: True)
     watch.start()
     try:

@@ -39,6 +39,7 @@ from gthulhu_node.metrics import (
 from gthulhu_node.reconciler import IntentStats, ReconcilerStats
 from gthulhu_node.rest.app import RestStats
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
+from tests.fakecgroup import tree
 from tests.prom import Samples, scrape
 
 
@@ -365,6 +366,7 @@ def test_every_family_from_a_real_agent_has_samples(tmp_path: Path) -> None:
         "state": {"directory": str(tmp_path / "state")},
         "policies": {"directory": str(tmp_path / "policies")},
         "api": {"socket": str(tmp_path / "api.sock")},
+        "watch": {"cgroup_root": str(tree(tmp_path / "cgroup"))},  # the host's may be cgroup v1: unknown
     })
     agent = Agent(cfg, backend=DryRunBackend())
     agent.start()
