@@ -59,7 +59,7 @@ class Prometheus:
     """The prometheus binary with a scrape job for one agent and the rules (every `for:` set to 0s, so an
     alert whose condition holds fires at the next evaluation)."""
 
-    def __init__(self, base: Path, metrics_port: int) -> None:
+    def __init__(self, base: Path, metrics_port: int, interval: str = "1s") -> None:
         self.base = base
         self.port = free_port()
         instant = []
@@ -69,7 +69,7 @@ class Prometheus:
             instant.append(group)
         (base / "rules.yaml").write_text(yaml.safe_dump({"groups": instant}))
         (base / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(base / "rules.yaml")],
             "scrape_configs": [{"job_name": JOB, "static_configs": [
                 {"targets": [f"127.0.0.1:{metrics_port}"]}]}],

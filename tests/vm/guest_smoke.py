@@ -81,7 +81,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = subprocess.Popen([PY, str(REPO / "tests/vm/vllm_engine.py"), "--idle", "--tids",
                                str(work / "tids.json")])
     try:
-        deadline = time.monotonic() + 120
+        # Safety nets, not measurements: each `gthulhu-node status` is a Python start (about 20 s under
+        # TCG with the other lane busy), and one shared 120 s deadline for all of it ran out in a loaded
+        # two-lane run (2026-12-01) before the intent was read.
+        deadline = time.monotonic() + 400
         while time.monotonic() < deadline and agent.poll() is None and not _status(config):
             time.sleep(0.5)
         out["agent_exit"] = agent.poll()
@@ -99,6 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tids = {int(tid) for comm, tid in named.items() if comm.startswith("EngineCore")}
         out["engine_tids"] = sorted(tids)
         intent: dict[str, Any] = {}
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             found = [i for i in _status(config).get("intents", []) if i.get("key") == "cli/vllm"]
             intent = found[0] if found else {}

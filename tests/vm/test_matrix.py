@@ -34,7 +34,7 @@ ENGINE_PRIORITY = 10  # systemd/policies.d/vllm.yaml.example
 
 
 def smoke(lab: Lab, *args: str) -> dict[str, Any]:
-    r = lab.run([".venv/bin/python", "tests/vm/guest_smoke.py", "run", *args], timeout=400)
+    r = lab.run([".venv/bin/python", "tests/vm/guest_smoke.py", "run", *args], timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     data: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
     return data
