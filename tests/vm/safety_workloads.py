@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -109,39 +108,6 @@ def _bound_ms(threads: int, ncpu: int, slice_ms: float = 5.0, window_ms: float =
     return window_ms + 3 * per_cpu * turn
 
 
-@contextlib.contextmanager
-def emulator_stalls() -> Iterator[dict[str, float]]:
-    """The longest time the guest stood still as a whole while the block ran, in ms: a SCHED_FIFO 99
-    process (above sched_ext, so our scheduler plays no part) sleeps 1 ms in a loop and records how late
-    it woke. Under TCG the host deschedules the emulator's thread on a busy machine, and every task in the
-    guest then waits that long whatever its scheduler does; a wait bound is checked net of it."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no Python-level cleanup, just the loop and one number on SIGTERM
-        os.close(read_end)
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
-        worst = 0.0
-
-        def report(*_: Any) -> None:
-            os.write(write_end, f"{worst * 1e3:.3f}".encode())
-            os._exit(0)
-
-        signal.signal(signal.SIGTERM, report)
-        while True:
-            t0 = time.monotonic()
-            time.sleep(0.001)
-            worst = max(worst, time.monotonic() - t0 - 0.001)
-    os.close(write_end)
-    out: dict[str, float] = {}
-    try:
-        yield out
-    finally:
-        os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
-        with os.fdopen(read_end) as f:
-            out["max_ms"] = float(f.read() or "nan")
-
-
 def mixed(args: argparse.Namespace) -> dict[str, Any]:
     """Random mixes of boosted priorities 1-20 (CPU-bound or periodic) and unboosted CPU-bound threads,
     from fewer threads than CPUs to 4x as many. Per seed: the mix, then the mix with its lowest and its
@@ -161,8 +127,7 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
                    if rng.random() < 0.6 else (0, "spin") for _ in range(n)]
             if not any(p for p, _ in mix):
                 mix[0] = (rng.randint(1, 20), "spin")
-            with emulator_stalls() as stalls:
-                res = run_mix(backend, mix, args.seconds, probe)
+            res = run_mix(backend, mix, args.seconds, probe)
             boosted = [i for i, (p, _) in enumerate(mix) if p]
             low = min(boosted, key=lambda i: mix[i][0])
             high = max(boosted, key=lambda i: mix[i][0])
@@ -179,7 +144,6 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
                 "shares": res["shares"],
                 "max_wait_ms": [None if w is None else w["max_ms"] for w in waits],
                 "bound_ms": _bound_ms(n, ncpu),
-                "emulator_stall_ms": stalls["max_ms"],
                 "compare": compare,
             }
         out["health"] = backend.health().state.value
