@@ -127,8 +127,8 @@ def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any)
     applied = [i for i in out["status"]["intents"] if i["key"].split("/")[-1] == "ej"]
     assert applied and applied[0]["state"] == "INTENT_STATE_APPLIED", out
     # Debian's prometheus, run in the guest, scraped this agent (sched_ext backend, then eevdf): every
-    # selector of the dashboard and the rules has series but those this agent cannot have (no REST
-    # listener, no Failed intent: tests/host/test_prometheus.py covers them); both ejection alerts fired.
+    # selector of the dashboard and the rules has series but those this agent cannot have
+    # (SELECTORS_ONLY_ON_THE_HOST: tests/host/test_prometheus.py covers them).
     absent = out["selectors_without_series"]
     assert [s for s in absent if not s.startswith(SELECTORS_ONLY_ON_THE_HOST)] == [], out
     # Not asserted: neither ejection alert fired in the two-lane run of 2026-12-01 (prometheus scraping
