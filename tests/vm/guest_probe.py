@@ -257,6 +257,19 @@ def bcc_attached() -> bool:
     return any(str(p.get("name", "")).startswith("tracepoint__sch") for p in bpftool_progs())
 
 
+def run_beside_hogs(cmd: list[str], procs: list[subprocess.Popen[Any]], hogs: int, hog_s: float,
+                    timeout: float) -> tuple[subprocess.Popen[str], str, str]:
+    """Run a command that attaches the BCC probe; start the hogs only once it has attached (compiling
+    next to them takes minutes under TCG). The processes go into `procs` for the caller to stop."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(proc)
+    while proc.poll() is None and not bcc_attached():
+        time.sleep(0.2)
+    procs.append(start_hogs(hogs, hog_s))
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return proc, stdout, stderr
+
+
 def cli(duration: float, hogs: int) -> int:
     """`gthulhu-node probe --regex '^probe_'` as people run it, beside two engine-step workers; the hogs
     start once the CLI has attached (compiling next to them would take minutes under TCG). Prints the
@@ -272,12 +285,7 @@ def cli(duration: float, hogs: int) -> int:
         wait_for_comm([p.pid for p in procs], names)
         cmd = [str(Path(sys.executable).with_name("gthulhu-node")), "probe", "--regex", "^probe_",
                "--duration", f"{duration:g}"]
-        probe = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(probe)
-        while probe.poll() is None and not bcc_attached():
-            time.sleep(0.2)
-        procs.append(start_hogs(hogs, duration + 60))
-        stdout, stderr = probe.communicate(timeout=600)
+        probe, stdout, stderr = run_beside_hogs(cmd, procs, hogs, duration + 60, timeout=600)
         print("# gthulhu-node probe --regex '^probe_' --duration", f"{duration:g}")
         print(stdout, end="")
         sys.stderr.write(stderr)
@@ -375,12 +383,7 @@ def compare(duration: float, window: float, hogs: int) -> int:
         cmd = [str(Path(sys.executable).with_name("gthulhu-node")), "compare", "-f", str(intent),
                "--socket", str(socket), "--duration", f"{duration:g}", "--window", f"{window:g}",
                "--settle", "0.5", "-o", "json"]
-        run_cmp = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(run_cmp)
-        while run_cmp.poll() is None and not bcc_attached():
-            time.sleep(0.2)
-        procs.append(start_hogs(hogs, duration + 120))
-        stdout, stderr = run_cmp.communicate(timeout=900)
+        run_cmp, stdout, stderr = run_beside_hogs(cmd, procs, hogs, duration + 120, timeout=900)
         sys.stderr.write(stderr)
         print(stdout, end="")
         return run_cmp.returncode
