@@ -68,7 +68,6 @@ s32 scx_bpf_dsq_nr_queued(u64 dsq_id) __ksym;
 void scx_bpf_kick_cpu(s32 cpu, u64 flags) __ksym;
 bool bpf_cpumask_test_cpu(u32 cpu, const struct cpumask *cpumask) __ksym;
 u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
-u32 scx_bpf_reenqueue_local(void) __ksym;
 const struct cpumask *scx_bpf_get_online_cpumask(void) __ksym;
 void scx_bpf_put_cpumask(const struct cpumask *cpumask) __ksym;
 int bpf_iter_scx_dsq_new(struct bpf_iter_scx_dsq *it, u64 dsq_id, u64 flags) __ksym;
@@ -792,15 +791,6 @@ void OP(gthulhu_tick, struct task_struct *p)
 	}
 }
 
-/* An RT or deadline task took this CPU: hand its queued tasks back so other CPUs can run them. */
-void OP(gthulhu_cpu_release, s32 cpu, struct scx_cpu_release_args *args)
-{
-	u32 n = scx_bpf_reenqueue_local();
-
-	if (n)
-		__sync_fetch_and_add(&bss.stats.reenqueued, n);
-}
-
 /*
  * CPU hotplug: a scheduler without these callbacks is ejected by the kernel on every hotplug event. A CPU
  * coming or going starts clean: no priority, a fresh boost window, the reserve due at once.
@@ -909,7 +899,6 @@ struct sched_ext_ops {
 	void (*running)(struct task_struct *p);
 	void (*stopping)(struct task_struct *p, bool runnable);
 	void (*quiescent)(struct task_struct *p, u64 deq_flags);
-	void (*cpu_release)(s32 cpu, struct scx_cpu_release_args *args);
 	s32 (*init_task)(struct task_struct *p, struct scx_init_task_args *args);
 	void (*exit_task)(struct task_struct *p, struct scx_exit_task_args *args);
 	void (*cpu_online)(s32 cpu);
@@ -933,7 +922,6 @@ struct sched_ext_ops gthulhu_ops = {
 	.quiescent = (void *)gthulhu_quiescent,
 	.stopping = (void *)gthulhu_stopping,
 	.tick = (void *)gthulhu_tick,
-	.cpu_release = (void *)gthulhu_cpu_release,
 	.init_task = (void *)gthulhu_init_task,
 	.exit_task = (void *)gthulhu_exit_task,
 	.cpu_online = (void *)gthulhu_cpu_online,

@@ -56,7 +56,6 @@ struct gthulhu_stats {
 	u64 live_tgid_entries;  /* entries in tgid_map */
 	u64 reserve_boosted;    /* boosted tasks that were served a CPU's reserve turn (behind the fair pool) */
 	u64 hotplug_events;     /* CPUs that went online or offline while the scheduler ran */
-	u64 reenqueued;         /* tasks taken back from a CPU that a real-time task took over */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */

@@ -51,7 +51,6 @@ STAT_NAMES = (
     "live_tgid_entries",
     "reserve_boosted",
     "hotplug_events",
-    "reenqueued",
 )
 #: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

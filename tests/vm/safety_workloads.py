@@ -252,6 +252,64 @@ def hotplug(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _rt_ticker() -> None:
+    """A SCHED_FIFO 99 task waking every millisecond, as threaded IRQs, audio and RT control loops do."""
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
+    while True:
+        time.sleep(0.001)
+
+
+def _rt_spin() -> None:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50))
+    spin()
+
+
+def _per_cpu_work() -> None:
+    """Queue work on every CPU's kworker, over and over (vmstat's refresh runs on each CPU)."""
+    refresh = Path("/proc/sys/vm/stat_refresh")
+    while True:
+        refresh.write_text("1")
+        time.sleep(0.005)
+
+
+def rt_ticker(args: argparse.Namespace) -> dict[str, Any]:
+    """RT tasks waking often on every CPU while per-CPU kernel threads have work and boosted and
+    unboosted hogs run: every RT wakeup takes the CPU from sched_ext. No ejection may follow (on 7.3 a
+    per-CPU kworker re-enqueued at each such release ended the scheduler: "reenqueue limit").
+
+    Then an RT task that never sleeps, on the last CPU: what sits in that CPU's local DSQ waits for the
+    kernel's sched_ext deadline server (7.x).
+
+    Both under the kernel's default watchdog (30 s), not the 2 s of the other scenarios: the time the
+    RT tasks take is outside the scheduler's bound (docs/scheduler.md) but inside the watchdog's, and
+    under TCG the Python tickers take a good part of each CPU (an unboosted hog once waited 2.25 s)."""
+    ncpu = os.cpu_count() or 1
+    out: dict[str, Any] = {"ncpu": ncpu}
+    for phase in [p for p in ("ticker", "rt_hog") if p in args.arg.split(",")]:
+        mark = _dmesg_mark()
+        with scheduler() as backend, workers() as pids:
+            hogs = [fork_worker(spin, f"rt-hog{i}") for i in range(2 * ncpu)]
+            pids += hogs
+            if phase == "ticker":
+                pids += [fork_worker(_rt_ticker, f"rt-tick{cpu}", {cpu}) for cpu in range(ncpu)]
+                pids.append(fork_worker(_per_cpu_work, "rt-kwork"))
+            else:
+                pids.append(fork_worker(_rt_spin, "rt-spin", {ncpu - 1}))
+            time.sleep(0.2)
+            boost(backend, {pid: (20, 5)[i % 2] for i, pid in enumerate(hogs[:ncpu])})
+            with _state_watch() as left_enabled:
+                shares = cpu_shares({str(pid): pid for pid in hogs}, args.seconds)
+            res: dict[str, Any] = {"left_enabled": left_enabled, "shares": [shares[str(pid)] for pid in hogs]}
+            res["counters"] = backend.counters()
+            res["health"] = backend.health().state.value
+            res["health_reason"] = backend.health().reason
+            res["state"] = state()
+            res["dmesg_disabled"] = [line for line in _dmesg_since(mark) if "disabled" in line]
+        out[phase] = res
+    out["rt_runtime_us"] = Path("/proc/sys/kernel/sched_rt_runtime_us").read_text().strip()
+    return out
+
+
 def _cpuset_cgroup(name: str, cpus: str) -> Path:
     root = Path("/sys/fs/cgroup")
     if "cpuset" not in (root / "cgroup.subtree_control").read_text().split():
@@ -404,6 +462,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "priorities": priorities,
     "hotplug": hotplug,
     "cpuset": cpuset,
+    "rt_ticker": rt_ticker,
     "ejections": ejections,
 }
 

@@ -43,8 +43,11 @@ def test_a_low_priority_boost_is_never_worse_than_no_boost(lab: Any) -> None:
     assert_still_ours(out)
     # What holds: the priority-5 thread is no longer starved (0.003 of a CPU before; 0.12-0.16 since).
     # What the issue asks, boosted >= 0.9x its unboosted share, does NOT hold yet: the clean-clone run
-    # measured 0.12 / 0.15 boosted against 0.21 / 0.22 unboosted (6.12 / 7.3). The figures are printed
-    # (pytest -s) and issue 14 stays open on it (docs/scheduler.md, "Safety measurements").
+    # measured 0.12 / 0.15 boosted against 0.21 / 0.22 unboosted (6.12 / 7.3). A `served` lead scaled by
+    # priority (a quarter window at priority 1) lifted it to 0.18 against 0.15 in one run, but let
+    # low-priority boosted spinners take the reserve from unboosted ones (1,061 ms waits in the random
+    # mix, over half the watchdog), so it was not kept. The figures are printed (pytest -s) and issue 14
+    # stays open on it (docs/scheduler.md, "Safety measurements").
     assert out["boosted"]["low_share"] >= 0.05, out
 
 
@@ -110,6 +113,25 @@ def test_a_cpuset_confined_boost_leaves_the_cpus_reserve_to_unboosted_tasks(lab:
     assert_still_ours(out)
     assert out["unboosted_total"] >= 0.25 * 0.9, out
     assert out["boosted_total"] >= 0.5, out
+
+
+@both_kernels
+def test_rt_tasks_waking_often_do_not_eject_the_scheduler(lab: Any, request: pytest.FixtureRequest) -> None:
+    # Before: on 7.3, "disabled (reenqueue limit)": ops.cpu_release handed the local DSQ back at every
+    # RT wakeup, and a per-CPU kworker that our enqueue put straight back there was re-enqueued 257 times
+    # without running.
+    # An RT task that never sleeps, on 6.12: the kernel itself ejects any sched_ext scheduler once a
+    # per-CPU kthread of that CPU has waited past the watchdog ("kworker/1:2[62] failed to run for
+    # 44.568s" with the default 30 s), since 6.12 serves sched_ext tasks neither through RT throttling
+    # nor through a deadline server (7.x has ext_server). A task bound to that CPU cannot be helped by
+    # any BPF scheduler there, so that phase runs on 7.x only (docs/scheduler.md, "No ops.cpu_release").
+    phases = ["ticker"] if request.node.callspec.params["lab"].startswith("6.12/") else ["ticker", "rt_hog"]
+    out = scenario(lab, "rt_ticker", ",".join(phases), "--seconds", "4")
+    for phase in phases:
+        res = out[phase]
+        assert_still_ours(res)
+        assert res["left_enabled"] == [] and res["dmesg_disabled"] == [], (phase, out)
+        assert min(res["shares"]) > 0.01, (phase, out)  # every hog ran beside the RT tasks
 
 
 @pytest.mark.lab_seconds(500)  # 280 s measured 2026-12-01 before prometheus and the probe came in
