@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deb_build import session_deb
 from tests.host.agent_support import REPO, agent_process, short_dir
 
 pytestmark = pytest.mark.host
@@ -30,10 +31,7 @@ MACHINE = platform.machine()  # the architecture whose scheduler objects a packa
 
 @pytest.fixture(scope="module")
 def deb() -> Path:
-    out = subprocess.run([str(REPO / "scripts" / "build-deb")], capture_output=True, text=True, check=False,
-                         timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return Path(out.stdout.strip().splitlines()[-1])
+    return session_deb()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deb_build import session_deb
 from tests.vm.lab import Lab
 
 pytestmark = pytest.mark.vm
@@ -48,10 +49,7 @@ def build_packages() -> tuple[Path, Path]:
     if os.environ.get("GTHULHU_LAB_DEB"):
         first = Path(os.environ["GTHULHU_LAB_DEB"]).resolve()
     else:
-        out = subprocess.run([str(REPO / "scripts" / "build-deb")], capture_output=True, text=True,
-                             check=False, timeout=1800)
-        assert out.returncode == 0, out.stderr[-3000:]
-        first = Path(out.stdout.strip().splitlines()[-1])
+        first = session_deb()
     work = REPO / "dist" / "upgrade-tree"
     shutil.rmtree(work, ignore_errors=True)
     subprocess.run(["dpkg-deb", "-R", str(first), str(work)], check=True)
