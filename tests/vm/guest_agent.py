@@ -24,6 +24,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -181,24 +182,142 @@ def pump(proc: subprocess.Popen[bytes], data: bytes | None, timeout: float) -> t
     return bytes(out[out_fd]), bytes(out[err_fd]), timed_out
 
 
+class ZygoteProc:
+    """A command the zygote (tests/vm/zygote.py) forked, looking to pump() like a Popen: pid (its process
+    group), pipes, poll() and wait(); the exit status arrives on the zygote connection."""
+
+    def __init__(self, conn: socket.socket, pid: int, stdin: Any, stdout: Any, stderr: Any) -> None:
+        self.conn, self.pid, self.stdin, self.stdout, self.stderr = conn, pid, stdin, stdout, stderr
+        self.returncode: int | None = None
+        self._buf = b""
+
+    def _read(self, timeout: float | None) -> None:
+        self.conn.settimeout(timeout)
+        with contextlib.suppress(TimeoutError, BlockingIOError):
+            while b"\n" not in self._buf:
+                chunk = self.conn.recv(4096)
+                if not chunk:  # the zygote died: the child's status is lost
+                    self.returncode = -1
+                    return
+                self._buf += chunk
+            self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0.0)
+            if self.returncode is not None:
+                self.conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired("zygote child", timeout or 0.0)
+        self.conn.close()
+        return self.returncode
+
+
+class Zygote:
+    """The warm Python of this boot (tests/vm/zygote.py), started on first use; None when unusable."""
+
+    PRELOAD = ("tests.vm.sched_workloads", "tests.vm.safety_workloads")
+    SOCKET = "/run/gthulhu-lab-zygote.sock"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._python = ""
+
+    def for_command(self, argv: list[str], cwd: str) -> tuple[str, list[str]] | None:
+        """(script, args) if argv runs a script with the repository's venv python, else None."""
+        if len(argv) < 2 or not argv[0].endswith(".venv/bin/python") or not argv[1].endswith(".py"):
+            return None
+        python = os.path.normpath(os.path.join(cwd, argv[0]))
+        if not os.path.isfile(python):
+            return None
+        with self._lock:
+            if self._proc is not None and (self._proc.poll() is not None or python != self._python):
+                self._proc = None
+            if self._proc is None:
+                repo = os.path.dirname(os.path.dirname(os.path.dirname(python)))
+                zygote = os.path.join(repo, "tests", "vm", "zygote.py")
+                if not os.path.isfile(zygote):
+                    return None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.SOCKET)
+                self._proc = subprocess.Popen(
+                    [python, zygote, self.SOCKET, *self.PRELOAD], cwd=repo, env=dict(BASE_ENV),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True)
+                self._python = python
+            deadline = time.monotonic() + 300
+            while not os.path.exists(self.SOCKET):
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._proc = None
+                    return None
+                time.sleep(0.05)
+        return os.path.normpath(os.path.join(cwd, argv[1])), argv[2:]
+
+    def spawn(self, script: str, args: list[str], cwd: str, env: dict[str, str],
+              with_stdin: bool) -> ZygoteProc:
+        pipes = [os.pipe() for _ in range(3)]
+        child_fds = [pipes[0][0], pipes[1][1], pipes[2][1]]
+        if not with_stdin:
+            os.close(pipes[0][0])
+            os.close(pipes[0][1])
+            child_fds[0] = os.open(os.devnull, os.O_RDONLY)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.SOCKET)
+            request = {"script": script, "args": args, "cwd": cwd, "env": env}
+            socket.send_fds(conn, [json.dumps(request).encode()], child_fds)
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        buf = b""
+        while b"\n" not in buf:
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise OSError("the zygote closed the connection without forking")
+            buf += chunk
+        pid = int(json.loads(buf.split(b"\n", 1)[0])["pid"])
+        stdin = os.fdopen(pipes[0][1], "wb", buffering=0) if with_stdin else None
+        proc = ZygoteProc(conn, pid, stdin, os.fdopen(pipes[1][0], "rb", buffering=0),
+                          os.fdopen(pipes[2][0], "rb", buffering=0))
+        proc._buf = buf.split(b"\n", 1)[1]
+        return proc
+
+
+ZYGOTE = Zygote()
+
+
 def run(request: dict[str, Any]) -> dict[str, Any]:
-    """Run one command as root in its own session; never raises for the command's own failures."""
+    """Run one command as root in its own session; never raises for the command's own failures. A script
+    run with the repository's venv python is forked from the zygote (same result, without the imports)."""
     argv = request.get("argv") or ["/bin/bash", "-c", request.get("shell", "")]
     env = dict(BASE_ENV)
     env.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
     text = request.get("input")
     timeout = float(request.get("timeout") or 60)
+    cwd = request.get("cwd") or "/"
     started = time.monotonic()
+    proc: Any = None
+    warm = None if request.get("cold") else ZYGOTE.for_command([str(a) for a in argv], cwd)
+    if warm is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            proc = ZYGOTE.spawn(warm[0], warm[1], cwd, env, text is not None)
     try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if text is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=request.get("cwd") or "/",
-            env=env,
-            start_new_session=True,
-        )
+        if proc is None:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if text is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
     except OSError as exc:
         return {
             "returncode": 127 if isinstance(exc, FileNotFoundError) else 126,
