@@ -785,12 +785,13 @@ void OP(gthulhu_quiescent, struct task_struct *p, u64 deq_flags)
 /* A run longer than this (18 min) is charged as this long: the charge cannot overflow. */
 #define MAX_CHARGED_NS (1ULL << 40)
 /*
- * One run costs at most what a task at the floor pays for a default slice (100 default slices of vtime):
- * a run far longer than its slice (a late tick, a stolen vCPU) must not push the lightest tasks further
- * back than their weight asks for. Measured in the lab: without it, eight busy threads of a weight-1
- * cgroup beside four hogs waited more than the 5 s watchdog once (TCG guest on a loaded host).
+ * One run costs at most what a task at the floor pays for two default slices (a 5 ms slice runs up to
+ * ~11 ms at a 250 Hz tick): a run far longer than its slice (a late tick, a vCPU the host took away) must
+ * not push the lightest tasks further back than their weight asks for. Measured in the lab: without it,
+ * eight busy threads of a weight-1 cgroup beside four hogs once waited past a 5 s watchdog (TCG guest on a
+ * loaded host).
  */
-#define MAX_RUN_CHARGE (100ULL * settings.default_slice_ns)
+#define MAX_RUN_CHARGE (200ULL * settings.default_slice_ns)
 
 /*
  * A cgroup task's weight in the top level's terms: its weight / its cgroup's load x that cgroup's weight /
@@ -989,8 +990,8 @@ s32 OP(gthulhu_init_task, struct task_struct *p, struct scx_init_task_args *args
 /*
  * cgroups (CONFIG_EXT_GROUP_SCHED): sched_ext calls cgroup_init for every cgroup with the cpu controller,
  * parents first, when the scheduler loads and whenever one is created, and cgroup_set_weight when its
- * cpu.weight changes. Never fail: a cgroup we cannot track (the map is full) is one whose tasks are
- * charged as if their nearest tracked ancestor held them, or as individuals.
+ * cpu.weight changes. Never fail: a cgroup we cannot track (the map is full) has its tasks charged as
+ * individuals, and its descendants as if the level below it were the top.
  */
 s32 OP(gthulhu_cgroup_init, struct cgroup *cgrp, struct scx_cgroup_init_args *args)
 {
