@@ -139,15 +139,16 @@ struct task_ctx {
 	u64 window_used;  /* boosted run time inside it */
 	u64 demoted_until;
 	u64 served;       /* like vtime, but leads the pool by up to a window: the reserve's measure */
-	u64 group;        /* task group counted in group_weights while runnable, 0 none */
+	u64 group;        /* cgroup id or autogroup counted while runnable (group_is_cgroup says which), 0 none */
+	u64 cgid;         /* the task's cgroup as sched_ext reports it (init_task, cgroup_move), 0 the root */
 	u64 slice;        /* the slice of the current/queued run, for a prev kept by dispatch */
 	u64 cached_slice; /* the strategy select_cpu looked up for the enqueue of the same wakeup */
 	u32 cached_prio;
 	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
 	u32 group_weight; /* what this task added to that group's sum */
-	u32 group_share;  /* the group's weight (cpu.weight, autogroup nice), 100 for the default */
+	u32 group_share;  /* an autogroup's weight (its nice), 100 for the default */
 	u32 prio;         /* effective priority of the current/queued run: 0 fair */
-	u32 pad;
+	u32 group_is_cgroup;
 };
 
 struct {
@@ -158,8 +159,8 @@ struct {
 } task_ctxs SEC(".maps");
 
 /*
- * Runnable weight of each task group (key: its struct task_group), so a task is charged as one of the
- * group's tasks: the group gets one share, whatever number of threads it runs. LRU: a group lost to
+ * Runnable weight of each autogroup (session; key: its struct task_group), so a task is charged as one of
+ * the group's tasks: the group gets one share, whatever number of threads it runs. LRU: a group lost to
  * eviction only means its tasks are charged as individuals until they next wake.
  */
 struct {
@@ -168,6 +169,33 @@ struct {
 	__type(key, u64);
 	__type(value, s64);
 } group_weights SEC(".maps");
+
+/*
+ * The cgroup tree as sched_ext reports it (ops.cgroup_init/exit/set_weight; only cgroups with the cpu
+ * controller), keyed by cgroup id; the root is not kept (its tasks are charged as individuals, as the
+ * root level is in EEVDF's terms: entities compared by their weights). `load` is what competes inside the
+ * cgroup: the weights of its runnable tasks plus the `contrib` of each child cgroup, which is the child's
+ * weight while it has runnable work and 0 otherwise. A change of `load` from zero to positive or back
+ * changes the cgroup's own `contrib`, under its lock, and that delta is applied to the parent's `load`
+ * in turn, so every parent's load equals its children's contribs once the deltas have landed (they may
+ * land in any order; a transient sum is clamped where it is used).
+ */
+#define CG_MAX_DEPTH 32
+struct cgroup_ctx {
+	struct bpf_spin_lock lock;
+	u32 weight;  /* cpu.weight, 1-10000 */
+	u32 contrib; /* what it adds to its parent's load: its weight while it has runnable work, else 0 */
+	s64 load;    /* runnable weight directly in it: its tasks' and its active children's */
+	u64 parent;  /* the parent's id, 0 for a top-level cgroup (a child of the root) */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, u64);
+	__type(value, struct cgroup_ctx);
+} cgroups SEC(".maps");
 
 /* Written only by its own CPU (running, stopping, dispatch, hotplug callbacks of that CPU). */
 struct cpu_ctx {
@@ -637,32 +665,83 @@ static __always_inline u64 fair_weight(struct task_struct *p)
 	return weight;
 }
 
+/* Our key for a cgroup: its id; 0 for the root, which is not tracked (see `cgroups`). */
+static __always_inline u64 cgroup_key(struct cgroup *cgrp)
+{
+	if (!cgrp || !BPF_CORE_READ(cgrp, level))
+		return 0;
+	return BPF_CORE_READ(cgrp, kn, id);
+}
+
 /*
- * The task's group for fair sharing: its cgroup's, or its session's when autogroup applies (the kernel
- * resolves that into sched_task_group). Tasks of the root group (kernel threads, and everything when
- * neither applies) are charged as individuals.
+ * The task's autogroup (its session's group) if autogroup applies: the task is in the root cgroup (as
+ * sched_ext sees it) and the kernel resolved its sched_task_group to a group below the root. Every field is
+ * CO-RE guarded: a kernel without them has no autogroups to share by.
  */
-static __always_inline struct task_group *group_of(struct task_struct *p)
+static __always_inline struct task_group *autogroup_of(struct task_struct *p, struct task_ctx *tctx)
 {
 	struct task_group *tg;
 
-	if (!bpf_core_field_exists(p->sched_task_group))
+	if (tctx->cgid || !bpf_core_field_exists(p->sched_task_group) ||
+	    !bpf_core_field_exists(struct task_group, parent) || !bpf_core_field_exists(struct task_group, shares))
 		return NULL;
-	tg = p->sched_task_group;
-	if (!tg || !tg->parent)
+	tg = BPF_CORE_READ(p, sched_task_group);
+	if (!tg || !BPF_CORE_READ(tg, parent))
 		return NULL;
 	return tg;
+}
+
+/*
+ * Add `delta` to a cgroup's load and carry its activation (load from zero to positive, or back) up the
+ * tree as a change of its contrib to its parent's load, level by level.
+ */
+static void cgroup_add(u64 id, s64 delta)
+{
+	struct cgroup_ctx *cg;
+	s64 before, up;
+	u32 i;
+
+	for (i = 0; i < CG_MAX_DEPTH && id && delta; i++) {
+		cg = bpf_map_lookup_elem(&cgroups, &id);
+		if (!cg)
+			return;
+		up = 0;
+		bpf_spin_lock(&cg->lock);
+		before = cg->load;
+		cg->load += delta;
+		if (before <= 0 && cg->load > 0) {
+			cg->contrib = cg->weight;
+			up = cg->weight;
+		} else if (before > 0 && cg->load <= 0) {
+			up = -(s64)cg->contrib;
+			cg->contrib = 0;
+		}
+		bpf_spin_unlock(&cg->lock);
+		id = cg->parent;
+		delta = up;
+	}
 }
 
 void OP(gthulhu_runnable, struct task_struct *p, u64 enq_flags)
 {
 	struct task_ctx *tctx = ctx_of(p);
-	struct task_group *tg = group_of(p);
+	struct task_group *tg;
 	s64 zero = 0, *sum;
-	u64 key = (u64)tg;
+	u64 key;
 
-	if (!tctx || !tg || tctx->group)
+	if (!tctx || tctx->group)
 		return;
+	tctx->group_weight = fair_weight(p);
+	if (tctx->cgid) {
+		tctx->group = tctx->cgid;
+		tctx->group_is_cgroup = 1;
+		cgroup_add(tctx->cgid, tctx->group_weight);
+		return;
+	}
+	tg = autogroup_of(p, tctx);
+	if (!tg)
+		return;
+	key = (u64)tg;
 	sum = bpf_map_lookup_elem(&group_weights, &key);
 	if (!sum) {
 		bpf_map_update_elem(&group_weights, &key, &zero, BPF_NOEXIST);
@@ -671,9 +750,9 @@ void OP(gthulhu_runnable, struct task_struct *p, u64 enq_flags)
 			return;
 	}
 	tctx->group = key;
-	tctx->group_weight = fair_weight(p);
+	tctx->group_is_cgroup = 0;
 	/* shares are in the kernel's fixed point (nice 0 = 1024 << 10 on 64-bit); ours: nice 0 = 100 */
-	tctx->group_share = (tg->shares >> 10) * 100 / 1024 ?: 1;
+	tctx->group_share = (BPF_CORE_READ(tg, shares) >> 10) * 100 / 1024 ?: 1;
 	__sync_fetch_and_add(sum, (s64)tctx->group_weight);
 }
 
@@ -684,28 +763,93 @@ void OP(gthulhu_quiescent, struct task_struct *p, u64 deq_flags)
 
 	if (!tctx || !tctx->group)
 		return;
-	sum = bpf_map_lookup_elem(&group_weights, &tctx->group);
-	if (sum)
-		__sync_fetch_and_add(sum, -(s64)tctx->group_weight);
+	if (tctx->group_is_cgroup) {
+		cgroup_add(tctx->group, -(s64)tctx->group_weight);
+	} else {
+		sum = bpf_map_lookup_elem(&group_weights, &tctx->group);
+		if (sum)
+			__sync_fetch_and_add(sum, -(s64)tctx->group_weight);
+	}
 	tctx->group = 0;
 }
 
 /*
- * The vtime a run of `used` ns costs: used / weight, where a grouped task's weight is its part of the
- * group's share (task weight / runnable weight of the group x group share). Eight hogs in one session
- * then cost eight times what a lone thread in another session pays, as under EEVDF.
+ * Weights below are in 1/65536 of a weight point (nice 0 = 100 points). The lightest a task is ever
+ * charged as is one point, the weight of a nice 19 task at the top level: at that rate (100x its run time
+ * in vtime) the bounded wait of docs/scheduler.md still holds, so deeper compounding (many BestEffort pods:
+ * hierarchical weights near 1e-4) gets this floor instead of an unbounded charge.
+ */
+#define WEIGHT_SHIFT 16
+#define WEIGHT_FLOOR (1ULL << WEIGHT_SHIFT)
+/* A run longer than this (18 min) is charged as this long: the charge cannot overflow. */
+#define MAX_CHARGED_NS (1ULL << 40)
+/*
+ * One run costs at most what a task at the floor pays for two default slices (a 5 ms slice runs up to
+ * ~11 ms at a 250 Hz tick): a run far longer than its slice (a late tick, a vCPU the host took away) must
+ * not push the lightest tasks further back than their weight asks for. Measured in the lab: without it,
+ * eight busy threads of a weight-1 cgroup beside four hogs once waited past a 5 s watchdog (TCG guest on a
+ * loaded host).
+ */
+#define MAX_RUN_CHARGE (200ULL * settings.default_slice_ns)
+
+/*
+ * A cgroup task's weight in the top level's terms: its weight / its cgroup's load x that cgroup's weight /
+ * its parent's load x ... x the top-level cgroup's weight, as EEVDF compounds group entities. The product
+ * of fractions is kept with 32 bits below the point (each factor is at most 1, loads are clamped to at
+ * least the entity counted in them), then scaled by the top-level weight.
+ */
+static u64 cgroup_weight(u64 id, u64 weight)
+{
+	u64 frac = 1ULL << 32, below = weight, load;
+	struct cgroup_ctx *cg;
+	u32 i;
+
+	for (i = 0; i < CG_MAX_DEPTH && id && frac; i++) {
+		cg = bpf_map_lookup_elem(&cgroups, &id);
+		if (!cg)
+			break;
+		load = cg->load > 0 ? (u64)cg->load : 0;
+		if (load < below)
+			load = below;
+		frac = frac * below / load;
+		below = cg->weight ?: 1;
+		id = cg->parent;
+	}
+	return (frac * below) >> (32 - WEIGHT_SHIFT);
+}
+
+/* The weight a run is charged at (WEIGHT_SHIFT fixed point, at least WEIGHT_FLOOR). */
+static u64 effective_weight(struct task_struct *p, struct task_ctx *tctx)
+{
+	u64 weight = fair_weight(p), eff, sum;
+	s64 *s;
+
+	eff = weight << WEIGHT_SHIFT;
+	if (tctx->group && tctx->group_is_cgroup) {
+		eff = cgroup_weight(tctx->group, tctx->group_weight);
+	} else if (tctx->group) {
+		s = bpf_map_lookup_elem(&group_weights, &tctx->group);
+		if (s && *s >= (s64)tctx->group_weight) {
+			sum = (u64)*s;
+			eff = ((u64)tctx->group_weight << WEIGHT_SHIFT) * tctx->group_share / sum;
+		}
+	}
+	return eff < WEIGHT_FLOOR ? WEIGHT_FLOOR : eff;
+}
+
+/*
+ * The vtime a run of `used` ns costs: used / weight, where a grouped task's weight is its part of its
+ * groups' shares at every level (effective_weight). Eight hogs in one session then cost eight times what
+ * a lone thread in another session pays, as under EEVDF.
  */
 static u64 fair_charge(struct task_struct *p, struct task_ctx *tctx, u64 used)
 {
-	u64 weight = fair_weight(p);
-	s64 *sum;
+	u64 charge;
 
-	if (!tctx->group)
-		return used * 100 / weight;
-	sum = bpf_map_lookup_elem(&group_weights, &tctx->group);
-	if (!sum || *sum < (s64)tctx->group_weight)
-		return used * 100 / weight;
-	return used * 100 * (u64)*sum / ((u64)tctx->group_weight * tctx->group_share);
+	if (used > MAX_CHARGED_NS)
+		used = MAX_CHARGED_NS;
+	charge = used * (100ULL << WEIGHT_SHIFT) / effective_weight(p, tctx);
+	return charge < MAX_RUN_CHARGE ? charge : MAX_RUN_CHARGE;
 }
 
 /* Charge boosted run time to the task's window and to its CPU's; start the guard when over budget. */
@@ -828,7 +972,66 @@ s32 OP(gthulhu_init_task, struct task_struct *p, struct scx_init_task_args *args
 		return -12; /* -ENOMEM */
 	tctx->vtime = vtime_now;
 	tctx->served = vtime_now;
+	if (bpf_core_field_exists(args->cgroup))
+		tctx->cgid = cgroup_key(BPF_CORE_READ(args, cgroup));
 	return 0;
+}
+
+/*
+ * cgroups (CONFIG_EXT_GROUP_SCHED): sched_ext calls cgroup_init for every cgroup with the cpu controller,
+ * parents first, when the scheduler loads and whenever one is created, and cgroup_set_weight when its
+ * cpu.weight changes. Never fail: a cgroup we cannot track (the map is full) has its tasks charged as
+ * individuals, and its descendants as if the level below it were the top.
+ */
+s32 OP(gthulhu_cgroup_init, struct cgroup *cgrp, struct scx_cgroup_init_args *args)
+{
+	struct cgroup_ctx cg = {};
+	u64 id = cgroup_key(cgrp);
+
+	if (!id)
+		return 0;
+	cg.weight = args->weight ?: 1;
+	if (BPF_CORE_READ(cgrp, level) > 1)
+		cg.parent = cgroup_key(BPF_CORE_READ(cgrp, self.parent, cgroup));
+	bpf_map_update_elem(&cgroups, &id, &cg, BPF_ANY);
+	return 0;
+}
+
+void OP(gthulhu_cgroup_exit, struct cgroup *cgrp)
+{
+	u64 id = cgroup_key(cgrp);
+
+	if (id)
+		bpf_map_delete_elem(&cgroups, &id);
+}
+
+/* The kernel dequeues a moving task first (quiescent) and enqueues it after (runnable): it is counted
+ * in the new cgroup from then on. */
+void OP(gthulhu_cgroup_move, struct task_struct *p, struct cgroup *from, struct cgroup *to)
+{
+	struct task_ctx *tctx = ctx_of(p);
+
+	if (tctx)
+		tctx->cgid = cgroup_key(to);
+}
+
+/* A busy cgroup's new weight reaches its parent's load at once, not at its next idle moment. */
+void OP(gthulhu_cgroup_set_weight, struct cgroup *cgrp, u32 weight)
+{
+	u64 id = cgroup_key(cgrp);
+	struct cgroup_ctx *cg = id ? bpf_map_lookup_elem(&cgroups, &id) : NULL;
+	s64 up = 0;
+
+	if (!cg)
+		return;
+	bpf_spin_lock(&cg->lock);
+	cg->weight = weight ?: 1;
+	if (cg->contrib) {
+		up = (s64)cg->weight - cg->contrib;
+		cg->contrib = cg->weight;
+	}
+	bpf_spin_unlock(&cg->lock);
+	cgroup_add(cg->parent, up);
 }
 
 /* Delete an entry only if it belongs to this task: the id may already name a new task. */
@@ -890,6 +1093,18 @@ int gthulhu_count_entries(void *ctx)
  * only the members we set, all present since 6.12: libbpf matches members by name and copies each to the
  * kernel's own offset.
  */
+/*
+ * 6.12 wants a scheduler that handles cpu.weight to say so with SCX_OPS_HAS_CGROUP_WEIGHT (1 << 16 there;
+ * without it the kernel logs that we ignore cpu.weight). 6.15 made the flag a no-op that logs a deprecation
+ * warning and 7.1 removed it: a kernel refuses flags it does not know. The 6.12 object runs only where the
+ * old kfunc names exist, which is 6.12 alone, so only it sets the flag.
+ */
+#ifdef GTHULHU_KFUNCS_6_12
+#define OPS_FLAGS (1ULL << 16)
+#else
+#define OPS_FLAGS 0
+#endif
+
 struct sched_ext_ops {
 	s32 (*select_cpu)(struct task_struct *p, s32 prev_cpu, u64 wake_flags);
 	void (*enqueue)(struct task_struct *p, u64 enq_flags);
@@ -901,10 +1116,15 @@ struct sched_ext_ops {
 	void (*quiescent)(struct task_struct *p, u64 deq_flags);
 	s32 (*init_task)(struct task_struct *p, struct scx_init_task_args *args);
 	void (*exit_task)(struct task_struct *p, struct scx_exit_task_args *args);
+	s32 (*cgroup_init)(struct cgroup *cgrp, struct scx_cgroup_init_args *args);
+	void (*cgroup_exit)(struct cgroup *cgrp);
+	void (*cgroup_move)(struct task_struct *p, struct cgroup *from, struct cgroup *to);
+	void (*cgroup_set_weight)(struct cgroup *cgrp, u32 weight);
 	void (*cpu_online)(s32 cpu);
 	void (*cpu_offline)(s32 cpu);
 	s32 (*init)(void);
 	void (*exit)(struct scx_exit_info *info);
+	u64 flags;
 	u32 timeout_ms;
 	char name[128];
 #ifdef GTHULHU_TEST_UNLOADABLE
@@ -924,10 +1144,15 @@ struct sched_ext_ops gthulhu_ops = {
 	.tick = (void *)gthulhu_tick,
 	.init_task = (void *)gthulhu_init_task,
 	.exit_task = (void *)gthulhu_exit_task,
+	.cgroup_init = (void *)gthulhu_cgroup_init,
+	.cgroup_exit = (void *)gthulhu_cgroup_exit,
+	.cgroup_move = (void *)gthulhu_cgroup_move,
+	.cgroup_set_weight = (void *)gthulhu_cgroup_set_weight,
 	.cpu_online = (void *)gthulhu_cpu_online,
 	.cpu_offline = (void *)gthulhu_cpu_offline,
 	.init = (void *)gthulhu_init,
 	.exit = (void *)gthulhu_exit,
+	.flags = OPS_FLAGS,
 	.timeout_ms = 0, /* the loader patches it from config.scheduler.watchdog_timeout_ms */
 	.name = "gthulhu",
 };

@@ -701,6 +701,156 @@ def group_share(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# cgroup trees as the kubelet and systemd build them on a 2-CPU node: path -> cpu.weight. The kubelet turns
+# CPU shares into weights as 1 + (shares - 2) * 9999 / 262142: kubepods.slice (2 CPUs allocatable, 2048
+# shares) 79, a Guaranteed pod of 1 CPU 39, the Burstable level (requests 500m + 250m) 30 and its pods 20
+# and 10, BestEffort (2 shares) 1. Services in system.slice keep the default 100.
+K8S_TREE = {
+    "gth-system.slice": 100,
+    "gth-system.slice/a.service": 100,
+    "gth-system.slice/b.service": 100,
+    "gth-system.slice/c.service": 100,
+    "gth-kubepods.slice": 79,
+    "gth-kubepods.slice/pod-guaranteed": 39,
+    "gth-kubepods.slice/pod-guaranteed/app": 39,
+    "gth-kubepods.slice/burstable": 30,
+    "gth-kubepods.slice/burstable/pod-b1": 20,
+    "gth-kubepods.slice/burstable/pod-b1/app": 20,
+    "gth-kubepods.slice/burstable/pod-b2": 10,
+    "gth-kubepods.slice/burstable/pod-b2/app": 10,
+    "gth-kubepods.slice/besteffort": 1,
+    "gth-kubepods.slice/besteffort/pod-be": 1,
+    "gth-kubepods.slice/besteffort/pod-be/app": 1,
+}
+# Two hogs per leaf: a group can then run on both CPUs, which EEVDF's per-CPU group shares need to come
+# near the weights (with one hog, a leaf's weight counts only on the CPU it sits on).
+K8S_HOGS = {
+    "gth-system.slice/a.service": 2,
+    "gth-system.slice/b.service": 2,
+    "gth-system.slice/c.service": 2,
+    "gth-kubepods.slice/pod-guaranteed/app": 2,
+    "gth-kubepods.slice/burstable/pod-b1/app": 2,
+    "gth-kubepods.slice/burstable/pod-b2/app": 2,
+    "gth-kubepods.slice/besteffort/pod-be/app": 2,
+}
+BESTEFFORT_PODS = 16
+MANY_BE_TREE = {
+    "gth-system.slice": 100,
+    "gth-system.slice/a.service": 100,
+    "gth-system.slice/b.service": 100,
+    "gth-kubepods.slice": 79,
+    "gth-kubepods.slice/burstable": 30,
+    "gth-kubepods.slice/burstable/pod-b1": 20,
+    "gth-kubepods.slice/burstable/pod-b1/app": 20,
+    "gth-kubepods.slice/besteffort": 1,
+    **{f"gth-kubepods.slice/besteffort/pod-be{i}": 1 for i in range(BESTEFFORT_PODS)},
+    **{f"gth-kubepods.slice/besteffort/pod-be{i}/app": 1 for i in range(BESTEFFORT_PODS)},
+}
+MANY_BE_HOGS = {
+    "gth-system.slice/a.service": 1,
+    "gth-system.slice/b.service": 1,
+    "gth-kubepods.slice/burstable/pod-b1/app": 2,
+    **{f"gth-kubepods.slice/besteffort/pod-be{i}/app": 1 for i in range(BESTEFFORT_PODS)},
+}
+# A top-level group of weight 1 whose busy threads outnumber the hogs beside it (each hog a group of 100).
+LIGHT_TREE = {"gth-light": 1, **{f"gth-heavy{i}": 100 for i in range(4)}}
+LIGHT_HOGS = {**{f"gth-heavy{i}": 1 for i in range(4)}, "gth-light": 8}
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _make_tree(tree: dict[str, int]) -> None:
+    """The cgroups of `tree`, parents first, each parent delegating the cpu controller to its children."""
+    for path, weight in tree.items():
+        cg = CGROUP_ROOT / path
+        control = cg.parent / "cgroup.subtree_control"
+        if "cpu" not in control.read_text().split():
+            control.write_text("+cpu")
+        cg.mkdir(exist_ok=True)
+        (cg / "cpu.weight").write_text(str(weight))
+
+
+def _remove_tree(tree: dict[str, int]) -> None:
+    for path in sorted(tree, key=lambda p: -p.count("/")):
+        with contextlib.suppress(OSError):
+            (CGROUP_ROOT / path).rmdir()
+
+
+def _tree_run(tree: dict[str, int], hogs: dict[str, int], seconds: float) -> dict[str, Any]:
+    """A hog in each leaf of `tree` per count in `hogs`: over one window, each hog's CPU share, turns
+    (times it was put on a CPU) and mean wait per turn (schedstat)."""
+    _make_tree(tree)
+    try:
+        with workers() as pids:
+            named: dict[str, int] = {}
+            for leaf, count in hogs.items():
+                for i in range(count):
+                    pid = fork_worker(spin, "hog")
+                    pids.append(pid)
+                    (CGROUP_ROOT / leaf / "cgroup.procs").write_text(str(pid))
+                    named[f"{leaf}#{i}"] = pid
+            time.sleep(1.0)
+            before = {name: schedstat(pid) for name, pid in named.items()}
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            after = {name: schedstat(pid) for name, pid in named.items()}
+            elapsed = time.monotonic() - t0
+    finally:
+        time.sleep(0.2)
+        _remove_tree(tree)
+    out: dict[str, Any] = {}
+    for name in named:
+        run, wait, turns = (a - b for a, b in zip(after[name], before[name], strict=True))
+        out[name] = {"share": run / 1e9 / elapsed, "turns": turns, "mean_wait_s": wait / 1e9 / max(1, turns)}
+    return out
+
+
+def _weight_fractions(tree: dict[str, int], hogs: dict[str, int]) -> dict[str, float]:
+    """Each hog's fraction of the CPU time the hogs get, by the weights: its weight in top-level terms
+    (1/count of its leaf's load x each busy cgroup's weight over its busy siblings', the top level's
+    weights undivided; what EEVDF approximates per CPU), at least 1 (the scheduler's floor,
+    docs/scheduler.md), over the sum of all."""
+
+    def parent(path: str) -> str:
+        return path.rpartition("/")[0]
+
+    def busy(path: str) -> bool:
+        return any(leaf == path or leaf.startswith(path + "/") for leaf in hogs)
+
+    weights = {}
+    for leaf, count in hogs.items():
+        weight, path = 100.0 / count, leaf
+        while parent(path):
+            siblings = [p for p in tree if parent(p) == parent(path) and busy(p)]
+            weight *= tree[path] / sum(tree[p] for p in siblings)
+            path = parent(path)
+        weight *= tree[path] / 100
+        weights.update({f"{leaf}#{i}": max(weight, 1.0) for i in range(count)})
+    total = sum(weights.values())
+    return {name: weight / total for name, weight in weights.items()}
+
+
+def hierarchy(args: argparse.Namespace) -> dict[str, Any]:
+    """Nested cpu.weight under EEVDF and under ours in the same boot: a Kubernetes-like tree with a hog in
+    each leaf; a weight-1 top-level group with eight busy threads beside four hogs of weight 100; sixteen
+    BestEffort pods whose compounded weight is below the floor. Watchdog 10 s throughout."""
+    cases = {
+        "k8s": (K8S_TREE, K8S_HOGS),
+        "light": (LIGHT_TREE, LIGHT_HOGS),
+        "many_be": (MANY_BE_TREE, MANY_BE_HOGS),
+    }
+    if args.arg:  # a comma-separated subset, for a quicker look at one case
+        cases = {name: cases[name] for name in args.arg.split(",")}
+    out: dict[str, Any] = {"watchdog_ms": 10_000, "weights_k8s": _weight_fractions(K8S_TREE, K8S_HOGS)}
+    for name, case in cases.items():
+        out[f"eevdf_{name}"] = _tree_run(*case, seconds=args.seconds)
+    with scheduler(watchdog_timeout_ms=out["watchdog_ms"]) as backend:
+        for name, case in cases.items():
+            out[f"ours_{name}"] = _tree_run(*case, seconds=args.seconds)
+            out[f"health_{name}"] = backend.health().state.value
+        out["state"] = state()
+    return out
+
+
 def bad_input(_: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     me = os.getpid()
@@ -782,6 +932,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "kthread-lock-holder": kthread_lock_holder,
     "cpu-max": cpu_max,
     "group-share": group_share,
+    "hierarchy": hierarchy,
     "bad-input": bad_input,
     "ejection": ejection,
 }

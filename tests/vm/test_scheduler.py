@@ -7,6 +7,7 @@ never with an absolute time.
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Any
 
@@ -147,6 +148,45 @@ def test_cpu_is_shared_between_task_groups_first_as_under_eevdf(lab: Any) -> Non
     # cpu.weight 300 against 100, two hogs each: per-task sharing would be even
     weights = out["ours_weights"]
     assert statistics.median(weights["heavy"]) > 1.4 * statistics.median(weights["light"]), out
+
+
+def _close(ours: float, eevdf: float) -> bool:
+    """The issue's tolerance: 20 % of EEVDF's share, or one point of a CPU, whichever is larger."""
+    return abs(ours - eevdf) <= max(0.2 * eevdf, 0.01)
+
+
+@both_kernels
+@pytest.mark.lab_seconds(240)  # 226 s (6.12) and 253 s (7.3) measured 2026-12-02 on a loaded host
+def test_nested_cgroup_weights_compound_as_under_eevdf(lab: Any) -> None:
+    """cpu.weight at every level of a Kubernetes-like tree counts, as under EEVDF (measured in the same
+    boot): three services in system.slice share its one weight, pods share their QoS level's. With only the
+    task's own group counting, each service would weigh as much as all of kubepods.slice. Then the lightest
+    cases: a weight-1 group with more busy threads than the hogs beside it, and sixteen BestEffort pods
+    whose compounded weight is below the floor (docs/scheduler.md): each of their threads runs and none
+    waits as long as the watchdog (10 s here; it would eject the scheduler), where the weight-1 group was
+    charged 800 times each run before the floor."""
+    out = scenario(lab, "hierarchy", "--seconds", "4", timeout=900)
+    print(json.dumps(out))
+    eevdf, ours = out["eevdf_k8s"], out["ours_k8s"]
+    # Every leaf near its share by the weights at every level. EEVDF splits a group's weight per CPU by
+    # where its tasks sit, so on 2 CPUs it strays from the weights itself, differently from run to run
+    # (measured: the Guaranteed pod's hogs 0.13-0.22 of a CPU, 0.19-0.21 by the weights): ours must match
+    # EEVDF wherever EEVDF matches the weights. The guest's capacity varies with the host's load, so
+    # EEVDF's shares are scaled to the CPU time the hogs got under ours.
+    total = sum(h["share"] for h in ours.values())
+    scale = total / sum(h["share"] for h in eevdf.values())
+    by_weights = {leaf: fraction * total for leaf, fraction in out["weights_k8s"].items()}
+    table = {leaf: (round(ours[leaf]["share"], 3), round(eevdf[leaf]["share"] * scale, 3),
+                    round(by_weights[leaf], 3)) for leaf in by_weights}
+    print("leaf: (ours, EEVDF scaled, by the weights)", json.dumps(table, indent=1))
+    assert all(_close(ours[leaf]["share"], by_weights[leaf]) for leaf in by_weights), table
+    assert all(_close(ours[leaf]["share"], eevdf[leaf]["share"] * scale) for leaf in by_weights
+               if _close(eevdf[leaf]["share"] * scale, by_weights[leaf])), table
+    for name in ("light", "many_be"):
+        # The kernel's watchdog is the bound on every wait: an ejection would show here.
+        assert out[f"health_{name}"] == "running", out
+        assert all(hog["turns"] > 0 and hog["share"] > 0 for hog in out[f"ours_{name}"].values()), out
+    assert out["state"]["state"] == "enabled", out
 
 
 @both_kernels
