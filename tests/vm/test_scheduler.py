@@ -144,7 +144,9 @@ def test_cpu_is_shared_between_task_groups_first_as_under_eevdf(lab: Any) -> Non
         assert eevdf["one"][0] > 2 * statistics.median(eevdf["many"]), out  # the groups are real
         assert ours["one"][0] > 0.45, out  # per-task sharing: about 0.29
         assert ours["one"][0] > 2 * statistics.median(ours["many"]), out
-        assert min(ours["many"]) > 0.15, out  # the crowded group still runs: 1.4 CPUs among six
+        # the crowded group still runs (1.4 CPUs among six): against EEVDF's in the same boot, since a
+        # loaded host shrinks both (6.12, 2026-12-02: ours 0.133, EEVDF's six 0.136-0.142)
+        assert min(ours["many"]) > 0.6 * statistics.median(eevdf["many"]), out
     # cpu.weight 300 against 100, two hogs each: per-task sharing would be even
     weights = out["ours_weights"]
     assert statistics.median(weights["heavy"]) > 1.4 * statistics.median(weights["light"]), out
