@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 import select
 import threading
@@ -47,8 +46,11 @@ from gthulhu_node.backends.base import (
     TaskGoneError,
     check_entry,
 )
+from gthulhu_node.backends.eevdf_journal import JournalRecord, ThreadJournal, read_journal
 from gthulhu_node.backends.sched_attr import (
     FAIR_POLICIES,
+    KERNEL_SLICE_MAX_NS,
+    KERNEL_SLICE_MIN_NS,
     NICE_MIN,
     Probe,
     SchedAttr,
@@ -67,9 +69,10 @@ NICE_WEAKEST_BOOST = -5
 _GONE = frozenset({errno.ESRCH, errno.ENOENT})
 # The file, in the agent's state directory, where it keeps the threads it changed, for a successor after a
 # crash (not /run: systemd empties the unit's RuntimeDirectory on every stop, crashes included). One agent
-# per host uses it; other instances (tests, benches) pass none.
-JOURNAL_NAME = "eevdf-threads.json"
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+# per host uses it; other instances (tests, benches) pass none. The format: backends/eevdf_journal.py.
+JOURNAL_NAME = "eevdf-threads.journal"
+# Where versions before the incremental journal kept it (one JSON document): read once, then removed.
+LEGACY_JOURNAL_NAME = "eevdf-threads.json"
 
 
 def nice_for_priority(priority: int) -> int:
@@ -149,11 +152,10 @@ class EevdfBackend(Backend):
         self._verify_interval_s = verify_interval_s
         self._refresher: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._journal = journal
+        self._journal = None if journal is None else ThreadJournal(journal)
         self._fork_events = fork_events
         self._wake_fd = -1
         self._refresher_error = ""
-        self._journal_dirty = False
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -201,7 +203,9 @@ class EevdfBackend(Backend):
             self._entries.clear()
             self._hands_off.clear()
             self._running = False
-            self._save_journal()
+            if self._journal is not None:
+                self._journal.compact()
+                self._journal.close()
             log.info("eevdf_backend_stopped", threads=restored)
 
     def health(self) -> BackendHealth:
@@ -239,7 +243,6 @@ class EevdfBackend(Backend):
                     result.upserted += 1
                 else:
                     result.failed[key] = err
-            self._save_journal()
             return result
 
     def refresh(self, *, verify: bool = True) -> ApplyResult:
@@ -259,7 +262,6 @@ class EevdfBackend(Backend):
                 for key, entry in list(self._entries.items()):
                     if key.kind is KeyKind.TGID:
                         result.upserted += self._cover_process(key, entry, verify=False)
-                self._save_journal()
                 return result
             for tid, (start, _why) in list(self._hands_off.items()):
                 if self._start_time_of(tid) != start:
@@ -278,7 +280,6 @@ class EevdfBackend(Backend):
                 err = self._check_still_ours(held)
                 if err is not None:
                     result.failed[key] = err
-            self._save_journal()
             return result
 
     def read_back(self) -> dict[EntryKey, Entry]:
@@ -312,7 +313,10 @@ class EevdfBackend(Backend):
     def counters(self) -> dict[str, int]:
         """Monotonic counts since construction (threads written, restored, found changed by others, ...)."""
         with self._lock:
-            return dict(self._counts)
+            counts = dict(self._counts)
+            if self._journal is not None:
+                counts["errors"] += self._journal.write_failures
+            return counts
 
     def gauges(self) -> dict[str, int]:
         """Current sizes: entries held, threads carrying them, threads left alone until they exit."""
@@ -426,7 +430,6 @@ class EevdfBackend(Backend):
                 if self._settle(tid, tgid, start, key, entry) is None:
                     covered += 1
             if covered:
-                self._save_journal()
                 log.debug("eevdf_threads_covered", threads=covered, by="fork_events")
 
     def _forget_exits(self, tids: list[int]) -> None:
@@ -437,8 +440,6 @@ class EevdfBackend(Backend):
                 self._forget_thread(rec)
             for tid in tids:
                 self._hands_off.pop(tid, None)
-            if gone:
-                self._save_journal()
 
     # --- keys ------------------------------------------------------------------------------------------
 
@@ -533,14 +534,17 @@ class EevdfBackend(Backend):
                 return skipped
             original = current
         desired = self._desired(original, entry)
+        expected = self._read_back_of(desired)
+        self._journal_changing(tid, tgid, start, original, expected)  # ahead of the write: see the journal
         try:
             self._sys_calls().set(tid, desired)
             applied = self._sys_calls().get(tid)
         except OSError as exc:
             return self._syscall_failed(key, tid, rec, exc)
+        if not applied.same_settings(expected):
+            self._journal_changing(tid, tgid, start, original, applied)
         self._counts["setattr"] += 1
         self._threads[tid] = _Thread(tid, tgid, start, key, entry, original, applied)
-        self._journal_dirty = True
         log.debug(
             "eevdf_thread_applied",
             key=str(key),
@@ -554,8 +558,13 @@ class EevdfBackend(Backend):
 
     def _release(self, rec: _Thread) -> BackendError | None:
         """Give a thread back its original attributes, unless it exited or someone else changed it."""
+        err = self._give_back(rec)
+        if self._journal is not None:
+            self._journal.released(rec.tid)  # after the restore: a crash before it still finds the thread
+        return err
+
+    def _give_back(self, rec: _Thread, earlier: tuple[SchedAttr, ...] = ()) -> BackendError | None:
         self._threads.pop(rec.tid, None)
-        self._journal_dirty = True
         if self._start_time(rec.tgid, rec.tid) != rec.start_time:
             self._counts["threads_exited"] += 1
             return None
@@ -563,7 +572,7 @@ class EevdfBackend(Backend):
         if current is None:
             self._counts["threads_exited"] += 1
             return None
-        if not current.same_settings(rec.applied):
+        if not any(current.same_settings(a) for a in (rec.applied, *earlier)):
             return self._foreign(rec, current)
         original = rec.original
         restore = SchedAttr(
@@ -598,7 +607,8 @@ class EevdfBackend(Backend):
     def _foreign(self, rec: _Thread, current: SchedAttr) -> ForeignChangeError:
         """Hand a thread over to whoever changed it: no restore, no further writes until it exits."""
         self._threads.pop(rec.tid, None)
-        self._journal_dirty = True
+        if self._journal is not None:
+            self._journal.released(rec.tid)
         if rec.owner.kind is KeyKind.TID:
             self._entries.pop(rec.owner, None)
         self._counts["foreign_changes"] += 1
@@ -626,7 +636,8 @@ class EevdfBackend(Backend):
     def _forget_thread(self, rec: _Thread) -> None:
         """The thread exited (or its TID now names another task): nothing to restore."""
         self._threads.pop(rec.tid, None)
-        self._journal_dirty = True
+        if self._journal is not None:
+            self._journal.released(rec.tid)
         self._counts["threads_exited"] += 1
 
     def _syscall_failed(self, key: EntryKey, tid: int, rec: _Thread | None, exc: OSError) -> BackendError:
@@ -646,6 +657,16 @@ class EevdfBackend(Backend):
         runtime = entry.slice_ns if entry.slice_ns else self._request_of(original)
         return SchedAttr(original.policy, nice, runtime, reset_on_fork=True)
 
+    def _read_back_of(self, desired: SchedAttr) -> SchedAttr:
+        """What sched_getattr will report after writing `desired`: the kernel clamps a slice request and
+        reports the base slice when there is none (sched_attr.py)."""
+        runtime = desired.runtime_ns
+        if runtime:
+            runtime = min(max(runtime, KERNEL_SLICE_MIN_NS), KERNEL_SLICE_MAX_NS)
+        else:
+            runtime = self._base_slice_ns
+        return SchedAttr(desired.policy, desired.nice, runtime, desired.reset_on_fork)
+
     def _request_of(self, original: SchedAttr) -> int:
         """The slice request to write back: 0 (none) when the thread only had the base slice.
 
@@ -656,68 +677,33 @@ class EevdfBackend(Backend):
 
     # --- the journal: what a crashed agent left behind -------------------------------------------------
 
-    def _save_journal(self) -> None:
-        """Keep the threads we changed (and their originals) on disk, so a successor can undo our writes.
-
-        A sched_ext scheduler dies with the agent; nice values and slice requests do not. Written only
-        when the set of changed threads moved, atomically (a crash mid-write leaves the previous one).
-        """
-        if self._journal is None or not self._journal_dirty:
-            return
-        self._journal_dirty = False
-        records = [
-            {
-                "tid": r.tid,
-                "tgid": r.tgid,
-                "start_time": r.start_time,
-                "original": _attr_dict(r.original),
-                "applied": _attr_dict(r.applied),
-            }
-            for r in self._threads.values()
-        ]
-        try:
-            self._journal.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._journal.with_name(self._journal.name + ".tmp")
-            tmp.write_text(
-                json.dumps({"boot_id": _boot_id(), "base_slice_ns": self._base_slice_ns, "threads": records})
-            )
-            os.replace(tmp, self._journal)
-        except OSError as exc:
-            self._counts["errors"] += 1
-            log.warning("eevdf_journal_write_failed", path=str(self._journal), error=exc.strerror)
+    def _journal_changing(
+        self, tid: int, tgid: int, start: int, original: SchedAttr, applied: SchedAttr
+    ) -> None:
+        """A sched_ext scheduler dies with the agent; nice values and slice requests do not: the journal
+        names each thread before we write it, so a successor can undo our writes."""
+        if self._journal is not None:
+            self._journal.changing(JournalRecord(tid, tgid, start, original, applied))
 
     def _recover(self) -> None:
         """Undo what a predecessor that died without stop() wrote: each thread it changed that is still
-        the same task and still shows its write gets its original attributes back."""
-        if self._journal is None or not self._journal.exists():
+        the same task and still shows its write gets its original attributes back; then the journal
+        starts empty (in this order, so a crash during recovery loses nothing)."""
+        if self._journal is None:
             return
-        try:
-            data = json.loads(self._journal.read_text())
-            if data.get("boot_id") != _boot_id():
-                data = {"threads": []}  # another boot's tids and start times name other tasks
-            records = [
-                (
-                    int(r["tid"]),
-                    int(r["tgid"]),
-                    int(r["start_time"]),
-                    _attr(r["original"]),
-                    _attr(r["applied"]),
-                )
-                for r in data["threads"]
-            ]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("eevdf_journal_unreadable", path=str(self._journal), error=str(exc))
-            records = []
+        legacy = self._journal.path.with_name(LEGACY_JOURNAL_NAME)
+        records = self._journal.leftovers() + read_journal(legacy)
         before = self._counts["restored"]
-        for tid, tgid, start, original, applied in records:
-            self._release(
-                _Thread(tid, tgid, start, EntryKey(KeyKind.TID, tid), Entry(0, 0, start), original, applied)
+        for r in records:
+            owner, entry = EntryKey(KeyKind.TID, r.tid), Entry(0, 0, r.start_time)
+            self._give_back(
+                _Thread(r.tid, r.tgid, r.start_time, owner, entry, r.original, r.applied), r.earlier
             )
         if records:
             restored = self._counts["restored"] - before
             log.info("eevdf_journal_recovered", threads=len(records), restored=restored)
-        self._journal_dirty = True
-        self._save_journal()
+        self._journal.begin(self._base_slice_ns)
+        legacy.unlink(missing_ok=True)
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -759,25 +745,3 @@ class EevdfBackend(Backend):
         except (OSError, ValueError, IndexError):
             return None
         return None
-
-
-def _attr_dict(attr: SchedAttr) -> dict[str, int | bool]:
-    return {
-        "policy": attr.policy,
-        "nice": attr.nice,
-        "runtime_ns": attr.runtime_ns,
-        "reset_on_fork": attr.reset_on_fork,
-    }
-
-
-def _attr(data: dict[str, int | bool]) -> SchedAttr:
-    return SchedAttr(
-        int(data["policy"]), int(data["nice"]), int(data["runtime_ns"]), bool(data["reset_on_fork"])
-    )
-
-
-def _boot_id() -> str:
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""

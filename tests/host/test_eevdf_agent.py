@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf_journal import read_journal
 from gthulhu_node.config import AgentConfig
 from tests.host.agent_support import (
     NamedThread,
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.host
 @pytest.fixture
 def agent() -> Iterator[Agent]:
     base = short_dir()
-    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
+    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.journal")
     try:
         with running_agent(base, backend=backend) as a:
             yield a
@@ -64,7 +64,7 @@ def test_renamed_thread_is_boosted_then_released(agent: Agent) -> None:
 
 def test_process_scope_covers_later_threads_and_stop_restores() -> None:
     base = short_dir()
-    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
+    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.journal")
     child = ChildProcess()
     try:
         early = child.spawn()
@@ -85,7 +85,7 @@ def test_process_scope_covers_later_threads_and_stop_restores() -> None:
             assert backend.gauges()["threads_managed"] == 3
         # the agent stopped: every thread has its own settings back, and the journal names nothing
         assert [sched(tid) for tid in child.tids()] == [(0, BASE_SLICE)] * 3
-        assert '"threads": []' in Path(base / "eevdf-threads.json").read_text()
+        assert read_journal(base / "eevdf-threads.journal") == []
     finally:
         child.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -327,7 +327,7 @@ def wait_until(condition: Callable[[], bool]) -> None:
 def test_successor_undoes_what_a_crashed_agent_left(tmp_path: Path) -> None:
     """nice and slice requests outlive the agent (a sched_ext scheduler does not): after a crash, the
     next start gives every thread still showing the dead agent's write its original settings back."""
-    journal = tmp_path / "eevdf-threads.json"
+    journal = tmp_path / "eevdf-threads.journal"
     kept, retuned, gone = Worker(), Worker(), Worker()
     try:
         os.setpriority(os.PRIO_PROCESS, kept.tid, 2)

@@ -24,7 +24,8 @@ from gthulhu_node.backends.base import (
     InvalidEntryError,
     KeyKind,
 )
-from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf import JOURNAL_NAME, LEGACY_JOURNAL_NAME, EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf_journal import boot_id, read_journal
 from gthulhu_node.backends.sched_attr import (
     KERNEL_SLICE_MAX_NS,
     KERNEL_SLICE_MIN_NS,
@@ -76,14 +77,14 @@ class FakeKernel(SchedAttrSyscalls):
             )
 
 
-def make(tmp_path: Path, kernel: FakeKernel, *tids: int) -> EevdfBackend:
+def make(tmp_path: Path, kernel: FakeKernel, *tids: int, journal: Path | None = None) -> EevdfBackend:
     proc = FakeProc(tmp_path)
     for tid in tids:
         proc.add(100, tid, "worker", start_time=500 + tid)
         (tmp_path / str(tid)).mkdir(exist_ok=True)
         (tmp_path / str(tid) / "status").write_text(f"Name:\tworker\nTgid:\t100\nPid:\t{tid}\n")
         kernel.tasks.setdefault(tid, _Task())
-    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0)
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
     backend.start()
     kernel.calls.clear()
     return backend
@@ -214,32 +215,60 @@ def test_a_dead_refresh_thread_reports_ejected_and_a_restart_recovers(tmp_path: 
 
 def test_journal_restores_a_predecessors_threads_and_survives_garbage(tmp_path: Path) -> None:
     kernel = FakeKernel()
-    journal = tmp_path / "run" / "eevdf-threads.json"
-    crashed = make(tmp_path, kernel, 501, 502)
-    crashed._journal = journal
+    journal = tmp_path / "run" / "eevdf-threads.journal"
+    crashed = make(tmp_path, kernel, 501, 502, journal=journal)
     kernel.tasks[502] = _Task(nice=3)
     crashed.apply({key(501): entry(501, 20, 300_000), key(502): entry(502, 1)}, [])
     assert kernel.tasks[501] == _Task(nice=-20, request=300_000, reset_on_fork=True)
     successor = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
     successor.start()
     assert kernel.tasks[501] == _Task() and kernel.tasks[502] == _Task(nice=3)
-    assert json.loads(journal.read_text())["threads"] == []
+    assert read_journal(journal) == []
     successor.stop()
-    journal.write_text("{not json")
-    again = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
-    again.start()  # an unreadable journal is logged and replaced, never fatal
-    assert json.loads(journal.read_text())["threads"] == []
-    again.stop()
+    for garbage in ("{not json", "not a header\n+ 501 100\n", "H x 1\n+ 501 100 1001 0 0 x\n"):
+        journal.write_text(garbage)
+        again = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
+        again.start()  # an unreadable journal is logged and replaced, never fatal
+        assert read_journal(journal) == [] and journal.read_text().startswith("H ")
+        again.stop()
 
 
-def test_a_journal_from_another_boot_is_ignored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["lines", "legacy json"])
+def test_a_journal_from_another_boot_is_ignored(tmp_path: Path, form: str) -> None:
     kernel = FakeKernel()
     make(tmp_path, kernel, 601)
     kernel.tasks[601] = _Task(nice=-20, request=300_000, reset_on_fork=True)
-    applied = {"policy": 0, "nice": -20, "runtime_ns": 300_000, "reset_on_fork": True}
-    journal = tmp_path / "eevdf-threads.json"
-    record = {"tid": 601, "tgid": 100, "start_time": 1101, "applied": applied}
-    record["original"] = {"policy": 0, "nice": 0, "runtime_ns": BASE, "reset_on_fork": False}
-    journal.write_text(json.dumps({"boot_id": "another-boot", "threads": [record]}))
+    journal = tmp_path / JOURNAL_NAME
+    if form == "lines":
+        journal.write_text(f"H another-boot {BASE}\n+ 601 100 1101 0 0 {BASE} 0 0 -20 300000 1\n")
+    else:
+        journal = tmp_path / LEGACY_JOURNAL_NAME
+        journal.write_text(json.dumps({"boot_id": "another-boot", "threads": [LEGACY_RECORD]}))
     EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal).start()
     assert kernel.tasks[601].nice == -20  # the same tid and start time name another task after a reboot
+
+
+LEGACY_RECORD = {
+    "tid": 601,
+    "tgid": 100,
+    "start_time": 1101,
+    "original": {"policy": 0, "nice": 0, "runtime_ns": BASE, "reset_on_fork": False},
+    "applied": {"policy": 0, "nice": -20, "runtime_ns": 300_000, "reset_on_fork": True},
+}
+
+
+def test_a_journal_left_by_an_earlier_version_is_restored_then_removed(tmp_path: Path) -> None:
+    """An upgrade right after a crash: the JSON journal of versions before the incremental one."""
+    kernel = FakeKernel()
+    make(tmp_path, kernel, 601)
+    kernel.tasks[601] = _Task(nice=-20, request=300_000, reset_on_fork=True)
+    legacy = tmp_path / "state" / LEGACY_JOURNAL_NAME
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps({"boot_id": boot_id(), "threads": [LEGACY_RECORD]}))
+    backend = EevdfBackend(
+        proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=legacy.with_name(JOURNAL_NAME)
+    )
+    backend.start()
+    assert kernel.tasks[601] == _Task()
+    assert not legacy.exists() and read_journal(legacy.with_name(JOURNAL_NAME)) == []
+    backend.stop()
