@@ -6,7 +6,8 @@ Its loop waits (poll) on three things at once:
 - an eventfd for submitted work: other threads (gRPC, local files, metrics) call `submit(fn)` and get a
   Future; fn(reconciler) runs on the engine thread between event batches;
 - timers: the periodic full rescan (`watch.rescan_interval_s`), backend health checks (an ejected scheduler
-  is reloaded with exponential backoff, then every entry is written again), and registered periodic hooks
+  is reloaded with exponential backoff, then every entry is written again; a running backend gets its
+  `tick`, the upkeep the EEVDF backend once ran on a thread of its own), and registered periodic hooks
   (the service feeds the systemd watchdog from one, so a stuck engine stops the watchdog).
 
 Lost events (ENOBUFS) or a socket error: a fresh socket and a full rescan at once.
@@ -342,6 +343,12 @@ class Engine:
                 log.exception("backend_health_failed", backend=backend.name, error=str(exc))
                 return
             self._stats.backend_state = health.state.value
+            if health.state is BackendState.RUNNING:
+                try:
+                    backend.tick(now)
+                except Exception as exc:  # the backend's upkeep must not end the engine either
+                    self._stats.hook_failures += 1
+                    log.exception("backend_tick_failed", backend=backend.name, error=str(exc))
             if health.state is not BackendState.EJECTED:
                 return
             self._ejected = True
@@ -403,6 +410,8 @@ class Engine:
             self._on_give_up = None
             return
         r.backend = replacement
+        if replacement.process_fallback != backend.process_fallback:
+            r.set_policy(r.policy)  # process scope becomes TID entries, or TGID entries again
         self._ejected = False
         self._ejection_times.clear()
         r.hold_writes = False

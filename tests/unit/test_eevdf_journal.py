@@ -45,6 +45,7 @@ def proc_tree(root: Path) -> None:
     proc = FakeProc(root)
     for tid in TIDS:
         proc.add(100, tid, "worker", start_time=500 + tid)
+        proc.add(tid, tid, "worker", start_time=500 + tid)  # /proc/<tid> resolves for any thread
         (root / str(tid)).mkdir(exist_ok=True)
         (root / str(tid) / "status").write_text(f"Name:\tworker\nTgid:\t100\nPid:\t{tid}\n")
 

@@ -17,7 +17,6 @@ import pytest
 
 from gthulhu_node.backends.base import (
     BackendError,
-    BackendState,
     BackendUnavailable,
     Entry,
     EntryKey,
@@ -81,6 +80,7 @@ def make(tmp_path: Path, kernel: FakeKernel, *tids: int, journal: Path | None = 
     proc = FakeProc(tmp_path)
     for tid in tids:
         proc.add(100, tid, "worker", start_time=500 + tid)
+        proc.add(tid, tid, "worker", start_time=500 + tid)  # /proc/<tid> resolves for any thread
         (tmp_path / str(tid)).mkdir(exist_ok=True)
         (tmp_path / str(tid) / "status").write_text(f"Name:\tworker\nTgid:\t100\nPid:\t{tid}\n")
         kernel.tasks.setdefault(tid, _Task())
@@ -191,26 +191,30 @@ def test_apply_before_start_is_an_error(tmp_path: Path) -> None:
         backend.apply({}, [])
 
 
-def test_a_dead_refresh_thread_reports_ejected_and_a_restart_recovers(tmp_path: Path) -> None:
+def test_tick_runs_the_passes_on_their_intervals(tmp_path: Path) -> None:
+    """No thread of its own: the engine's tick covers new threads of a TGID entry every cover interval
+    and reads every thread back every verify interval (where a foreign change is found)."""
     kernel = FakeKernel()
-    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0.01, fork_events=False)
-
-    def broken(events: object) -> None:
-        raise RuntimeError("boom")
-
-    backend._refresh_passes = broken  # type: ignore[method-assign]
+    make(tmp_path, kernel, 100, 501).stop()
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=1.0, verify_interval_s=30.0)
     backend.start()
-    backend._refresher.join()  # type: ignore[union-attr]
-    health = backend.health()
-    assert health.state is BackendState.EJECTED and "boom" in health.reason
-    del backend._refresh_passes  # what the engine's reload then runs is the real thread again
+    process = EntryKey(KeyKind.TGID, 100)
+    backend.apply({process: Entry(20, 0, start_time=600)}, [])
+    assert kernel.tasks[501].nice == -20
+    FakeProc(tmp_path).add(100, 502, "worker", start_time=1002)
+    FakeProc(tmp_path).add(502, 502, "worker", start_time=1002)
+    backend.tick(1000.0)  # the first tick only sets the schedule
+    backend.tick(1000.5)
+    assert kernel.tasks.get(502, _Task()).nice == 0
+    backend.tick(1001.1)
+    assert kernel.tasks[502].nice == -20 and backend.gauges()["threads_managed"] == 3
+    kernel.tasks[501].nice = 4  # an admin re-tunes a thread: found by the verify pass only
+    backend.tick(1002.2)
+    assert backend.counters()["foreign_changes"] == 0
+    backend.tick(1030.1)
+    assert backend.counters()["foreign_changes"] == 1 and backend.gauges()["threads_left_alone"] == 1
     backend.stop()
-    backend.start()
-    try:
-        assert backend.health().state is BackendState.RUNNING
-    finally:
-        backend.stop()
-    assert backend.health().state is BackendState.STOPPED
+    assert kernel.tasks[501].nice == 4 and kernel.tasks[502].nice == 0
 
 
 def test_journal_restores_a_predecessors_threads_and_survives_garbage(tmp_path: Path) -> None:
