@@ -385,6 +385,8 @@ def run_storm(args: argparse.Namespace) -> int:
 def run_hold(args: argparse.Namespace) -> int:
     """Hold `count` idle threads until stdin closes (the population the snapshot benchmark scans)."""
     threading.stack_size(64 << 10)
+    if args.name:
+        set_name(args.name.encode())  # the threads inherit it
     done = threading.Event()
     threads = [threading.Thread(target=done.wait, daemon=True) for _ in range(args.count)]
     for th in threads:
@@ -651,6 +653,7 @@ def main() -> int:
     rc.add_argument("--no-journal", action="store_true", help="eevdf: without its journal (to measure it)")
     h = sub.add_parser("hold")
     h.add_argument("--count", type=int, default=20_000)
+    h.add_argument("--name", default="", help="the name the threads get (inherited from the main thread)")
     for name in ("rename", "spawn", "storm"):
         w = sub.add_parser(name)
         w.add_argument("--out", required=True)
