@@ -54,7 +54,8 @@ def wait_gone(path: str) -> None:
 
 @pytest.fixture
 def backend() -> Iterator[EevdfBackend]:
-    """Without its refresh thread, so each test decides when TGID entries are refreshed."""
+    """Without periodic passes (tick is never called here), so each test decides when TGID entries are
+    refreshed."""
     b = EevdfBackend(cover_interval_s=0)
     b.start()
     yield b
