@@ -233,3 +233,41 @@ def test_a_replacement_without_process_fallback_gets_process_scope_as_tid_entrie
     wait_for(lambda: r.backend is replacement and len(replacement.table) == 2)
     held = e.call(lambda r: r.backend.read_back())
     assert set(held) == {EntryKey(KeyKind.TID, 70), EntryKey(KeyKind.TID, 71)}
+
+
+class SlowToReload(DryRunBackend):
+    """Its reloads wait until the test lets them go, as a scheduler load that takes seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[str] = []
+        self.in_start = threading.Event()
+        self.go = threading.Event()
+
+    def start(self) -> None:
+        self.starts.append(threading.current_thread().name)
+        if len(self.starts) > 1:
+            self.in_start.set()
+            assert self.go.wait(DEADLINE_S)
+        super().start()
+
+
+def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    proc.add(60, 60, "EngineCore", 4)
+    b = SlowToReload()
+    e = make_engine(proc, b, health_interval_s=0.02, reload_backoff_initial_s=0.01)
+    engines.append(e)
+    e.start()
+    e.call(lambda r: r.set_policy(vllm()))
+    b.eject("disabled by sysrq-S")
+    assert b.in_start.wait(DEADLINE_S)
+    # mid-reload, the engine thread still runs submitted work, and none of it reaches the backend
+    health = e.call(lambda r: r.backend.health(), timeout=5)
+    assert health.reason == "being reloaded" and e.call(lambda r: r.backend.counters(), timeout=5) == {}
+    b.go.set()
+    wait_for(lambda: e.stats().backend_reloads == 1)
+    assert b.starts[1] == "gthulhu-backend-reload"
+    assert e.call(lambda r: r.backend) is b
+    wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
