@@ -6,7 +6,8 @@ Its loop waits (poll) on three things at once:
 - an eventfd for submitted work: other threads (gRPC, local files, metrics) call `submit(fn)` and get a
   Future; fn(reconciler) runs on the engine thread between event batches;
 - timers: the periodic full rescan (`watch.rescan_interval_s`), backend health checks (an ejected scheduler
-  is reloaded with exponential backoff, then every entry is written again), and registered periodic hooks
+  is reloaded with exponential backoff, then every entry is written again; a running backend gets its
+  `tick`, the upkeep the EEVDF backend once ran on a thread of its own), and registered periodic hooks
   (the service feeds the systemd watchdog from one, so a stuck engine stops the watchdog).
 
 Lost events (ENOBUFS) or a socket error: a fresh socket and a full rescan at once.
@@ -22,13 +23,21 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
 
-from gthulhu_node.backends.base import Backend, BackendError, BackendState
+from gthulhu_node.backends.base import (
+    ApplyResult,
+    Backend,
+    BackendError,
+    BackendHealth,
+    BackendState,
+    Entry,
+    EntryKey,
+)
 from gthulhu_node.errors import Unavailable
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.reconciler import Reconciler
@@ -108,6 +117,8 @@ class Engine:
         self._rescan_requested = False
         self._lock = threading.Lock()
         self._ejected = False
+        self._reloading: threading.Thread | None = None
+        self._reload_outcome: list[BaseException | None] = []
         self._backoff_s = reload_backoff_initial_s
         self._next_reload = 0.0
         self._stats = EngineStats()
@@ -236,6 +247,9 @@ class Engine:
             log.exception("engine_crashed", error=str(exc))
             raise
         finally:
+            if self._reloading is not None:  # whoever stops the backend next must not meet the reload
+                self._reloading.join()
+                self._restore_backend()
             self._events.close()
             self._fail_pending()
 
@@ -297,9 +311,11 @@ class Engine:
                     register_events()
                 self._rescan("requested" if rescan_now else "periodic")
                 next_rescan = time.monotonic() + self.rescan_interval_s
-            if now >= next_health:
+            reloaded = self._reloading is not None and not self._reloading.is_alive()
+            if now >= next_health or reloaded:
                 self._check_backend(now)
-                next_health = now + self.health_interval_s
+                if now >= next_health:
+                    next_health = now + self.health_interval_s
             for p in periodic:
                 if now >= p.due:
                     p.due = now + p.interval_s
@@ -333,6 +349,10 @@ class Engine:
 
     def _check_backend(self, now: float) -> None:
         """Health check; an ejected backend is reloaded with exponential backoff, then fully resynced."""
+        if self._reloading is not None:
+            if not self._reloading.is_alive():
+                self._finish_reload(now)
+            return
         backend = self.reconciler.backend
         r = self.reconciler
         if not self._ejected:
@@ -342,6 +362,12 @@ class Engine:
                 log.exception("backend_health_failed", backend=backend.name, error=str(exc))
                 return
             self._stats.backend_state = health.state.value
+            if health.state is BackendState.RUNNING:
+                try:
+                    backend.tick(now)
+                except Exception as exc:  # the backend's upkeep must not end the engine either
+                    self._stats.hook_failures += 1
+                    log.exception("backend_tick_failed", backend=backend.name, error=str(exc))
             if health.state is not BackendState.EJECTED:
                 return
             self._ejected = True
@@ -356,16 +382,48 @@ class Engine:
                 return
         if now < self._next_reload:
             return
-        try:
+        self._begin_reload(backend)
+
+    def _begin_reload(self, backend: Backend) -> None:
+        """Stop and start the backend on a thread of its own: loading a scheduler takes seconds, which the
+        engine thread (events, submitted work, the watchdog hook) must not wait for. Meanwhile the
+        reconciler holds a stand-in, so nothing on the engine thread reaches the backend being reloaded:
+        the reload thread is its only user until `_finish_reload` gives it back (docs/design.md)."""
+        outcome: list[BaseException | None] = []
+
+        def reload() -> None:
             try:
-                backend.stop()
-            except BackendError as exc:
-                log.warning("backend_stop_failed", backend=backend.name, error=str(exc))
-            backend.start()
-        except Exception as exc:
+                try:
+                    backend.stop()
+                except BackendError as exc:
+                    log.warning("backend_stop_failed", backend=backend.name, error=str(exc))
+                backend.start()
+            except Exception as exc:
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+            self._wake()
+
+        self.reconciler.backend = _Reloading(backend)
+        self._reload_outcome = outcome
+        self._reloading = threading.Thread(target=reload, name="gthulhu-backend-reload", daemon=True)
+        self._reloading.start()
+
+    def _restore_backend(self) -> Backend:
+        self._reloading = None
+        stand_in = self.reconciler.backend
+        backend = stand_in.inner if isinstance(stand_in, _Reloading) else stand_in
+        self.reconciler.backend = backend
+        return backend
+
+    def _finish_reload(self, now: float) -> None:
+        backend = self._restore_backend()
+        r = self.reconciler
+        error = self._reload_outcome[0] if self._reload_outcome else RuntimeError("the reload thread ended")
+        if error is not None:
             self._stats.backend_reload_failures += 1
             self._next_reload = now + self._backoff_s
-            log.error("backend_reload_failed", backend=backend.name, error=str(exc),
+            log.error("backend_reload_failed", backend=backend.name, error=str(error),
                       retry_in_s=self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, self.reload_backoff_max_s)
             return
@@ -403,6 +461,8 @@ class Engine:
             self._on_give_up = None
             return
         r.backend = replacement
+        if replacement.process_fallback != backend.process_fallback:
+            r.set_policy(r.policy)  # process scope becomes TID entries, or TGID entries again
         self._ejected = False
         self._ejection_times.clear()
         r.hold_writes = False
@@ -411,3 +471,33 @@ class Engine:
         log.error("backend_given_up", backend=backend.name, replacement=replacement.name, reason=why,
                   action="systemctl restart gthulhu-node tries the scheduler again")
         r.resync()
+
+
+class _Reloading(Backend):
+    """What the reconciler holds while its backend is reloaded on another thread: it writes nothing (the
+    engine holds writes while ejected) and answers the engine thread's readers (metrics, status) without
+    touching the backend being reloaded."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.process_fallback = inner.process_fallback
+
+    @property
+    def capacity(self) -> int | None:
+        return self.inner.capacity
+
+    def start(self) -> None:
+        raise BackendError(f"the {self.name} backend is being reloaded")
+
+    def stop(self) -> None:
+        raise BackendError(f"the {self.name} backend is being reloaded")
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        raise BackendError(f"the {self.name} backend is being reloaded")
+
+    def read_back(self) -> dict[EntryKey, Entry]:
+        return {}
+
+    def health(self) -> BackendHealth:
+        return BackendHealth(BackendState.EJECTED, "being reloaded")

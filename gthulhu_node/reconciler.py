@@ -589,8 +589,8 @@ class Reconciler:
             return False
         proc.winner = new
         key = EntryKey(KeyKind.TGID, proc.tgid)
-        if new is None or new.is_noop:
-            self._set_desired(key, None, "", ts)
+        if new is None or new.is_noop or not self.backend.process_fallback:
+            self._set_desired(key, None, "", ts)  # without a fallback, _assign gives each thread its own
             return True
         if proc.start_time is None:
             try:
@@ -633,7 +633,8 @@ class Reconciler:
                                   "priority": w.priority, "slice_ns": w.slice_ns, "scope": w.scope.value})
             )
         covered_by_tgid = (
-            pw is not None
+            self.backend.process_fallback
+            and pw is not None
             and not pw.is_noop
             and proc.start_time is not None
             and (pw is w or (pw.priority, pw.slice_ns) == (w.priority, w.slice_ns))

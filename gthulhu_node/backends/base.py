@@ -101,6 +101,10 @@ class Backend(abc.ABC):
 
     #: short name shown in status, logs and metrics ("sched_ext", "eevdf", "dry-run")
     name: str = ""
+    #: Whether a TGID entry covers every thread of its process without a TID entry, threads created
+    #: later included, by itself (sched_ext: the kernel looks the TGID up at once). When False, the
+    #: reconciler writes a TID entry for each thread a process-scope intent covers, and no TGID entry.
+    process_fallback: bool = True
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -129,6 +133,11 @@ class Backend(abc.ABC):
     def health(self) -> BackendHealth:
         """Whether the backend still works; a real scheduler can be ejected by the kernel."""
         return BackendHealth(BackendState.RUNNING)
+
+    def tick(self, now: float) -> None:
+        """Periodic upkeep (`now`: time.monotonic()), on the reconciler's thread at every health check:
+        a backend needs no thread of its own for it."""
+        return None
 
     def counters(self) -> dict[str, int]:
         """Backend-specific monotonic counts for metrics (BPF counters for the scheduler)."""

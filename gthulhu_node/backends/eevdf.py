@@ -11,24 +11,22 @@ any more, or at stop(). A thread whose attributes differ from what we last wrote
 else: it is left alone (not even restored) until it exits, logged, counted, and reported on its key.
 
 Semantics that differ from the sched_ext backend (docs/eevdf.md): no preemption guarantee (a boost is a
-weight, not a place ahead of the queue), no in-kernel TGID fallback (a TGID entry is expanded to the
-process's threads here; the backend's own thread writes threads created later on their fork event, with a
-periodic pass as the safety net), and no starvation guard of our own (EEVDF's fairness bounds what a
-boosted thread can take). Only SCHED_OTHER and SCHED_BATCH threads are managed; real-time, deadline and
-SCHED_IDLE threads are left alone and reported. Nice values outlive the agent, so the threads it changed
-are journaled and a successor restores them after a crash.
+weight, not a place ahead of the queue), no in-kernel TGID fallback (`process_fallback` is False: the
+reconciler gives every thread of a process-scope match its own TID entry, new threads on their fork
+event; a TGID entry applied here directly is expanded to the process's threads, and threads created later
+are covered by the periodic pass), and no starvation guard of our own (EEVDF's fairness bounds what a
+boosted thread can take). Like the sched_ext backend it is a writer: no thread, socket or lock of its own,
+called only on the engine's thread (its periodic passes through `tick`). Only SCHED_OTHER and
+SCHED_BATCH threads are managed; real-time, deadline and SCHED_IDLE threads are left alone and
+reported. Nice values outlive the agent, so the threads it changed are journaled (eevdf_journal.py) and
+a successor restores them after a crash.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
-import json
 import os
-import select
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +45,11 @@ from gthulhu_node.backends.base import (
     TaskGoneError,
     check_entry,
 )
+from gthulhu_node.backends.eevdf_journal import JournalRecord, ThreadJournal, read_journal
 from gthulhu_node.backends.sched_attr import (
     FAIR_POLICIES,
+    KERNEL_SLICE_MAX_NS,
+    KERNEL_SLICE_MIN_NS,
     NICE_MIN,
     Probe,
     SchedAttr,
@@ -56,7 +57,6 @@ from gthulhu_node.backends.sched_attr import (
     probe,
 )
 from gthulhu_node.limits import PRIORITY_MAX
-from gthulhu_node.tasks.events import EventKind, EventsUnavailable, ProcEventSource
 from gthulhu_node.tasks.procfs import StatParseError, read_task
 
 log = structlog.get_logger(__name__)
@@ -67,9 +67,10 @@ NICE_WEAKEST_BOOST = -5
 _GONE = frozenset({errno.ESRCH, errno.ENOENT})
 # The file, in the agent's state directory, where it keeps the threads it changed, for a successor after a
 # crash (not /run: systemd empties the unit's RuntimeDirectory on every stop, crashes included). One agent
-# per host uses it; other instances (tests, benches) pass none.
-JOURNAL_NAME = "eevdf-threads.json"
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+# per host uses it; other instances (tests, benches) pass none. The format: backends/eevdf_journal.py.
+JOURNAL_NAME = "eevdf-threads.journal"
+# Where versions before the incremental journal kept it (one JSON document): read once, then removed.
+LEGACY_JOURNAL_NAME = "eevdf-threads.json"
 
 
 def nice_for_priority(priority: int) -> int:
@@ -98,7 +99,7 @@ class _Thread:
     """One thread we changed: what it had before, what we wrote (as the kernel reported it back)."""
 
     tid: int
-    tgid: int
+    tgid: int  # 0 until needed: looking it up (/proc/<tid>/status) cost a third of a TID entry's write
     start_time: int
     owner: EntryKey
     entry: Entry
@@ -121,6 +122,7 @@ class EevdfBackend(Backend):
     """Applies the strategy table with sched_setattr per thread. See the module docstring."""
 
     name = "eevdf"
+    process_fallback = False
 
     def __init__(
         self,
@@ -131,12 +133,10 @@ class EevdfBackend(Backend):
         cover_interval_s: float = 1.0,
         verify_interval_s: float = 30.0,
         journal: Path | None = None,
-        fork_events: bool = True,
     ) -> None:
         self._proc_root = proc_root
         self._sys = syscalls
         self._probed = probed
-        self._lock = threading.RLock()
         self._running = False
         self._base_slice_ns = 0
         self._entries: dict[EntryKey, Entry] = {}
@@ -147,304 +147,165 @@ class EevdfBackend(Backend):
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._cover_interval_s = cover_interval_s
         self._verify_interval_s = verify_interval_s
-        self._refresher: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._journal = journal
-        self._fork_events = fork_events
-        self._wake_fd = -1
-        self._refresher_error = ""
-        self._journal_dirty = False
+        self._next_cover = self._next_verify = 0.0
+        self._journal = None if journal is None else ThreadJournal(journal)
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        with self._lock:
-            if self._running:
-                return
-            try:
-                calls = self._sys or SchedAttrSyscalls()
-            except OSError as exc:
-                raise BackendUnavailable(str(exc)) from None
-            found = self._probed or probe(calls)
-            if not found.ok:
-                raise BackendUnavailable(found.reason)
-            self._sys = calls
-            self._base_slice_ns = found.base_slice_ns
-            self._recover()
-            self._running = True
-            self._stopping.clear()
-            if self._cover_interval_s > 0:
-                self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-                # Subscribed here, not in the thread: a fork right after start() must not be missed.
-                events = self._open_fork_events()
-                self._refresher = threading.Thread(
-                    target=self._refresh_loop, args=(events,), name="gthulhu-eevdf-refresh", daemon=True
-                )
-                self._refresher.start()
-            log.info("eevdf_backend_started", base_slice_ns=self._base_slice_ns, reason=found.reason)
+        if self._running:
+            return
+        try:
+            calls = self._sys or SchedAttrSyscalls()
+        except OSError as exc:
+            raise BackendUnavailable(str(exc)) from None
+        found = self._probed or probe(calls)
+        if not found.ok:
+            raise BackendUnavailable(found.reason)
+        self._sys = calls
+        self._base_slice_ns = found.base_slice_ns
+        self._recover()
+        self._running = True
+        self._next_cover = self._next_verify = 0.0
+        log.info("eevdf_backend_started", base_slice_ns=self._base_slice_ns, reason=found.reason)
 
     def stop(self) -> None:
         """Restore every thread we changed (those still ours), then forget everything."""
-        self._stopping.set()
-        if self._refresher is not None:
-            os.eventfd_write(self._wake_fd, 1)
-            self._refresher.join()
-            self._refresher = None
-            os.close(self._wake_fd)
-            self._wake_fd = -1
-        with self._lock:
-            if not self._running:
-                return
-            restored = len(self._threads)
-            for rec in list(self._threads.values()):
-                self._release(rec)
-            self._entries.clear()
-            self._hands_off.clear()
-            self._running = False
-            self._save_journal()
-            log.info("eevdf_backend_stopped", threads=restored)
+        if not self._running:
+            return
+        restored = len(self._threads)
+        for rec in list(self._threads.values()):
+            self._release(rec)
+        self._entries.clear()
+        self._hands_off.clear()
+        self._running = False
+        if self._journal is not None:
+            self._journal.compact()
+            self._journal.close()
+        log.info("eevdf_backend_stopped", threads=restored)
 
     def health(self) -> BackendHealth:
-        """EJECTED when the refresh thread died: the engine then restarts the backend (stop restores
-        every thread, start and a resync write them again), as it reloads an ejected scheduler."""
+        return BackendHealth(BackendState.RUNNING if self._running else BackendState.STOPPED)
+
+    def tick(self, now: float) -> None:
+        """The periodic passes, on the engine's thread: every `cover_interval_s` the light one (threads
+        of TGID entries not seen yet; `cover_interval_s` 0: never), every `verify_interval_s` the full one
+        (reads every thread back, to find ones someone else changed or that exited). See refresh()."""
         if not self._running:
-            return BackendHealth(BackendState.STOPPED)
-        refresher = self._refresher
-        if refresher is not None and not refresher.is_alive() and not self._stopping.is_set():
-            return BackendHealth(
-                BackendState.EJECTED, f"the eevdf refresh thread ended: {self._refresher_error}"
-            )
-        return BackendHealth(BackendState.RUNNING)
+            return
+        if now >= self._next_verify:
+            if self._next_verify:  # not at the first tick: start() has just written everything
+                self.refresh(verify=True)
+            self._next_verify = now + self._verify_interval_s
+            self._next_cover = now + self._cover_interval_s
+        elif self._cover_interval_s > 0 and now >= self._next_cover:
+            self.refresh(verify=False)
+            self._next_cover = now + self._cover_interval_s
 
     # --- the Backend interface -------------------------------------------------------------------------
 
     def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
-        with self._lock:
-            for key, entry in upserts.items():
-                check_entry(key, entry)
-            self._require_running()
-            result = ApplyResult()
-            for key in deletes:
-                if key in upserts:
-                    continue
-                err = self._delete(key)
-                if err is None:
-                    result.deleted += 1
-                else:
-                    result.failed[key] = err
-            # TID entries first: a TGID entry covers only the threads without an entry of their own.
-            for key, entry in sorted(upserts.items(), key=lambda item: item[0].kind is not KeyKind.TID):
-                err = self._upsert(key, entry)
-                if err is None:
-                    result.upserted += 1
-                else:
-                    result.failed[key] = err
-            self._save_journal()
-            return result
+        for key, entry in upserts.items():
+            check_entry(key, entry)
+        self._require_running()
+        result = ApplyResult()
+        for key in deletes:
+            if key in upserts:
+                continue
+            err = self._delete(key)
+            if err is None:
+                result.deleted += 1
+            else:
+                result.failed[key] = err
+        # TID entries first: a TGID entry covers only the threads without an entry of their own.
+        for key, entry in sorted(upserts.items(), key=lambda item: item[0].kind is not KeyKind.TID):
+            err = self._upsert(key, entry)
+            if err is None:
+                result.upserted += 1
+            else:
+                result.failed[key] = err
+        return result
 
     def refresh(self, *, verify: bool = True) -> ApplyResult:
         """Bring TGID entries up to date with their processes' threads; forget threads that exited.
 
-        The kernel has no TGID fallback for this backend: a thread created after its process's entry was
-        applied is written by the backend's own thread, at once on its fork event, and by this pass as a
-        safety net every `cover_interval_s` (listing each process's threads; new ones are written, gone
-        ones forgotten); with `verify` (every `verify_interval_s`) it also reads every thread back, to
-        find ones someone else changed. `upserted` counts threads newly covered; `failed` names TID keys
-        whose thread left our hands.
+        The kernel has no TGID fallback for this backend: a thread created after a TGID entry was
+        applied is written by this pass (listing each process's threads; new ones are written, gone ones
+        forgotten; tick() runs it every `cover_interval_s`); with `verify` (every `verify_interval_s`) it
+        also reads every thread back, to find ones someone else changed. `upserted` counts threads newly
+        covered; `failed` names TID keys whose thread left our hands.
         """
-        with self._lock:
-            self._require_running()
-            result = ApplyResult()
-            if not verify:
-                for key, entry in list(self._entries.items()):
-                    if key.kind is KeyKind.TGID:
-                        result.upserted += self._cover_process(key, entry, verify=False)
-                self._save_journal()
-                return result
-            for tid, (start, _why) in list(self._hands_off.items()):
-                if self._start_time_of(tid) != start:
-                    del self._hands_off[tid]
-            for rec in list(self._threads.values()):
-                if self._start_time(rec.tgid, rec.tid) != rec.start_time:
-                    self._forget_thread(rec)
+        self._require_running()
+        result = ApplyResult()
+        if not verify:
             for key, entry in list(self._entries.items()):
                 if key.kind is KeyKind.TGID:
-                    result.upserted += self._cover_process(key, entry)
-                    continue
-                held = self._threads.get(key.id)
-                if held is None:
-                    del self._entries[key]  # the thread exited; the reconciler's delete will find nothing
-                    continue
-                err = self._check_still_ours(held)
-                if err is not None:
-                    result.failed[key] = err
-            self._save_journal()
+                    result.upserted += self._cover_process(key, entry, verify=False)
             return result
+        for tid, (start, _why) in list(self._hands_off.items()):
+            if self._thread_start(tid) != start:
+                del self._hands_off[tid]
+        for rec in list(self._threads.values()):
+            if self._thread_start(rec.tid) != rec.start_time:
+                self._forget_thread(rec)
+        for key, entry in list(self._entries.items()):
+            if key.kind is KeyKind.TGID:
+                result.upserted += self._cover_process(key, entry)
+                continue
+            held = self._threads.get(key.id)
+            if held is None:
+                del self._entries[key]  # the thread exited; the reconciler's delete will find nothing
+                continue
+            err = self._check_still_ours(held)
+            if err is not None:
+                result.failed[key] = err
+        return result
 
     def read_back(self) -> dict[EntryKey, Entry]:
         """Entries whose every covered thread shows, by sched_getattr now, what we wrote.
 
         A key missing here is not (fully) in effect: its thread exited, or someone else changed it.
         """
-        with self._lock:
-            held: dict[EntryKey, Entry] = {}
-            owned: dict[EntryKey, list[_Thread]] = {}
-            for rec in self._threads.values():
-                owned.setdefault(rec.owner, []).append(rec)
-            for key, entry in self._entries.items():
-                recs = owned.get(key, [])
-                if key.kind is KeyKind.TID and not recs:
-                    continue
-                if all(self._shows_applied(rec) for rec in recs):
-                    held[key] = entry
-            return held
+        held: dict[EntryKey, Entry] = {}
+        owned: dict[EntryKey, list[_Thread]] = {}
+        for rec in self._threads.values():
+            owned.setdefault(rec.owner, []).append(rec)
+        for key, entry in self._entries.items():
+            recs = owned.get(key, [])
+            if key.kind is KeyKind.TID and not recs:
+                continue
+            if all(self._shows_applied(rec) for rec in recs):
+                held[key] = entry
+        return held
 
     def thread_attrs(self) -> dict[int, tuple[EntryKey, SchedAttr]]:
         """Every thread we manage, with its owning key and its attributes as sched_getattr reports now."""
-        with self._lock:
-            out: dict[int, tuple[EntryKey, SchedAttr]] = {}
-            for rec in self._threads.values():
-                current = self._get(rec.tid)
-                if current is not None:
-                    out[rec.tid] = (rec.owner, current)
-            return out
+        out: dict[int, tuple[EntryKey, SchedAttr]] = {}
+        for rec in self._threads.values():
+            current = self._get(rec.tid)
+            if current is not None:
+                out[rec.tid] = (rec.owner, current)
+        return out
 
     def counters(self) -> dict[str, int]:
         """Monotonic counts since construction (threads written, restored, found changed by others, ...)."""
-        with self._lock:
-            return dict(self._counts)
+        counts = dict(self._counts)
+        if self._journal is not None:
+            counts["errors"] += self._journal.write_failures
+        return counts
 
     def gauges(self) -> dict[str, int]:
         """Current sizes: entries held, threads carrying them, threads left alone until they exit."""
-        with self._lock:
-            return {
-                "entries": len(self._entries),
-                "threads_managed": len(self._threads),
-                "threads_left_alone": len(self._hands_off),
-            }
-
-    def _refresh_loop(self, events: ProcEventSource | None) -> None:
-        try:
-            self._refresh_passes(events)
-        except Exception as exc:
-            self._refresher_error = f"{type(exc).__name__}: {exc}"
-            log.exception("eevdf_refresh_thread_died", error=self._refresher_error)
-        finally:
-            if events is not None:
-                events.close()  # idempotent; the passes close a socket they replaced themselves
-
-    def _refresh_passes(self, events: ProcEventSource | None) -> None:
-        """The backend's own thread: covers new threads of TGID entries (at once on the proc connector's
-        fork events, else by the periodic light pass) and verifies every thread now and then."""
-        poller = select.poll()
-        poller.register(self._wake_fd, select.POLLIN)
-        if events is not None:
-            poller.register(events.fileno(), select.POLLIN | select.POLLERR)
-        now = time.monotonic()
-        next_cover, next_verify = now + self._cover_interval_s, now + self._verify_interval_s
-        try:
-            while not self._stopping.is_set():
-                wait_s = max(0.0, min(next_cover, next_verify) - time.monotonic())
-                ready = poller.poll(int(wait_s * 1000) + 1)
-                if self._stopping.is_set():
-                    break
-                if events is not None and any(fd == events.fileno() for fd, _ in ready):
-                    batch = events.read_pending()
-                    forks = [(e.tgid, e.tid) for e in batch.events if e.kind is EventKind.FORK]
-                    if forks:
-                        self._guarded(functools.partial(self._cover_forks, forks))
-                    exits = [e.tid for e in batch.events if e.kind is EventKind.EXIT]
-                    if exits:
-                        self._guarded(functools.partial(self._forget_exits, exits))
-                    if batch.lost or batch.error:
-                        next_cover = 0.0  # something was missed: look at once
-                    if batch.error:
-                        poller.unregister(events.fileno())
-                        events = self._reopen(events)
-                        if events is not None:
-                            poller.register(events.fileno(), select.POLLIN | select.POLLERR)
-                now = time.monotonic()
-                if now >= next_verify:
-                    self._guarded(lambda: self.refresh(verify=True))
-                    next_verify, next_cover = now + self._verify_interval_s, now + self._cover_interval_s
-                elif now >= next_cover:
-                    self._guarded(lambda: self.refresh(verify=False))
-                    next_cover = now + self._cover_interval_s
-        finally:
-            if events is not None:
-                events.close()
-
-    def _open_fork_events(self) -> ProcEventSource | None:
-        if not self._fork_events:
-            return None
-        events = ProcEventSource()
-        try:
-            events.open()
-        except EventsUnavailable as exc:
-            log.warning(
-                "eevdf_fork_events_unavailable", error=str(exc), cover_interval_s=self._cover_interval_s
-            )
-            return None
-        return events
-
-    def _reopen(self, events: ProcEventSource) -> ProcEventSource | None:
-        try:
-            events.reopen()
-        except EventsUnavailable as exc:
-            log.warning(
-                "eevdf_fork_events_unavailable", error=str(exc), cover_interval_s=self._cover_interval_s
-            )
-            events.close()
-            return None
-        return events
-
-    def _guarded(self, step: Callable[[], object]) -> None:
-        """One pass of the refresh thread; a failure is logged and counted, the thread goes on."""
-        try:
-            step()
-        except BackendError:
-            pass  # stopped meanwhile
-        except Exception as exc:
-            with self._lock:
-                self._counts["errors"] += 1
-            log.exception("eevdf_refresh_failed", error=str(exc))
-
-    def _cover_forks(self, forks: list[tuple[int, int]]) -> None:
-        """New threads, from fork events: write the ones whose process has a TGID entry and they none."""
-        with self._lock:
-            if not self._running:
-                return
-            covered = 0
-            for tgid, tid in forks:
-                key = EntryKey(KeyKind.TGID, tgid)
-                entry = self._entries.get(key)
-                if entry is None or tid == tgid or EntryKey(KeyKind.TID, tid) in self._entries:
-                    continue
-                start = self._start_time(tgid, tid)
-                if start is None or self._left_alone(tid, start) is not None:
-                    continue
-                if self._settle(tid, tgid, start, key, entry) is None:
-                    covered += 1
-            if covered:
-                self._save_journal()
-                log.debug("eevdf_threads_covered", threads=covered, by="fork_events")
-
-    def _forget_exits(self, tids: list[int]) -> None:
-        """Exited threads, from exit events: their records go at once (nothing to restore)."""
-        with self._lock:
-            gone = [self._threads[tid] for tid in tids if tid in self._threads]
-            for rec in gone:
-                self._forget_thread(rec)
-            for tid in tids:
-                self._hands_off.pop(tid, None)
-            if gone:
-                self._save_journal()
+        return {
+            "entries": len(self._entries),
+            "threads_managed": len(self._threads),
+            "threads_left_alone": len(self._hands_off),
+        }
 
     # --- keys ------------------------------------------------------------------------------------------
 
     def _upsert(self, key: EntryKey, entry: Entry) -> BackendError | None:
-        tgid = key.id if key.kind is KeyKind.TGID else self._tgid_of(key.id)
-        if tgid is None or self._start_time(tgid, key.id) != entry.start_time:
+        if self._thread_start(key.id) != entry.start_time:
             self._delete(key)
             self._counts["task_gone"] += 1
             return TaskGoneError(f"{key}: no task with start time {entry.start_time}")
@@ -453,7 +314,7 @@ class EevdfBackend(Backend):
             self._cover_process(key, entry)
             return None
         self._entries[key] = entry
-        err = self._settle(key.id, tgid, entry.start_time, key, entry)
+        err = self._settle(key.id, 0, entry.start_time, key, entry)
         if err is not None:
             del self._entries[key]
         return err
@@ -463,11 +324,12 @@ class EevdfBackend(Backend):
             return None
         failure: BackendError | None = None
         for rec in [r for r in self._threads.values() if r.owner == key]:
-            if key.kind is KeyKind.TID:
-                process_key = EntryKey(KeyKind.TGID, rec.tgid)
+            if key.kind is KeyKind.TID and any(k.kind is KeyKind.TGID for k in self._entries):
+                tgid = rec.tgid or self._tgid_of(rec.tid) or 0
+                process_key = EntryKey(KeyKind.TGID, tgid)
                 fallback = self._entries.get(process_key)
                 if fallback is not None:
-                    self._settle(rec.tid, rec.tgid, rec.start_time, process_key, fallback)
+                    self._settle(rec.tid, tgid, rec.start_time, process_key, fallback)
                     continue
             err = self._release(rec)
             if err is not None:
@@ -522,6 +384,7 @@ class EevdfBackend(Backend):
             if not current.same_settings(rec.applied):
                 return self._foreign(rec, current)
             original = rec.original
+            tgid = tgid or rec.tgid
         else:
             if current.policy not in FAIR_POLICIES:
                 self._counts["policy_skipped"] += 1
@@ -533,14 +396,17 @@ class EevdfBackend(Backend):
                 return skipped
             original = current
         desired = self._desired(original, entry)
+        expected = self._read_back_of(desired)
+        self._journal_changing(tid, tgid, start, original, expected)  # ahead of the write: see the journal
         try:
             self._sys_calls().set(tid, desired)
             applied = self._sys_calls().get(tid)
         except OSError as exc:
             return self._syscall_failed(key, tid, rec, exc)
+        if not applied.same_settings(expected):
+            self._journal_changing(tid, tgid, start, original, applied)
         self._counts["setattr"] += 1
         self._threads[tid] = _Thread(tid, tgid, start, key, entry, original, applied)
-        self._journal_dirty = True
         log.debug(
             "eevdf_thread_applied",
             key=str(key),
@@ -554,16 +420,21 @@ class EevdfBackend(Backend):
 
     def _release(self, rec: _Thread) -> BackendError | None:
         """Give a thread back its original attributes, unless it exited or someone else changed it."""
+        err = self._give_back(rec)
+        if self._journal is not None:
+            self._journal.released(rec.tid)  # after the restore: a crash before it still finds the thread
+        return err
+
+    def _give_back(self, rec: _Thread, earlier: tuple[SchedAttr, ...] = ()) -> BackendError | None:
         self._threads.pop(rec.tid, None)
-        self._journal_dirty = True
-        if self._start_time(rec.tgid, rec.tid) != rec.start_time:
+        if self._thread_start(rec.tid) != rec.start_time:
             self._counts["threads_exited"] += 1
             return None
         current = self._get(rec.tid)
         if current is None:
             self._counts["threads_exited"] += 1
             return None
-        if not current.same_settings(rec.applied):
+        if not any(current.same_settings(a) for a in (rec.applied, *earlier)):
             return self._foreign(rec, current)
         original = rec.original
         restore = SchedAttr(
@@ -598,7 +469,8 @@ class EevdfBackend(Backend):
     def _foreign(self, rec: _Thread, current: SchedAttr) -> ForeignChangeError:
         """Hand a thread over to whoever changed it: no restore, no further writes until it exits."""
         self._threads.pop(rec.tid, None)
-        self._journal_dirty = True
+        if self._journal is not None:
+            self._journal.released(rec.tid)
         if rec.owner.kind is KeyKind.TID:
             self._entries.pop(rec.owner, None)
         self._counts["foreign_changes"] += 1
@@ -626,7 +498,8 @@ class EevdfBackend(Backend):
     def _forget_thread(self, rec: _Thread) -> None:
         """The thread exited (or its TID now names another task): nothing to restore."""
         self._threads.pop(rec.tid, None)
-        self._journal_dirty = True
+        if self._journal is not None:
+            self._journal.released(rec.tid)
         self._counts["threads_exited"] += 1
 
     def _syscall_failed(self, key: EntryKey, tid: int, rec: _Thread | None, exc: OSError) -> BackendError:
@@ -646,6 +519,16 @@ class EevdfBackend(Backend):
         runtime = entry.slice_ns if entry.slice_ns else self._request_of(original)
         return SchedAttr(original.policy, nice, runtime, reset_on_fork=True)
 
+    def _read_back_of(self, desired: SchedAttr) -> SchedAttr:
+        """What sched_getattr will report after writing `desired`: the kernel clamps a slice request and
+        reports the base slice when there is none (sched_attr.py)."""
+        runtime = desired.runtime_ns
+        if runtime:
+            runtime = min(max(runtime, KERNEL_SLICE_MIN_NS), KERNEL_SLICE_MAX_NS)
+        else:
+            runtime = self._base_slice_ns
+        return SchedAttr(desired.policy, desired.nice, runtime, desired.reset_on_fork)
+
     def _request_of(self, original: SchedAttr) -> int:
         """The slice request to write back: 0 (none) when the thread only had the base slice.
 
@@ -656,68 +539,33 @@ class EevdfBackend(Backend):
 
     # --- the journal: what a crashed agent left behind -------------------------------------------------
 
-    def _save_journal(self) -> None:
-        """Keep the threads we changed (and their originals) on disk, so a successor can undo our writes.
-
-        A sched_ext scheduler dies with the agent; nice values and slice requests do not. Written only
-        when the set of changed threads moved, atomically (a crash mid-write leaves the previous one).
-        """
-        if self._journal is None or not self._journal_dirty:
-            return
-        self._journal_dirty = False
-        records = [
-            {
-                "tid": r.tid,
-                "tgid": r.tgid,
-                "start_time": r.start_time,
-                "original": _attr_dict(r.original),
-                "applied": _attr_dict(r.applied),
-            }
-            for r in self._threads.values()
-        ]
-        try:
-            self._journal.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._journal.with_name(self._journal.name + ".tmp")
-            tmp.write_text(
-                json.dumps({"boot_id": _boot_id(), "base_slice_ns": self._base_slice_ns, "threads": records})
-            )
-            os.replace(tmp, self._journal)
-        except OSError as exc:
-            self._counts["errors"] += 1
-            log.warning("eevdf_journal_write_failed", path=str(self._journal), error=exc.strerror)
+    def _journal_changing(
+        self, tid: int, tgid: int, start: int, original: SchedAttr, applied: SchedAttr
+    ) -> None:
+        """A sched_ext scheduler dies with the agent; nice values and slice requests do not: the journal
+        names each thread before we write it, so a successor can undo our writes."""
+        if self._journal is not None:
+            self._journal.changing(JournalRecord(tid, tgid, start, original, applied))
 
     def _recover(self) -> None:
         """Undo what a predecessor that died without stop() wrote: each thread it changed that is still
-        the same task and still shows its write gets its original attributes back."""
-        if self._journal is None or not self._journal.exists():
+        the same task and still shows its write gets its original attributes back; then the journal
+        starts empty (in this order, so a crash during recovery loses nothing)."""
+        if self._journal is None:
             return
-        try:
-            data = json.loads(self._journal.read_text())
-            if data.get("boot_id") != _boot_id():
-                data = {"threads": []}  # another boot's tids and start times name other tasks
-            records = [
-                (
-                    int(r["tid"]),
-                    int(r["tgid"]),
-                    int(r["start_time"]),
-                    _attr(r["original"]),
-                    _attr(r["applied"]),
-                )
-                for r in data["threads"]
-            ]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("eevdf_journal_unreadable", path=str(self._journal), error=str(exc))
-            records = []
+        legacy = self._journal.path.with_name(LEGACY_JOURNAL_NAME)
+        records = self._journal.leftovers() + read_journal(legacy)
         before = self._counts["restored"]
-        for tid, tgid, start, original, applied in records:
-            self._release(
-                _Thread(tid, tgid, start, EntryKey(KeyKind.TID, tid), Entry(0, 0, start), original, applied)
+        for r in records:
+            owner, entry = EntryKey(KeyKind.TID, r.tid), Entry(0, 0, r.start_time)
+            self._give_back(
+                _Thread(r.tid, r.tgid, r.start_time, owner, entry, r.original, r.applied), r.earlier
             )
         if records:
             restored = self._counts["restored"] - before
             log.info("eevdf_journal_recovered", threads=len(records), restored=restored)
-        self._journal_dirty = True
-        self._save_journal()
+        self._journal.begin(self._base_slice_ns)
+        legacy.unlink(missing_ok=True)
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -745,9 +593,10 @@ class EevdfBackend(Backend):
             return None
         return None if task is None else task.start_time
 
-    def _start_time_of(self, tid: int) -> int | None:
-        tgid = self._tgid_of(tid)
-        return None if tgid is None else self._start_time(tgid, tid)
+    def _thread_start(self, tid: int) -> int | None:
+        """A thread's start time, whatever its process: /proc/<tid> resolves for any thread, and its
+        task/<tid>/stat is the thread's own (O(1), unlike /proc/<tid>/stat)."""
+        return self._start_time(tid, tid)
 
     def _tgid_of(self, tid: int) -> int | None:
         """The process a thread belongs to (/proc/<tid> resolves for any thread, not only leaders)."""
@@ -759,25 +608,3 @@ class EevdfBackend(Backend):
         except (OSError, ValueError, IndexError):
             return None
         return None
-
-
-def _attr_dict(attr: SchedAttr) -> dict[str, int | bool]:
-    return {
-        "policy": attr.policy,
-        "nice": attr.nice,
-        "runtime_ns": attr.runtime_ns,
-        "reset_on_fork": attr.reset_on_fork,
-    }
-
-
-def _attr(data: dict[str, int | bool]) -> SchedAttr:
-    return SchedAttr(
-        int(data["policy"]), int(data["nice"]), int(data["runtime_ns"]), bool(data["reset_on_fork"])
-    )
-
-
-def _boot_id() -> str:
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""

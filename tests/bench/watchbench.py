@@ -13,6 +13,8 @@
             JSON {tid: time just before Thread.start()}.
   storm     workload: like spawn, 100,000 threads, each living >= 20 ms; JSON with every tid and timing.
   latency   runs floor + agent + reader + rename + spawn and prints the report (host and lab VM alike).
+  reaction  runs agent + reader + rename for one backend (dry-run or eevdf) and prints rename -> effect
+            p50/p99 as one JSON line; the eevdf reader polls the renamed thread's nice in /proc.
   hold      holds N idle threads until stdin closes (the snapshot benchmark's population).
 All times are CLOCK_MONOTONIC ns (the clock the kernel stamps proc events with).
 """
@@ -70,11 +72,17 @@ def run_agent(args: argparse.Namespace) -> int:
         from gthulhu_node.backends.dryrun import DryRunBackend
 
         backend = DryRunBackend(record=Path(args.record))
+    elif args.backend == "eevdf":
+        from gthulhu_node.backends.eevdf import EevdfBackend
+
+        # As the agent builds it (backends/select.py), the journal included: its cost is part of the path.
+        backend = EevdfBackend(journal=Path(args.journal) if args.journal else None)
     else:
         from gthulhu_node.scheduler.backend import SchedExtBackend
 
         backend = SchedExtBackend(protect_agent=not args.unprotected)
     backend.start()
+    apply_s = _time_apply(backend)
     intent = Intent.model_validate(
         {
             "id": "vllm",
@@ -113,9 +121,27 @@ def run_agent(args: argparse.Namespace) -> int:
         "write_failures": st.write_failures,
         "latency_count": st.latency_count,
         "scheduler": {k: v - sched_before.get(k, 0) for k, v in sched_after.items()},
+        "apply_p50_ms": pct(apply_s, 0.5) * 1e3,
+        "apply_p99_ms": pct(apply_s, 0.99) * 1e3,
     }
     print(json.dumps(out), flush=True)
     return 0
+
+
+def _time_apply(backend: Any) -> list[float]:
+    """Wrap the backend's apply() to time every batch (seconds): what the backend adds to a reaction."""
+    times: list[float] = []
+    apply = backend.apply
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return apply(*args, **kw)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    backend.apply = timed
+    return times
 
 
 # ---- reader ---------------------------------------------------------------------------------------------
@@ -178,10 +204,46 @@ def run_bpf_reader(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_nice_reader(args: argparse.Namespace) -> int:
+    """Poll one thread's nice (field 19 of /proc/<tid>/stat, re-read through one open fd): each change
+    from not boosted (nice >= 0) to boosted gets the local time. The tid comes from the workload's file."""
+    signal.signal(signal.SIGTERM, _on_term)
+    print("ready", flush=True)
+    tid_file = Path(args.tid_file)
+    while not _stop and not tid_file.exists():
+        time.sleep(0.001)
+    seen: dict[str, list[int]] = defaultdict(list)
+    if _stop:
+        Path(args.out).write_text(json.dumps(seen))
+        return 0
+    tid = int(tid_file.read_text())
+    fd = os.open(f"/proc/{tid}/stat", os.O_RDONLY)
+    interval = args.poll_us / 1e6
+    boosted = False
+    while not _stop:
+        try:
+            data = os.pread(fd, 4096, 0)
+        except ProcessLookupError:
+            break
+        t = now()
+        if not data:
+            break
+        nice = int(data[data.rindex(b")") + 2 :].split()[16])
+        if nice < 0 and not boosted:
+            seen[f"tid:{tid}"].append(t)
+        boosted = nice < 0
+        time.sleep(interval)
+    os.close(fd)
+    Path(args.out).write_text(json.dumps(seen))
+    return 0
+
+
 def run_reader(args: argparse.Namespace) -> int:
     """Poll the record file; every U line's key gets the local time it was first seen."""
     if args.source == "bpf":
         return run_bpf_reader(args)
+    if args.source == "nice":
+        return run_nice_reader(args)
     signal.signal(signal.SIGTERM, _on_term)
     seen: dict[str, list[int]] = defaultdict(list)
     path = args.record
@@ -252,11 +314,15 @@ def run_rename(args: argparse.Namespace) -> int:
     def body() -> None:
         set_name(b"idle")
         result["tid"] = threading.get_native_id()
+        if args.tid_file:
+            tmp = Path(args.tid_file + ".tmp")
+            tmp.write_text(str(result["tid"]))
+            tmp.rename(args.tid_file)
         time.sleep(0.2)
         for _ in range(args.count):
             time.sleep(args.interval_ms / 1000)
             t = now()
-            set_name(b"EngineCore_DP1")
+            set_name(args.name.encode())
             starts.append(t)
             time.sleep(args.interval_ms / 1000)
             set_name(b"idle")
@@ -319,6 +385,8 @@ def run_storm(args: argparse.Namespace) -> int:
 def run_hold(args: argparse.Namespace) -> int:
     """Hold `count` idle threads until stdin closes (the population the snapshot benchmark scans)."""
     threading.stack_size(64 << 10)
+    if args.name:
+        set_name(args.name.encode())  # the threads inherit it
     done = threading.Event()
     threads = [threading.Thread(target=done.wait, daemon=True) for _ in range(args.count)]
     for th in threads:
@@ -483,18 +551,85 @@ def run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_reaction(args: argparse.Namespace) -> int:
+    """Rename -> effect for one backend, every role its own process: the agent (Engine + Reconciler +
+    backend), the independent reader (the dry run's record file, or the renamed thread's nice) and the
+    rename workload. Prints one JSON line: n, missed, p50/p99/max in ms, the agent's stats."""
+    tmp = Path(tempfile.mkdtemp(prefix="gthulhu-reaction-"))
+    record, tid_file = tmp / "record", tmp / "tid"
+    prio = [args.prio] if args.prio else []
+    roles: list[Role] = []
+    try:
+        agent_args = ["agent", f"--backend={args.backend}", *prio]
+        if args.backend == "dry-run":
+            agent_args.append(f"--record={record}")
+        elif not args.no_journal:
+            agent_args.append(f"--journal={tmp / 'journal.json'}")
+        agent = Role(*agent_args)
+        roles.append(agent)
+        source = [f"--record={record}"] if args.backend == "dry-run" else ["--source=nice"]
+        reader = Role(
+            "reader",
+            *source,
+            f"--tid-file={tid_file}",
+            f"--out={tmp / 'reader.json'}",
+            f"--poll-us={args.poll_us}",
+            *prio,
+        )
+        roles.append(reader)
+        rename = workload(
+            "rename",
+            tmp / "rename.json",
+            count=args.count,
+            interval_ms=args.interval_ms,
+            name="EngineCore_DP0",
+            tid_file=tid_file,
+        )
+        time.sleep(0.3)
+        reader.terminate()
+        agent_stats = json.loads(agent.finish())
+    finally:
+        for r in roles:
+            r.kill()
+    seen = sorted(json.loads((tmp / "reader.json").read_text()).get(f"tid:{rename['tid']}", []))
+    starts = rename["starts"]
+    delays: list[float] = []
+    missed: list[int] = []
+    for i, t0 in enumerate(starts):
+        # Seen before the next rename in, else it belongs to that one (or was missed).
+        a = _first_at_or_after(seen, t0)
+        nxt = starts[i + 1] if i + 1 < len(starts) else None
+        if a is None or (nxt is not None and a >= nxt):
+            missed.append(i)
+        else:
+            delays.append((a - t0) / 1e6)
+    out = {
+        "backend": args.backend,
+        "n": len(delays),
+        "missed": missed,
+        "p50_ms": pct(delays, 0.5),
+        "p99_ms": pct(delays, 0.99),
+        "max_ms": max(delays, default=float("nan")),
+        "agent": agent_stats,
+    }
+    print(json.dumps(out))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="role", required=True)
     a = sub.add_parser("agent")
-    a.add_argument("--backend", default="dry-run", choices=["dry-run", "sched_ext"])
+    a.add_argument("--backend", default="dry-run", choices=["dry-run", "sched_ext", "eevdf"])
     a.add_argument("--record", default="")
+    a.add_argument("--journal", default="", help="eevdf: the journal file (none: no journal)")
     a.add_argument("--scope", default="thread")
     a.add_argument("--rescan", type=float, default=30.0)
     a.add_argument("--unprotected", action="store_true", help="sched_ext: no boost for the agent itself")
     r = sub.add_parser("reader")
     r.add_argument("--record", default="")
-    r.add_argument("--source", default="record", choices=["record", "bpf"])
+    r.add_argument("--source", default="record", choices=["record", "bpf", "nice"])
+    r.add_argument("--tid-file", default="", help="nice: the file the workload writes its tid to")
     r.add_argument("--out", required=True)
     r.add_argument("--poll-us", type=float, default=100.0)
     f = sub.add_parser("floor")
@@ -509,8 +644,16 @@ def main() -> int:
     lat.add_argument("--observer-prio", default="", help="for floor and reader only (default: --prio)")
     lat.add_argument("--hogs", type=int, default=0, help="run stress-ng --cpu N during the measurement")
     lat.add_argument("--unprotected", action="store_true", help="sched_ext: no boost for the agent itself")
+    rc = sub.add_parser("reaction")
+    rc.add_argument("--backend", default="dry-run", choices=["dry-run", "eevdf"])
+    rc.add_argument("--prio", default="", help="passed to agent and reader: --fifo=10, --nice=-10")
+    rc.add_argument("--count", type=int, default=300)
+    rc.add_argument("--interval-ms", type=float, default=10.0)
+    rc.add_argument("--poll-us", type=float, default=100.0, help="the reader's poll interval")
+    rc.add_argument("--no-journal", action="store_true", help="eevdf: without its journal (to measure it)")
     h = sub.add_parser("hold")
     h.add_argument("--count", type=int, default=20_000)
+    h.add_argument("--name", default="", help="the name the threads get (inherited from the main thread)")
     for name in ("rename", "spawn", "storm"):
         w = sub.add_parser(name)
         w.add_argument("--out", required=True)
@@ -518,6 +661,8 @@ def main() -> int:
         w.add_argument("--interval-ms", type=float, default=4.0)
         w.add_argument("--life-ms", type=float, default=20.0)
         w.add_argument("--concurrency", type=int, default=256)
+        w.add_argument("--name", default="EngineCore_DP1", help="rename: the name taken N times")
+        w.add_argument("--tid-file", default="", help="rename: write the renamed thread's tid here first")
     for sp in (a, r, f):
         sp.add_argument("--nice", type=int, default=0, help="raise this process's priority (e.g. -10)")
         sp.add_argument("--fifo", type=int, default=0, help="run this process SCHED_FIFO at this priority")
@@ -536,6 +681,7 @@ def main() -> int:
         "storm": run_storm,
         "hold": run_hold,
         "latency": run_latency,
+        "reaction": run_reaction,
     }
     return roles[args.role](args)
 

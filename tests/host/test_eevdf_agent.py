@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.backends.base import EntryKey, KeyKind
 from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf_journal import read_journal
 from gthulhu_node.config import AgentConfig
 from tests.host.agent_support import (
     NamedThread,
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.host
 @pytest.fixture
 def agent() -> Iterator[Agent]:
     base = short_dir()
-    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
+    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.journal")
     try:
         with running_agent(base, backend=backend) as a:
             yield a
@@ -59,12 +60,16 @@ def test_renamed_thread_is_boosted_then_released(agent: Agent) -> None:
         assert st.state == pb.INTENT_STATE_APPLIED and st.matched_tasks == 1
         t.rename("gn-eevdf-idle")
         wait_for(lambda: sched(t.tid) == (0, BASE_SLICE), what="the thread's own settings back")
-        assert agent.backend is not None and agent.backend.counters()["restored"] == 1
+        assert agent.engine is not None  # the backend is the engine thread's: read it there
+        assert agent.engine.call(lambda r: r.backend.counters())["restored"] == 1
 
 
 def test_process_scope_covers_later_threads_and_stop_restores() -> None:
+    """The reconciler expands process scope for this backend (no in-kernel TGID fallback): every thread
+    gets a TID entry, a thread created later on its fork event and dropped on its exit event; the
+    backend's own periodic pass is kept out of it (one hour)."""
     base = short_dir()
-    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.json")
+    backend = EevdfBackend(cover_interval_s=3600, journal=base / "eevdf-threads.journal")
     child = ChildProcess()
     try:
         early = child.spawn()
@@ -81,11 +86,15 @@ def test_process_scope_covers_later_threads_and_stop_restores() -> None:
                 lambda: sched(child.pid) == boosted and sched(early) == boosted, what="the process boost"
             )
             late = child.spawn()
-            wait_for(lambda: sched(late) == boosted, what="a thread created later, covered by refresh")
-            assert backend.gauges()["threads_managed"] == 3
+            wait_for(lambda: sched(late) == boosted, what="a thread created later, on its fork event")
+            assert a.engine is not None  # the backend is the engine thread's: read it there
+            held = a.engine.call(lambda r: (r.backend.gauges()["threads_managed"], r.backend.read_back()))
+            assert held[0] == 3 and set(held[1]) == {EntryKey(KeyKind.TID, t) for t in child.tids()}
+            child.end(early)
+            wait_for(lambda: backend.gauges()["threads_managed"] == 2, what="the exited thread forgotten")
         # the agent stopped: every thread has its own settings back, and the journal names nothing
-        assert [sched(tid) for tid in child.tids()] == [(0, BASE_SLICE)] * 3
-        assert '"threads": []' in Path(base / "eevdf-threads.json").read_text()
+        assert [sched(tid) for tid in child.tids()] == [(0, BASE_SLICE)] * 2
+        assert read_journal(base / "eevdf-threads.journal") == []
     finally:
         child.close()
         shutil.rmtree(base, ignore_errors=True)

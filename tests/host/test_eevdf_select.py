@@ -4,14 +4,14 @@ and the one test that starts the selected backend touches only a thread it creat
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from gthulhu_node.backends import sched_attr
 from gthulhu_node.backends.dryrun import DryRunBackend
-from gthulhu_node.backends.eevdf import EevdfBackend
+from gthulhu_node.backends.eevdf import JOURNAL_NAME, EevdfBackend
+from gthulhu_node.backends.eevdf_journal import read_journal
 from gthulhu_node.backends.select import select_backend
 from gthulhu_node.config import AgentConfig
 from tests.host.eevdf_threads import Worker
@@ -46,9 +46,8 @@ def test_selected_backend_keeps_its_journal_in_the_state_directory(tmp_path: Pat
     backend.start()
     try:
         backend.apply({worker.key(): worker.entry(20, 0)}, [])
-        journal = json.loads((tmp_path / "eevdf-threads.json").read_text())
-        assert [t["tid"] for t in journal["threads"]] == [worker.tid]
+        assert [r.tid for r in read_journal(tmp_path / JOURNAL_NAME)] == [worker.tid]
     finally:
         backend.stop()
         worker.stop()
-    assert json.loads((tmp_path / "eevdf-threads.json").read_text())["threads"] == []
+    assert read_journal(tmp_path / JOURNAL_NAME) == []

@@ -17,14 +17,14 @@ import pytest
 
 from gthulhu_node.backends.base import (
     BackendError,
-    BackendState,
     BackendUnavailable,
     Entry,
     EntryKey,
     InvalidEntryError,
     KeyKind,
 )
-from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf import JOURNAL_NAME, LEGACY_JOURNAL_NAME, EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf_journal import boot_id, read_journal
 from gthulhu_node.backends.sched_attr import (
     KERNEL_SLICE_MAX_NS,
     KERNEL_SLICE_MIN_NS,
@@ -76,14 +76,15 @@ class FakeKernel(SchedAttrSyscalls):
             )
 
 
-def make(tmp_path: Path, kernel: FakeKernel, *tids: int) -> EevdfBackend:
+def make(tmp_path: Path, kernel: FakeKernel, *tids: int, journal: Path | None = None) -> EevdfBackend:
     proc = FakeProc(tmp_path)
     for tid in tids:
         proc.add(100, tid, "worker", start_time=500 + tid)
+        proc.add(tid, tid, "worker", start_time=500 + tid)  # /proc/<tid> resolves for any thread
         (tmp_path / str(tid)).mkdir(exist_ok=True)
         (tmp_path / str(tid) / "status").write_text(f"Name:\tworker\nTgid:\t100\nPid:\t{tid}\n")
         kernel.tasks.setdefault(tid, _Task())
-    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0)
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
     backend.start()
     kernel.calls.clear()
     return backend
@@ -190,56 +191,88 @@ def test_apply_before_start_is_an_error(tmp_path: Path) -> None:
         backend.apply({}, [])
 
 
-def test_a_dead_refresh_thread_reports_ejected_and_a_restart_recovers(tmp_path: Path) -> None:
+def test_tick_runs_the_passes_on_their_intervals(tmp_path: Path) -> None:
+    """No thread of its own: the engine's tick covers new threads of a TGID entry every cover interval
+    and reads every thread back every verify interval (where a foreign change is found)."""
     kernel = FakeKernel()
-    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0.01, fork_events=False)
-
-    def broken(events: object) -> None:
-        raise RuntimeError("boom")
-
-    backend._refresh_passes = broken  # type: ignore[method-assign]
+    make(tmp_path, kernel, 100, 501).stop()
+    backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=1.0, verify_interval_s=30.0)
     backend.start()
-    backend._refresher.join()  # type: ignore[union-attr]
-    health = backend.health()
-    assert health.state is BackendState.EJECTED and "boom" in health.reason
-    del backend._refresh_passes  # what the engine's reload then runs is the real thread again
+    process = EntryKey(KeyKind.TGID, 100)
+    backend.apply({process: Entry(20, 0, start_time=600)}, [])
+    assert kernel.tasks[501].nice == -20
+    FakeProc(tmp_path).add(100, 502, "worker", start_time=1002)
+    FakeProc(tmp_path).add(502, 502, "worker", start_time=1002)
+    backend.tick(1000.0)  # the first tick only sets the schedule
+    backend.tick(1000.5)
+    assert kernel.tasks.get(502, _Task()).nice == 0
+    backend.tick(1001.1)
+    assert kernel.tasks[502].nice == -20 and backend.gauges()["threads_managed"] == 3
+    kernel.tasks[501].nice = 4  # an admin re-tunes a thread: found by the verify pass only
+    backend.tick(1002.2)
+    assert backend.counters()["foreign_changes"] == 0
+    backend.tick(1030.1)
+    assert backend.counters()["foreign_changes"] == 1 and backend.gauges()["threads_left_alone"] == 1
     backend.stop()
-    backend.start()
-    try:
-        assert backend.health().state is BackendState.RUNNING
-    finally:
-        backend.stop()
-    assert backend.health().state is BackendState.STOPPED
+    assert kernel.tasks[501].nice == 4 and kernel.tasks[502].nice == 0
 
 
 def test_journal_restores_a_predecessors_threads_and_survives_garbage(tmp_path: Path) -> None:
     kernel = FakeKernel()
-    journal = tmp_path / "run" / "eevdf-threads.json"
-    crashed = make(tmp_path, kernel, 501, 502)
-    crashed._journal = journal
+    journal = tmp_path / "run" / "eevdf-threads.journal"
+    crashed = make(tmp_path, kernel, 501, 502, journal=journal)
     kernel.tasks[502] = _Task(nice=3)
     crashed.apply({key(501): entry(501, 20, 300_000), key(502): entry(502, 1)}, [])
     assert kernel.tasks[501] == _Task(nice=-20, request=300_000, reset_on_fork=True)
     successor = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
     successor.start()
     assert kernel.tasks[501] == _Task() and kernel.tasks[502] == _Task(nice=3)
-    assert json.loads(journal.read_text())["threads"] == []
+    assert read_journal(journal) == []
     successor.stop()
-    journal.write_text("{not json")
-    again = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
-    again.start()  # an unreadable journal is logged and replaced, never fatal
-    assert json.loads(journal.read_text())["threads"] == []
-    again.stop()
+    for garbage in ("{not json", "not a header\n+ 501 100\n", "H x 1\n+ 501 100 1001 0 0 x\n"):
+        journal.write_text(garbage)
+        again = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
+        again.start()  # an unreadable journal is logged and replaced, never fatal
+        assert read_journal(journal) == [] and journal.read_text().startswith("H ")
+        again.stop()
 
 
-def test_a_journal_from_another_boot_is_ignored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["lines", "legacy json"])
+def test_a_journal_from_another_boot_is_ignored(tmp_path: Path, form: str) -> None:
     kernel = FakeKernel()
     make(tmp_path, kernel, 601)
     kernel.tasks[601] = _Task(nice=-20, request=300_000, reset_on_fork=True)
-    applied = {"policy": 0, "nice": -20, "runtime_ns": 300_000, "reset_on_fork": True}
-    journal = tmp_path / "eevdf-threads.json"
-    record = {"tid": 601, "tgid": 100, "start_time": 1101, "applied": applied}
-    record["original"] = {"policy": 0, "nice": 0, "runtime_ns": BASE, "reset_on_fork": False}
-    journal.write_text(json.dumps({"boot_id": "another-boot", "threads": [record]}))
+    journal = tmp_path / JOURNAL_NAME
+    if form == "lines":
+        journal.write_text(f"H another-boot {BASE}\n+ 601 100 1101 0 0 {BASE} 0 0 -20 300000 1\n")
+    else:
+        journal = tmp_path / LEGACY_JOURNAL_NAME
+        journal.write_text(json.dumps({"boot_id": "another-boot", "threads": [LEGACY_RECORD]}))
     EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal).start()
     assert kernel.tasks[601].nice == -20  # the same tid and start time name another task after a reboot
+
+
+LEGACY_RECORD = {
+    "tid": 601,
+    "tgid": 100,
+    "start_time": 1101,
+    "original": {"policy": 0, "nice": 0, "runtime_ns": BASE, "reset_on_fork": False},
+    "applied": {"policy": 0, "nice": -20, "runtime_ns": 300_000, "reset_on_fork": True},
+}
+
+
+def test_a_journal_left_by_an_earlier_version_is_restored_then_removed(tmp_path: Path) -> None:
+    """An upgrade right after a crash: the JSON journal of versions before the incremental one."""
+    kernel = FakeKernel()
+    make(tmp_path, kernel, 601)
+    kernel.tasks[601] = _Task(nice=-20, request=300_000, reset_on_fork=True)
+    legacy = tmp_path / "state" / LEGACY_JOURNAL_NAME
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps({"boot_id": boot_id(), "threads": [LEGACY_RECORD]}))
+    backend = EevdfBackend(
+        proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=legacy.with_name(JOURNAL_NAME)
+    )
+    backend.start()
+    assert kernel.tasks[601] == _Task()
+    assert not legacy.exists() and read_journal(legacy.with_name(JOURNAL_NAME)) == []
+    backend.stop()

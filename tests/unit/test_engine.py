@@ -134,6 +134,23 @@ def test_ejected_backend_is_reloaded_with_backoff_and_resynced(proc: FakeProc, e
     assert e.call(lambda r: r.stats().resyncs) == 1
 
 
+def giving_up_engine(
+    proc: FakeProc, b: DryRunBackend, replacement: DryRunBackend, reasons: list[str], ejection_limit: int
+) -> Engine:
+    """An engine over `b` that hands over to `replacement` after `ejection_limit` ejections in a minute
+    (the reasons it was given land in `reasons`)."""
+
+    def give_up(why: str) -> DryRunBackend:
+        reasons.append(why)
+        replacement.start()
+        return replacement
+
+    b.start()
+    r = Reconciler(b, proc_root=proc.root)
+    return Engine(r, use_events=False, health_interval_s=0.02, reload_backoff_initial_s=0.01,
+                  ejection_limit=ejection_limit, ejection_window_s=60.0, on_give_up=give_up)
+
+
 def test_a_backend_ejected_too_often_is_replaced_not_reloaded_forever(
     proc: FakeProc, engines: list[Engine]
 ) -> None:
@@ -143,17 +160,9 @@ def test_a_backend_ejected_too_often_is_replaced_not_reloaded_forever(
     b = FlakyBackend(failures=0)
     replacement = DryRunBackend()
     reasons: list[str] = []
-
-    def give_up(why: str) -> DryRunBackend:
-        reasons.append(why)
-        replacement.start()
-        return replacement
-
-    b.start()
-    r = Reconciler(b, proc_root=proc.root)
-    e = Engine(r, use_events=False, health_interval_s=0.02, reload_backoff_initial_s=0.01,
-               ejection_limit=3, ejection_window_s=60.0, on_give_up=give_up)
+    e = giving_up_engine(proc, b, replacement, reasons, ejection_limit=3)
     engines.append(e)
+    r = e.reconciler
     e.start()
     e.call(lambda r: r.set_policy(vllm()))
     for n in (1, 2):
@@ -181,3 +190,84 @@ def test_ejections_spread_wider_than_the_window_do_not_give_up(proc: FakeProc, e
         wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
         time.sleep(0.4)
     assert r.backend is b and not e.stats().gave_up_reason
+
+
+class TickingBackend(DryRunBackend):
+    """Records its ticks and which thread ran them; like the EEVDF backend, it has no process fallback."""
+
+    process_fallback = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tick_threads: list[str] = []
+
+    def tick(self, now: float) -> None:
+        self.tick_threads.append(threading.current_thread().name)
+
+
+def test_a_running_backend_gets_its_tick_on_the_engine_thread(proc: FakeProc, engines: list[Engine]) -> None:
+    b = TickingBackend()
+    e = make_engine(proc, b, health_interval_s=0.01)
+    engines.append(e)
+    e.start()
+    wait_for(lambda: len(b.tick_threads) >= 3)
+    assert set(b.tick_threads) == {"gthulhu-engine"}
+
+
+def test_a_replacement_without_process_fallback_gets_process_scope_as_tid_entries(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    """sched_ext given up for eevdf: the TGID entry it held becomes a TID entry per thread."""
+    proc.add(70, 70, "python3", 4)
+    proc.add(70, 71, "EngineCore", 5)
+    b = FlakyBackend(failures=0)
+    replacement = TickingBackend()
+    e = giving_up_engine(proc, b, replacement, [], ejection_limit=1)
+    engines.append(e)
+    r = e.reconciler
+    e.start()
+    doc = {"id": "p", "commandRegex": "^EngineCore", "priority": 10, "scope": "process"}
+    e.call(lambda r: r.set_policy(PolicySet.build([("local/p", Intent.model_validate(doc))])))
+    assert set(b.table) == {EntryKey(KeyKind.TGID, 70)}
+    b.eject("disabled by sysrq-S")
+    wait_for(lambda: r.backend is replacement and len(replacement.table) == 2)
+    held = e.call(lambda r: r.backend.read_back())
+    assert set(held) == {EntryKey(KeyKind.TID, 70), EntryKey(KeyKind.TID, 71)}
+
+
+class SlowToReload(DryRunBackend):
+    """Its reloads wait until the test lets them go, as a scheduler load that takes seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[str] = []
+        self.in_start = threading.Event()
+        self.go = threading.Event()
+
+    def start(self) -> None:
+        self.starts.append(threading.current_thread().name)
+        if len(self.starts) > 1:
+            self.in_start.set()
+            assert self.go.wait(DEADLINE_S)
+        super().start()
+
+
+def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    proc.add(60, 60, "EngineCore", 4)
+    b = SlowToReload()
+    e = make_engine(proc, b, health_interval_s=0.02, reload_backoff_initial_s=0.01)
+    engines.append(e)
+    e.start()
+    e.call(lambda r: r.set_policy(vllm()))
+    b.eject("disabled by sysrq-S")
+    assert b.in_start.wait(DEADLINE_S)
+    # mid-reload, the engine thread still runs submitted work, and none of it reaches the backend
+    health = e.call(lambda r: r.backend.health(), timeout=5)
+    assert health.reason == "being reloaded" and e.call(lambda r: r.backend.counters(), timeout=5) == {}
+    b.go.set()
+    wait_for(lambda: e.stats().backend_reloads == 1)
+    assert b.starts[1] == "gthulhu-backend-reload"
+    assert e.call(lambda r: r.backend) is b
+    wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)

@@ -128,6 +128,33 @@ def test_process_scope_vs_thread_scope_precedence(proc: FakeProc) -> None:
     assert stats["local/proc"].overlaps == {"local/dp0": 1}
 
 
+class NoFallbackBackend(DryRunBackend):
+    """A backend that cannot cover a process's threads through its TGID entry (as the EEVDF one)."""
+
+    process_fallback = False
+
+
+def test_process_scope_becomes_tid_entries_for_a_backend_without_a_process_fallback(proc: FakeProc) -> None:
+    proc.add(200, 200, "python3.12", 77)
+    proc.add(200, 201, "EngineCore_DP0", 78)
+    proc.add(200, 202, "tokenizer", 79)
+    r, b = make(proc, NoFallbackBackend())
+    r.set_policy(policy(("local/p", {"scope": "process", "priority": 3})))
+    r.rescan()
+    # a TID entry per thread, each with its own start time, and no TGID entry
+    assert b.table == {tid(200): Entry(3, 0, 77), tid(201): Entry(3, 0, 78), tid(202): Entry(3, 0, 79)}
+    assert all(m.entry == f"tid:{m.tid}" and m.applied for m in r.matches())
+    # a thread created later is written on its fork event, and removed on its exit event
+    proc.add(200, 203, "python3.12", 90)
+    r.handle_events([ev(EventKind.FORK, 203, 200)])
+    assert b.table[tid(203)] == Entry(3, 0, 90)
+    r.handle_events([ev(EventKind.EXIT, 203, 200)])
+    assert tid(203) not in b.table
+    # the matching thread leaves: nothing of the process is covered any more
+    r.handle_events([ev(EventKind.COMM, 201, 200, "idle")])
+    assert b.table == {}
+
+
 def test_process_entry_follows_the_matching_thread_rename_and_exit(proc: FakeProc) -> None:
     proc.add(400, 400, "python3.12", 5)
     proc.add(400, 401, "EngineCore_DP0", 6)
