@@ -36,6 +36,7 @@ from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
 from gthulhu_node.intents.model import Intent, intent_key, pattern_warnings
 from gthulhu_node.intents.status import (
+    MAP_FULL_WARNING,
     NO_MATCH_WARNING,
     NOOP_WARNING,
     NOT_FOR_THIS_NODE_REASON,
@@ -461,7 +462,7 @@ class Agent:
                     why = st.last_error or "write failed"
                     reason = f"{st.pending_failures} task entries not written: {why}"
                     if st.pending_reasons.get(FailureReason.MAP_FULL):
-                        warnings.append("the scheduler's map is full: raise scheduler.map_capacity")
+                        warnings.append(MAP_FULL_WARNING)
                 if st.matched_tasks == 0:
                     warnings.append(NO_MATCH_WARNING)
                 elif st.applied_tasks == 0:
