@@ -51,7 +51,8 @@ from gthulhu_node.intents.status import (
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
 from gthulhu_node.matching import PolicySet, resolve_users
-from gthulhu_node.reconciler import FailureReason, IntentStats, Reconciler
+from gthulhu_node.outbox import FailureReason
+from gthulhu_node.reconciler import IntentStats, Reconciler
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
 
 if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)

@@ -15,13 +15,12 @@ Rules it implements:
 - Noop intents (priority 0, executionTime 0) match and win like any other but write nothing.
 - Exits remove entries at once; an incomplete snapshot never removes anything.
 - Per-key write failures: a refused key keeps a typed `FailureReason` (shown on the owning intent's status)
-  and is retried on its own with exponential backoff (`RETRY_INITIAL_S` doubling to `RETRY_MAX_S`), and
-  at every full diff; TaskGoneError drops the entry (the exit event follows).
+  and is retried on its own with exponential backoff (gthulhu_node/outbox.py), and at every full diff;
+  TaskGoneError drops the entry (the exit event follows).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -36,38 +35,18 @@ from gthulhu_node.backends.base import (
     BackendError,
     Entry,
     EntryKey,
-    InvalidEntryError,
     KeyKind,
     MapFullError,
     TaskGoneError,
 )
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
+from gthulhu_node.outbox import FailureReason, Outbox
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
 
 log = structlog.get_logger(__name__)
 
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
-# A refused key is written again after RETRY_INITIAL_S, then after twice as long each time, up to
-# RETRY_MAX_S (the full rescan's interval by default, which retries every key anyway).
-RETRY_INITIAL_S = 0.1
-RETRY_MAX_S = 30.0
-
-
-class FailureReason(enum.Enum):
-    """Why the backend refused a key, so status and metrics decide without reading error text."""
-
-    MAP_FULL = "map_full"  # no room for another entry: raise the map's capacity
-    INVALID_ENTRY = "invalid_entry"  # outside the contract's ranges
-    BACKEND = "backend"  # anything else the backend reported (or the whole batch was refused)
-
-    @classmethod
-    def of(cls, err: BackendError) -> FailureReason:
-        if isinstance(err, MapFullError):
-            return cls.MAP_FULL
-        if isinstance(err, InvalidEntryError):
-            return cls.INVALID_ENTRY
-        return cls.BACKEND
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,63 +142,11 @@ class _Want:
     owner: str
 
 
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    reason: FailureReason
-    message: str
-    attempts: int  # consecutive refusals of this key
-    retry_at: float  # monotonic seconds
-
-
 @dataclass(slots=True)
 class _IntentFailures:
     count: int = 0
     last_reason: FailureReason = FailureReason.BACKEND
     last_message: str = ""
-
-
-class _Outbox:
-    """The keys that may differ from the backend: `dirty` (to diff at the next flush, with the earliest
-    event timestamp in ns that touched them, 0 if none) and `failed` (refused, waiting for their retry).
-
-    Invariant: outside a flush, every key whose desired value differs from the applied one is dirty or
-    failed; right after a flush (writes not held) the keys that differ are exactly the failed ones.
-    """
-
-    __slots__ = ("dirty", "failed")
-
-    def __init__(self) -> None:
-        self.dirty: dict[EntryKey, int] = {}
-        self.failed: dict[EntryKey, _Failure] = {}
-
-    def mark(self, key: EntryKey, ts: int) -> None:
-        dirty = self.dirty
-        if key not in dirty or (ts and not dirty[key]):
-            dirty[key] = ts
-
-    def mark_all(self, keys: Iterable[EntryKey]) -> None:
-        dirty = self.dirty
-        for key in keys:
-            dirty.setdefault(key, 0)
-
-    def take(self, now: float) -> tuple[dict[EntryKey, int], int]:
-        """Everything dirty plus the failed keys whose retry is due; the second value counts the latter."""
-        dirty, self.dirty = self.dirty, {}
-        retried = 0
-        for key, f in self.failed.items():
-            if f.retry_at <= now and key not in dirty:
-                dirty[key] = 0
-                retried += 1
-        return dirty, retried
-
-    def fail(self, key: EntryKey, reason: FailureReason, message: str, now: float) -> None:
-        prev = self.failed.get(key)
-        attempts = prev.attempts + 1 if prev is not None else 1
-        delay = min(RETRY_INITIAL_S * 2 ** min(attempts - 1, 32), RETRY_MAX_S)
-        self.failed[key] = _Failure(reason, message, attempts, now + delay)
-
-    def next_retry_at(self) -> float:
-        return min((f.retry_at for f in self.failed.values()), default=math.inf)
 
 
 def _entry(want: _Want | None) -> Entry | None:
@@ -236,7 +163,8 @@ class Reconciler:
     - `_desired` (key -> entry and owning intent): exactly the entries the task table implies;
     - `_applied` (key -> entry): what the backend holds, as far as we know: read back at `resync`, then
       changed only by writes the backend reported done;
-    - `_outbox` (dirty and failed keys): see `_Outbox`.
+    - `_outbox` (dirty keys, refused keys and their retry times): a key whose desired and applied values
+      differ is dirty or refused; right after a flush, exactly the refused ones differ (`Outbox`).
     Per-intent failure counts (`_intent_failures`) and the counters in `_stats` are history, not state.
 
     Latency listeners (`on_latency` and `add_latency_listener`) are called for every write caused by an
@@ -263,7 +191,7 @@ class Reconciler:
         self._procs: dict[int, _Proc] = {}
         self._desired: dict[EntryKey, _Want] = {}
         self._applied: dict[EntryKey, Entry] = {}
-        self._outbox = _Outbox()
+        self._outbox = Outbox()
         self._intent_failures: dict[str, _IntentFailures] = {}
         self._stats = ReconcilerStats()
         # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
@@ -592,8 +520,8 @@ class Reconciler:
         self._latency_listeners = (*self._latency_listeners, listener)
 
     def _record_failure(self, key: EntryKey, err: BackendError, now: float) -> None:
-        reason, message = FailureReason.of(err), str(err)
-        self._outbox.fail(key, reason, message, now)
+        failure = self._outbox.fail(key, err, now)
+        reason, message = failure.reason, failure.message
         want = self._desired.get(key)
         if want is None:
             return
@@ -810,5 +738,6 @@ class Reconciler:
                     self._refresh_proc_winner(proc, 0)
         for proc in self._procs.values():
             self._assign_all(proc, 0)
-        self._outbox.mark_all(old_desired.keys() | self._desired.keys())
+        # refused keys too: one whose delete was refused is in neither table, yet the backend holds it
+        self._outbox.mark_all(old_desired.keys() | self._desired.keys() | self._outbox.failed.keys())
         self._outbox.failed.clear()

@@ -21,7 +21,8 @@ from gthulhu_node.backends.base import (
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import PolicySet
-from gthulhu_node.reconciler import RETRY_INITIAL_S, RETRY_MAX_S, FailureReason, Reconciler
+from gthulhu_node.outbox import RETRY_INITIAL_S, RETRY_MAX_S, FailureReason
+from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, snapshot
 from tests.unit.fakeproc import FakeProc
@@ -476,15 +477,18 @@ class Clock:
 
 
 class RefusingBackend(DryRunBackend):
-    """Refuses upserts of the keys in `refuse` with the given error; takes everything else."""
+    """Refuses upserts of the keys in `refuse` with the given error, and (while `down`) every batch."""
 
     def __init__(self, error: BackendError) -> None:
         super().__init__()
         self.error = error
         self.refuse: set[EntryKey] = set()
+        self.down = False
         self.attempts = 0
 
     def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        if self.down:
+            raise self.error
         refused = {k for k in upserts if k in self.refuse}
         self.attempts += len(refused)
         result = super().apply({k: v for k, v in upserts.items() if k not in refused}, deletes)
@@ -547,3 +551,24 @@ def test_failures_carry_a_typed_reason_not_only_text(proc: FakeProc) -> None:
     st = r.intent_stats()["local/vllm"]
     assert st.pending_reasons == {FailureReason.MAP_FULL: 1} and st.last_error == "no room"
     assert r.stats().map_full == 1
+
+
+def test_a_refused_delete_survives_a_policy_change(proc: FakeProc) -> None:
+    """Found by the model test: a policy change forgot a key whose delete the backend had refused (it is
+    in neither the old nor the new desired table), so the backend kept the entry until the next rescan."""
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    clock = Clock()
+    b = RefusingBackend(BackendError("busy"))
+    r, _b = make(proc, b, clock=clock)
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))
+    assert b.table == {tid(101): Entry(10, 0, 5)}
+    b.down = True
+    proc.remove(100)
+    r.rescan()
+    assert r.failures() == {tid(101): FailureReason.BACKEND}
+    r.set_policy(PolicySet.empty())
+    b.down = False
+    clock.now += 60
+    r.flush()
+    assert b.table == {} and r.applied() == {} and r.failures() == {}

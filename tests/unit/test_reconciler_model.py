@@ -25,7 +25,8 @@ from gthulhu_node.backends.base import ApplyResult, BackendError, Entry, EntryKe
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import CompiledIntent, PolicySet, best
-from gthulhu_node.reconciler import RETRY_MAX_S, Reconciler
+from gthulhu_node.outbox import RETRY_MAX_S
+from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from tests.unit.fakeproc import FakeProc
 
@@ -279,7 +280,7 @@ class ReconcilerModel(RuleBasedStateMachine):
 
 
 ReconcilerModel.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_reconciler_against_the_model = ReconcilerModel.TestCase
