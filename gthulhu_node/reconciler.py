@@ -600,7 +600,6 @@ class Reconciler:
             return
         task = th.task
         self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
-        self._outbox.failed.pop(EntryKey(KeyKind.TID, tid), None)
         proc = self._procs.get(task.tgid)
         if proc is None:
             return

@@ -572,3 +572,21 @@ def test_a_refused_delete_survives_a_policy_change(proc: FakeProc) -> None:
     clock.now += 60
     r.flush()
     assert b.table == {} and r.applied() == {} and r.failures() == {}
+
+
+def test_a_refused_delete_survives_the_task_exiting(proc: FakeProc) -> None:
+    """An exit used to drop the refused key of its TID: the entry stayed in the backend until a rescan."""
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    clock = Clock()
+    b = RefusingBackend(BackendError("busy"))
+    r, _b = make(proc, b, clock=clock)
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))
+    b.down = True
+    r.handle_events([ev(EventKind.COMM, 101, 100, "tokenizer")])  # out of the pattern: delete refused
+    r.handle_events([ev(EventKind.EXIT, 101, 100)])
+    assert r.tasks() == {} and r.failures() == {tid(101): FailureReason.BACKEND}
+    b.down = False
+    clock.now += 60
+    r.flush()
+    assert b.table == {} and r.failures() == {}
