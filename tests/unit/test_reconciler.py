@@ -553,40 +553,26 @@ def test_failures_carry_a_typed_reason_not_only_text(proc: FakeProc) -> None:
     assert r.stats().map_full == 1
 
 
-def test_a_refused_delete_survives_a_policy_change(proc: FakeProc) -> None:
-    """Found by the model test: a policy change forgot a key whose delete the backend had refused (it is
-    in neither the old nor the new desired table), so the backend kept the entry until the next rescan."""
-    proc.add(100, 101, "EngineCore_DP0", 5)
+@pytest.mark.parametrize("then", ["policy change", "exit"])
+def test_a_refused_delete_is_kept_until_the_backend_takes_it(proc: FakeProc, then: str) -> None:
+    """Found by the model test: a policy change (the key is in neither the old nor the new desired table)
+    or the task's exit forgot a key whose delete the backend had refused, so the backend kept the entry
+    until the next rescan."""
     clock = Clock()
-    b = RefusingBackend(BackendError("busy"))
-    r, _b = make(proc, b, clock=clock)
+    r, b = refused_vllm(proc, BackendError("busy"), clock)
+    b.refuse.clear()
     r.rescan()
-    r.set_policy(policy(("local/vllm", {})))
     assert b.table == {tid(101): Entry(10, 0, 5)}
     b.down = True
-    proc.remove(100)
-    r.rescan()
-    assert r.failures() == {tid(101): FailureReason.BACKEND}
-    r.set_policy(PolicySet.empty())
-    b.down = False
-    clock.now += 60
-    r.flush()
-    assert b.table == {} and r.applied() == {} and r.failures() == {}
-
-
-def test_a_refused_delete_survives_the_task_exiting(proc: FakeProc) -> None:
-    """An exit used to drop the refused key of its TID: the entry stayed in the backend until a rescan."""
-    proc.add(100, 101, "EngineCore_DP0", 5)
-    clock = Clock()
-    b = RefusingBackend(BackendError("busy"))
-    r, _b = make(proc, b, clock=clock)
-    r.rescan()
-    r.set_policy(policy(("local/vllm", {})))
-    b.down = True
-    r.handle_events([ev(EventKind.COMM, 101, 100, "tokenizer")])  # out of the pattern: delete refused
-    r.handle_events([ev(EventKind.EXIT, 101, 100)])
+    if then == "policy change":
+        proc.remove(100)
+        r.rescan()
+        r.set_policy(PolicySet.empty())
+    else:
+        r.handle_events([ev(EventKind.COMM, 101, 100, "tokenizer")])  # out of the pattern: delete refused
+        r.handle_events([ev(EventKind.EXIT, 101, 100)])
     assert r.tasks() == {} and r.failures() == {tid(101): FailureReason.BACKEND}
     b.down = False
     clock.now += 60
     r.flush()
-    assert b.table == {} and r.failures() == {}
+    assert b.table == {} and r.applied() == {} and r.failures() == {}
