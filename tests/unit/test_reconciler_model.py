@@ -119,7 +119,7 @@ class ReconcilerModel(RuleBasedStateMachine):
         self.tasks: dict[int, T] = {}
         self.policy = PolicySet.empty()
         self.queued: list[ProcEvent] = []  # events the kernel sent that the reconciler has not read yet
-        self.stale = False  # a change happened whose event was lost: only a rescan catches up
+        self.stale = False  # a change happened whose event was lost: the next read rescans
         self.clock_ns = 0
         self.starts = 0
 
@@ -205,9 +205,13 @@ class ReconcilerModel(RuleBasedStateMachine):
 
     @rule()
     def deliver(self) -> None:
-        """The engine reads every pending event as one batch."""
+        """The engine reads every pending event as one batch; when the kernel dropped some, it learns so
+        from that read (ENOBUFS) and rescans at once, as `Engine` does."""
         batch, self.queued = self.queued, []
         self.r.handle_events(batch)
+        if self.stale:
+            self.r.note_events_lost()
+            self.rescan()
 
     @rule()
     def rescan(self) -> None:
