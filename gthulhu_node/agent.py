@@ -28,7 +28,7 @@ import structlog
 
 from gthulhu_node import __version__
 from gthulhu_node.api.server import ApiServer, ApiStats
-from gthulhu_node.backends.base import Backend, BackendState, MapFullError, SchedulerRefused
+from gthulhu_node.backends.base import Backend, BackendState, SchedulerRefused
 from gthulhu_node.backends.select import fallback_after_ejections, fallback_after_refusal, select_backend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
@@ -36,6 +36,7 @@ from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
 from gthulhu_node.intents.model import Intent, intent_key, pattern_warnings
 from gthulhu_node.intents.status import (
+    MAP_FULL_WARNING,
     NO_MATCH_WARNING,
     NOOP_WARNING,
     NOT_FOR_THIS_NODE_REASON,
@@ -50,6 +51,7 @@ from gthulhu_node.intents.status import (
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
 from gthulhu_node.matching import PolicySet, resolve_users
+from gthulhu_node.outbox import FailureReason
 from gthulhu_node.reconciler import IntentStats, Reconciler
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
 
@@ -460,8 +462,8 @@ class Agent:
                     state = IntentState.FAILED
                     why = st.last_error or "write failed"
                     reason = f"{st.pending_failures} task entries not written: {why}"
-                    if MapFullError.__name__ in st.last_error or "full" in st.last_error.lower():
-                        warnings.append("the scheduler's map is full: raise scheduler.map_capacity")
+                    if st.pending_reasons.get(FailureReason.MAP_FULL):
+                        warnings.append(MAP_FULL_WARNING)
                 if st.matched_tasks == 0:
                     warnings.append(NO_MATCH_WARNING)
                 elif st.applied_tasks == 0:

@@ -277,7 +277,7 @@ class Engine:
             now = time.monotonic()
             with self._lock:
                 periodic = list(self._periodic)
-            due = min([next_rescan, next_health, *(p.due for p in periodic)])
+            due = min([next_rescan, next_health, r.next_retry_at(), *(p.due for p in periodic)])
             timeout_ms = max(0, int((due - now) * 1000) + 1)
             ready = poller.poll(timeout_ms)
             self._stats.loop_wakeups += 1

@@ -16,6 +16,7 @@ taken at every scrape and every few seconds by the service.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -56,6 +57,32 @@ PREFIX = "gthulhu_node_"
 # Reaction latency: from the task event (fork/comm/exec) to the entry being in the backend. Milliseconds
 # matter (upstream takes up to 6 s); the top buckets catch the slow path.
 REACTION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 6.0)
+
+
+def histogram_quantile(hist: Histogram, q: float) -> float:
+    """PromQL's `histogram_quantile` over one unlabelled histogram (linear within a bucket, 0 when empty).
+
+    For figures shown beside the metrics (benchmarks, tools): the histogram is the only record of a
+    latency, so a p50 or p99 is read from its buckets, as a dashboard would.
+    """
+    buckets = [(float(s.labels["le"]), s.value) for m in hist.collect() for s in m.samples
+               if s.name.endswith("_bucket")]
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_count) / max(count - prev_count, 1e-12)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def histogram_count(hist: Histogram) -> int:
+    return int(next((s.value for m in hist.collect() for s in m.samples if s.name.endswith("_count")), 0))
 
 
 class RunqueueWaitTracker:
@@ -398,6 +425,8 @@ class EngineCollector(StatsCollector[EngineSnapshot]):
         full = int(stats.map_full)
         yield _labelled(CounterMetricFamily, "backend_write_failures_total", "Entries the backend refused, "
                         "by reason.", "reason", {"map_full": full, "other": max(0, failures - full)})
+        yield _counter("backend_write_retries_total", "Refused entries written again after their backoff "
+                       "(not at a full rescan).", stats.write_retries)
         yield _counter("backend_tasks_gone_total", "Writes skipped because the task had exited (normal).",
                        stats.tasks_gone)
         yield _counter("resyncs_total", "Full resynchronisations with the backend.", stats.resyncs)

@@ -14,13 +14,14 @@ Rules it implements:
   winner (its thread-scope matches and the process winner) gives something else gets a TID entry.
 - Noop intents (priority 0, executionTime 0) match and win like any other but write nothing.
 - Exits remove entries at once; an incomplete snapshot never removes anything.
-- Per-key write failures: MapFullError is kept on the owning intent's status (and retried at the next full
-  diff); TaskGoneError drops the entry (the exit event follows).
+- Per-key write failures: a refused key keeps a typed `FailureReason` (shown on the owning intent's status)
+  and is retried on its own with exponential backoff (gthulhu_node/outbox.py), and at every full diff;
+  TaskGoneError drops the entry (the exit event follows).
 """
 
 from __future__ import annotations
 
-import collections
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,12 +40,12 @@ from gthulhu_node.backends.base import (
     TaskGoneError,
 )
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
+from gthulhu_node.outbox import FailureReason, Outbox
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
 
 log = structlog.get_logger(__name__)
 
-LATENCY_WINDOW = 4096
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
 
 
@@ -75,12 +76,15 @@ class IntentStats:
     overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
     write_failures: int = 0
     pending_failures: int = 0  # entries of this intent not in the backend right now because a write failed
-    last_error: str = ""
+    pending_reasons: dict[FailureReason, int] = field(default_factory=dict)  # the same, by reason
+    last_error: str = ""  # the backend's words for the last refusal, for people
+    last_reason: FailureReason | None = None
 
 
 @dataclass(slots=True)
 class ReconcilerStats:
-    """Counters for metrics (read at scrape time through `Reconciler.stats()`)."""
+    """Counters for metrics (read at scrape time through `Reconciler.stats()`). Reaction latencies are not
+    here: they go to the latency listeners (the metrics' histogram) only."""
 
     events: dict[str, int] = field(default_factory=lambda: {k.name.lower(): 0 for k in EventKind})
     events_lost: int = 0
@@ -99,6 +103,7 @@ class ReconcilerStats:
     upserts: int = 0
     deletes: int = 0
     write_failures: int = 0
+    write_retries: int = 0  # writes of a refused key again after its backoff (not at a full diff)
     map_full: int = 0
     tasks_gone: int = 0
     tasks_vanished: int = 0  # an event named a task that was gone before its /proc entry could be read
@@ -107,10 +112,12 @@ class ReconcilerStats:
     owner_read_errors: int = 0
     resyncs: int = 0
     policy_updates: int = 0
-    latency_count: int = 0
-    latency_sum_s: float = 0.0
-    latency_p50_s: float = 0.0  # over the last LATENCY_WINDOW writes
-    latency_p99_s: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Thread:
+    task: Task
+    winner: CompiledIntent | None = None  # the one intent whose strategy it gets (noop included)
 
 
 @dataclass(slots=True, eq=False)
@@ -127,12 +134,42 @@ class _Proc:
     owner_known: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Want:
+    """One desired entry and the intent that produced it."""
+
+    entry: Entry
+    owner: str
+
+
+@dataclass(slots=True)
+class _IntentFailures:
+    count: int = 0
+    last_reason: FailureReason = FailureReason.BACKEND
+    last_message: str = ""
+
+
+def _entry(want: _Want | None) -> Entry | None:
+    return want.entry if want is not None else None
+
+
 class Reconciler:
     """Desired table, diff, batched writes. Not thread-safe: the engine thread owns it.
 
+    Its state is four structures, each with one invariant (`check_invariants` asserts them all):
+    - the task table, `_threads` (tid -> task and its winner) and `_procs` (tgid -> threads, process-scope
+      match counts, process winner): every thread is in exactly its own process's `tids`, every process
+      has a thread, and every winner is what matching.py's precedence gives for the current policy;
+    - `_desired` (key -> entry and owning intent): exactly the entries the task table implies;
+    - `_applied` (key -> entry): what the backend holds, as far as we know: read back at `resync`, then
+      changed only by writes the backend reported done;
+    - `_outbox` (dirty keys, refused keys and their retry times): a key whose desired and applied values
+      differ is dirty or refused; right after a flush, exactly the refused ones differ (`Outbox`).
+    Per-intent failure counts (`_intent_failures`) and the counters in `_stats` are history, not state.
+
     Latency listeners (`on_latency` and `add_latency_listener`) are called for every write caused by an
     event, with the time from the kernel's event timestamp (CLOCK_MONOTONIC, the moment of the prctl / fork /
-    exit) to the end of the backend write.
+    exit) to the end of the backend write. They are the only record of latency (the metrics' histogram).
     """
 
     def __init__(
@@ -142,24 +179,20 @@ class Reconciler:
         policy: PolicySet | None = None,
         proc_root: Path = Path("/proc"),
         on_latency: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.proc_root = proc_root
+        self._clock = clock
         # replaced whole, never mutated: another thread may add a listener while the engine thread reads it
         self._latency_listeners: tuple[Callable[[float], None], ...] = (on_latency,) if on_latency else ()
         self._policy = policy or PolicySet.empty()
-        self._tasks: dict[int, Task] = {}
+        self._threads: dict[int, _Thread] = {}
         self._procs: dict[int, _Proc] = {}
-        self._winner: dict[int, CompiledIntent] = {}  # tid -> winning intent (noop included)
-        self._desired: dict[EntryKey, Entry] = {}
-        self._owner: dict[EntryKey, str] = {}  # key -> intent key that produced it
+        self._desired: dict[EntryKey, _Want] = {}
         self._applied: dict[EntryKey, Entry] = {}
-        # key -> earliest event timestamp (ns) that touched it, 0 if none
-        self._dirty: dict[EntryKey, int] = {}
-        self._failed: dict[EntryKey, str] = {}  # key -> why its last write failed
-        self._failures: dict[str, int] = collections.Counter()
-        self._last_error: dict[str, str] = {}
-        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._outbox = Outbox()
+        self._intent_failures: dict[str, _IntentFailures] = {}
         self._stats = ReconcilerStats()
         # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
         # written; `resync` writes everything once the backend is back.
@@ -176,12 +209,10 @@ class Reconciler:
         """Replace the policy set and recompute every task's strategy; writes the difference at once."""
         self._policy = policy
         self._stats.policy_updates += 1
-        for key in list(self._failures):
-            if key not in policy.by_key:
-                del self._failures[key]
-                self._last_error.pop(key, None)
+        for key in [k for k in self._intent_failures if k not in policy.by_key]:
+            del self._intent_failures[key]
         self._rebuild()
-        log.info("policy_applied", intents=len(policy), tasks=len(self._tasks), entries=len(self._desired))
+        log.info("policy_applied", intents=len(policy), tasks=len(self._threads), entries=len(self._desired))
         return self.flush()
 
     def apply_snapshot(self, snap: Snapshot) -> ApplyResult:
@@ -196,9 +227,9 @@ class Reconciler:
         st.scan_duration_total_s += snap.duration_s
         if snap.complete:
             seen = snap.tasks
-            for tid in [t for t, old in self._tasks.items() if (s := seen.get(t)) is None or s != old]:
+            for tid in [t for t, th in self._threads.items() if (s := seen.get(t)) is None or s != th.task]:
                 new = seen.get(tid)
-                old = self._tasks[tid]
+                old = self._threads[tid].task
                 if new is None or new.start_time != old.start_time or new.tgid != old.tgid:
                     self._remove_task(tid, 0)
         else:
@@ -216,16 +247,18 @@ class Reconciler:
     def handle_events(self, events: Iterable[ProcEvent]) -> ApplyResult:
         """Apply events in order, then write everything they changed as one batch."""
         counts = self._stats.events
+        threads = self._threads
         for ev in events:
             kind = ev.kind
             counts[_EVENT_NAMES[kind]] += 1
             if kind is EventKind.EXIT:
-                old = self._tasks.get(ev.tid)
-                if old is not None and old.tgid == ev.tgid:
+                th = threads.get(ev.tid)
+                if th is not None and th.task.tgid == ev.tgid:
                     self._remove_task(ev.tid, ev.timestamp_ns)
             elif kind is EventKind.COMM:
-                old = self._tasks.get(ev.tid)
-                if old is not None and old.tgid == ev.tgid and ev.comm is not None:
+                th = threads.get(ev.tid)
+                if th is not None and th.task.tgid == ev.tgid and ev.comm is not None:
+                    old = th.task
                     if old.comm != ev.comm:
                         self._put_task(Task(old.tgid, old.tid, ev.comm, old.start_time), ev.timestamp_ns)
                 else:
@@ -257,34 +290,47 @@ class Reconciler:
         except BackendError as exc:
             log.error("backend_read_back_failed", backend=self.backend.name, error=str(exc))
             self._applied = {}
-        self._failed.clear()
+        self._outbox.failed.clear()
         self._mark_all_dirty()
         return self.flush()
 
     # ---- outputs ------------------------------------------------------------------------------------
 
     def desired(self) -> dict[EntryKey, Entry]:
-        return dict(self._desired)
+        return {k: w.entry for k, w in self._desired.items()}
 
     def applied(self) -> dict[EntryKey, Entry]:
         return dict(self._applied)
 
     def tasks(self) -> dict[int, Task]:
-        return dict(self._tasks)
+        return {tid: th.task for tid, th in self._threads.items()}
+
+    def failures(self) -> dict[EntryKey, FailureReason]:
+        """Keys the backend refused and that wait for their retry, with why."""
+        return {k: f.reason for k, f in self._outbox.failed.items()}
+
+    def next_retry_at(self) -> float:
+        """When the earliest refused key is due to be written again (monotonic seconds; inf if none).
+        The engine wakes up then; any `flush` from that moment on writes it."""
+        return math.inf if self.hold_writes else self._outbox.next_retry_at()
 
     def matches(self) -> list[Match]:
         """Every task some intent matched, with the one intent whose strategy it gets."""
         out: list[Match] = []
-        for tid, w in self._winner.items():
-            task = self._tasks[tid]
+        desired, applied = self._desired, self._applied
+        for tid, th in self._threads.items():
+            w = th.winner
+            if w is None:
+                continue
+            task = th.task
             proc = self._procs[task.tgid]
             entry_key: EntryKey | None = None
             tid_key = EntryKey(KeyKind.TID, tid)
-            if tid_key in self._desired:
+            if tid_key in desired:
                 entry_key = tid_key
             elif proc.winner is not None and not proc.winner.is_noop:
                 entry_key = EntryKey(KeyKind.TGID, task.tgid)
-            applied = entry_key is not None and self._applied.get(entry_key) == self._desired.get(entry_key)
+            ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
             out.append(
                 Match(
                     tid,
@@ -295,7 +341,7 @@ class Reconciler:
                     w.slice_ns,
                     w.scope.value,
                     str(entry_key) if entry_key is not None else "",
-                    applied,
+                    ok,
                 )
             )
         out.sort(key=lambda m: (m.tgid, m.tid))
@@ -305,10 +351,12 @@ class Reconciler:
         """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
         result = {c.key: IntentStats(c.key, noop=c.is_noop) for c in self._policy.ordered}
         by_key = self._policy.by_key
-        for tid, w in self._winner.items():
-            task = self._tasks[tid]
-            proc = self._procs[task.tgid]
-            candidates = set(self._eligible(self._policy.match(task.comm).thread, proc))
+        for th in self._threads.values():
+            w = th.winner
+            if w is None:
+                continue
+            proc = self._procs[th.task.tgid]
+            candidates = set(self._eligible(self._policy.match(th.task.comm).thread, proc))
             candidates.update(by_key[k] for k in proc.pmatch)
             for c in candidates:
                 s = result[c.key]
@@ -318,35 +366,56 @@ class Reconciler:
                 else:
                     s.lost_tasks += 1
                     s.overlaps[w.key] = s.overlaps.get(w.key, 0) + 1
-        for key, n in self._failures.items():
+        for key, f in self._intent_failures.items():
             if key in result:
-                result[key].write_failures = n
-                result[key].last_error = self._last_error.get(key, "")
-        for failed_key in self._failed:
-            owner = self._owner.get(failed_key)
-            if owner is not None and owner in result:
-                result[owner].pending_failures += 1
+                result[key].write_failures = f.count
+                result[key].last_error = f.last_message
+                result[key].last_reason = f.last_reason
+        for failed_key, failure in self._outbox.failed.items():
+            want = self._desired.get(failed_key)
+            if want is not None and want.owner in result:
+                s = result[want.owner]
+                s.pending_failures += 1
+                s.pending_reasons[failure.reason] = s.pending_reasons.get(failure.reason, 0) + 1
         return result
 
     def stats(self) -> ReconcilerStats:
         st = self._stats
-        st.tasks = len(self._tasks)
+        st.tasks = len(self._threads)
         st.processes = len(self._procs)
-        st.matched_tasks = len(self._winner)
+        st.matched_tasks = sum(1 for th in self._threads.values() if th.winner is not None)
         st.entries_desired = len(self._desired)
         st.entries_applied = len(self._applied)
-        if self._latencies:
-            ordered = sorted(self._latencies)
-            st.latency_p50_s = ordered[len(ordered) // 2]
-            st.latency_p99_s = ordered[min(len(ordered) - 1, (len(ordered) * 99) // 100)]
         copy = ReconcilerStats(**{f: getattr(st, f) for f in ReconcilerStats.__dataclass_fields__})
         copy.events = dict(st.events)
         return copy
 
+    def check_invariants(self) -> None:
+        """Assert the invariants the class docstring states (tests call it after every step)."""
+        threads, procs = self._threads, self._procs
+        for tid, th in threads.items():
+            assert th.task.tid == tid and tid in procs[th.task.tgid].tids, tid
+        for tgid, proc in procs.items():
+            assert proc.tids and all(threads[t].task.tgid == tgid for t in proc.tids), tgid
+        assert sum(len(p.tids) for p in procs.values()) == len(threads)
+        policy = self._policy
+        for proc in procs.values():
+            assert proc.winner is best(policy.by_key[k] for k in proc.pmatch), proc.tgid
+            for tid in proc.tids:
+                th = threads[tid]
+                thread = self._eligible(policy.match(th.task.comm).thread, proc)
+                assert th.winner is best((thread[0] if thread else None, proc.winner)), tid
+        desired, applied, outbox = self._desired, self._applied, self._outbox
+        differ = {k for k in desired.keys() | applied.keys() if applied.get(k) != _entry(desired.get(k))}
+        assert differ <= outbox.dirty.keys() | outbox.failed.keys(), differ
+        if not outbox.dirty and not self.hold_writes:
+            assert differ == outbox.failed.keys(), (differ, set(outbox.failed))
+
     # ---- writing ------------------------------------------------------------------------------------
 
     def flush(self) -> ApplyResult:
-        """Write every dirty key whose desired value differs from what the backend holds, as one batch.
+        """Write every dirty key, and every refused key whose retry is due, whose desired value differs
+        from what the backend holds, as one batch.
 
         Log lines about (un)matched tasks are emitted after the write, so rendering them never delays it.
         """
@@ -362,25 +431,30 @@ class Reconciler:
                         log.debug(event, **fields)
 
     def _flush(self) -> ApplyResult:
-        if not self._dirty or self.hold_writes:
+        outbox = self._outbox
+        if self.hold_writes or (not outbox.dirty and not outbox.failed):
             return ApplyResult()
-        dirty, self._dirty = self._dirty, {}
+        now = self._clock()
+        dirty, retried = outbox.take(now)
+        if not dirty:
+            return ApplyResult()
         upserts: dict[EntryKey, Entry] = {}
         deletes: list[EntryKey] = []
-        desired, applied = self._desired, self._applied
+        desired, applied, failed_keys = self._desired, self._applied, outbox.failed
         for key in dirty:
-            want = desired.get(key)
-            if want == applied.get(key):
-                self._failed.pop(key, None)
+            entry = _entry(desired.get(key))
+            if entry == applied.get(key):
+                failed_keys.pop(key, None)
                 continue
-            if want is None:
+            if entry is None:
                 deletes.append(key)
             else:
-                upserts[key] = want
+                upserts[key] = entry
         if not upserts and not deletes:
             return ApplyResult()
         st = self._stats
         st.batches += 1
+        st.write_retries += retried
         try:
             result = self.backend.apply(upserts, deletes)
         except BackendError as exc:
@@ -389,7 +463,7 @@ class Reconciler:
                       error=str(exc))
             st.write_failures += len(upserts) + len(deletes)
             for key in [*upserts, *deletes]:
-                self._record_failure(key, str(exc))
+                self._record_failure(key, exc, now)
             return ApplyResult(failed={k: exc for k in [*upserts, *deletes]})
         done = time.monotonic_ns()
         failed = result.failed
@@ -397,23 +471,26 @@ class Reconciler:
             err = failed.get(key)
             if err is None:
                 applied[key] = entry
-                self._failed.pop(key, None)
+                failed_keys.pop(key, None)
             elif isinstance(err, TaskGoneError):
                 st.tasks_gone += 1
-                self._drop_desired(key)
+                self._desired.pop(key, None)
+                failed_keys.pop(key, None)
+                if key in applied:  # an older entry under that key: delete it at the next flush
+                    outbox.mark(key, 0)
             else:
                 st.write_failures += 1
                 if isinstance(err, MapFullError):
                     st.map_full += 1
-                self._record_failure(key, str(err))
+                self._record_failure(key, err, now)
         for key in deletes:
             err = failed.get(key)
             if err is None or isinstance(err, TaskGoneError):
                 applied.pop(key, None)
-                self._failed.pop(key, None)
+                failed_keys.pop(key, None)
             else:
                 st.write_failures += 1
-                self._record_failure(key, str(err))
+                self._record_failure(key, err, now)
         st.upserts += result.upserted
         st.deletes += result.deleted
         self._observe_latencies(dirty, upserts, deletes, failed, done)
@@ -427,16 +504,14 @@ class Reconciler:
         failed: dict[EntryKey, BackendError],
         done_ns: int,
     ) -> None:
-        st = self._stats
         listeners = self._latency_listeners
+        if not listeners:
+            return
         for key in [*upserts, *deletes]:
             ts = dirty.get(key, 0)
             if ts <= 0 or key in failed:
                 continue
             seconds = max(0, done_ns - ts) / 1e9
-            st.latency_count += 1
-            st.latency_sum_s += seconds
-            self._latencies.append(seconds)
             for listener in listeners:
                 listener(seconds)
 
@@ -444,25 +519,24 @@ class Reconciler:
         """Also call `listener(seconds)` for every event-caused write (metrics' histogram). Thread-safe."""
         self._latency_listeners = (*self._latency_listeners, listener)
 
-    def _record_failure(self, key: EntryKey, message: str) -> None:
-        self._failed[key] = message
-        owner = self._owner.get(key)
-        if owner is not None:
-            first = owner not in self._last_error or self._last_error[owner] != message
-            self._failures[owner] += 1
-            self._last_error[owner] = message
-            if first:
-                log.warning("entry_write_failed", intent_id=owner, key=str(key), error=message)
-
-    def _drop_desired(self, key: EntryKey) -> None:
-        self._desired.pop(key, None)
-        self._owner.pop(key, None)
-        self._failed.pop(key, None)
+    def _record_failure(self, key: EntryKey, err: BackendError, now: float) -> None:
+        failure = self._outbox.fail(key, err, now)
+        reason, message = failure.reason, failure.message
+        want = self._desired.get(key)
+        if want is None:
+            return
+        f = self._intent_failures.get(want.owner)
+        first = f is None or f.last_message != message
+        if f is None:
+            f = self._intent_failures[want.owner] = _IntentFailures()
+        f.count += 1
+        f.last_reason, f.last_message = reason, message
+        if first:
+            log.warning("entry_write_failed", intent_id=want.owner, key=str(key), reason=reason.value,
+                        error=message)
 
     def _mark_all_dirty(self) -> None:
-        dirty = self._dirty
-        for key in self._desired.keys() | self._applied.keys():
-            dirty.setdefault(key, 0)
+        self._outbox.mark_all(self._desired.keys() | self._applied.keys())
 
     def _set_desired(self, key: EntryKey, entry: Entry | None, owner: str, ts: int) -> None:
         cur = self._desired.get(key)
@@ -470,14 +544,13 @@ class Reconciler:
             if cur is None:
                 return
             del self._desired[key]
-            self._owner.pop(key, None)
         else:
-            self._owner[key] = owner
-            if cur == entry:
+            if cur is not None and cur.entry == entry:
+                if cur.owner != owner:
+                    self._desired[key] = _Want(entry, owner)
                 return
-            self._desired[key] = entry
-        if key not in self._dirty or (ts and not self._dirty[key]):
-            self._dirty[key] = ts
+            self._desired[key] = _Want(entry, owner)
+        self._outbox.mark(key, ts)
 
     # ---- the task table -----------------------------------------------------------------------------
 
@@ -494,13 +567,14 @@ class Reconciler:
 
     def _put_task(self, task: Task, ts: int) -> None:
         """Add a task or update its comm; a known TID with another start time or TGID is replaced."""
-        old = self._tasks.get(task.tid)
+        th = self._threads.get(task.tid)
+        old = th.task if th is not None else None
         if old is not None:
             if old == task:
                 return
             if old.start_time != task.start_time or old.tgid != task.tgid:
                 self._remove_task(old.tid, ts)
-                old = None
+                th = old = None
         proc = self._procs.get(task.tgid)
         if proc is None:
             proc = self._procs[task.tgid] = _Proc(task.tgid)
@@ -509,21 +583,23 @@ class Reconciler:
         changed = False
         if old is not None:
             changed = self._count_process_matches(proc, old.comm, -1)
-        self._tasks[task.tid] = task
+        if th is None:
+            th = self._threads[task.tid] = _Thread(task)
+        else:
+            th.task = task
         proc.tids.add(task.tid)
         changed = self._count_process_matches(proc, task.comm, +1) or changed
         if changed and self._refresh_proc_winner(proc, ts):
             self._assign_all(proc, ts)
         else:
-            self._assign(task, proc, ts)
+            self._assign(th, proc, ts)
 
     def _remove_task(self, tid: int, ts: int) -> None:
-        task = self._tasks.pop(tid, None)
-        if task is None:
+        th = self._threads.pop(tid, None)
+        if th is None:
             return
-        self._winner.pop(tid, None)
+        task = th.task
         self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
-        self._failed.pop(EntryKey(KeyKind.TID, tid), None)
         proc = self._procs.get(task.tgid)
         if proc is None:
             return
@@ -607,26 +683,27 @@ class Reconciler:
         return True
 
     def _assign_all(self, proc: _Proc, ts: int) -> None:
-        tasks = self._tasks
+        threads = self._threads
         for tid in proc.tids:
-            self._assign(tasks[tid], proc, ts)
+            self._assign(threads[tid], proc, ts)
 
-    def _assign(self, task: Task, proc: _Proc, ts: int) -> None:
+    def _assign(self, th: _Thread, proc: _Proc, ts: int) -> None:
         """Give one thread its winner: nothing, the TGID entry's strategy, or a TID entry of its own."""
+        task = th.task
         thread = self._eligible(self._policy.match(task.comm).thread, proc)
         pw = proc.winner
         w = best((thread[0] if thread else None, pw))
         tid = task.tid
-        prev = self._winner.get(tid)
+        prev = th.winner
         key = EntryKey(KeyKind.TID, tid)
         if w is None:
             if prev is not None:
-                del self._winner[tid]
+                th.winner = None
                 fields: dict[str, object] = {"intent_id": prev.key, "tid": tid, "tgid": task.tgid}
                 self._pending_logs.append(("task_unmatched", {**fields, "comm": task.comm}))
             self._set_desired(key, None, "", ts)
             return
-        self._winner[tid] = w
+        th.winner = w
         if prev is not w:
             self._pending_logs.append(
                 ("task_matched", {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
@@ -646,22 +723,21 @@ class Reconciler:
 
     def _rebuild(self) -> None:
         """Recompute every process's and thread's winner from scratch (after a policy change)."""
-        self._winner.clear()
-        new_desired: dict[EntryKey, Entry] = {}
-        old_desired = self._desired
-        self._desired, self._owner = new_desired, {}
+        threads = self._threads
+        for th in threads.values():
+            th.winner = None
+        old_desired, self._desired = self._desired, {}
         for proc in self._procs.values():
             proc.pmatch.clear()
             proc.winner = None
-        tasks = self._tasks
         if self._policy.has_process_scope:
-            for task in tasks.values():
-                self._count_process_matches(self._procs[task.tgid], task.comm, +1)
+            for th in threads.values():
+                self._count_process_matches(self._procs[th.task.tgid], th.task.comm, +1)
             for proc in self._procs.values():
                 if proc.pmatch:
                     self._refresh_proc_winner(proc, 0)
         for proc in self._procs.values():
             self._assign_all(proc, 0)
-        for key in old_desired.keys() | new_desired.keys():
-            self._dirty.setdefault(key, 0)
-        self._failed.clear()
+        # refused keys too: one whose delete was refused is in neither table, yet the backend holds it
+        self._outbox.mark_all(old_desired.keys() | self._desired.keys() | self._outbox.failed.keys())
+        self._outbox.failed.clear()

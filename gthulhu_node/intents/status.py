@@ -23,6 +23,7 @@ from gthulhu_node.intents.model import Intent, intent_key
 
 NO_MATCH_WARNING = "matches no task right now: check the thread name (comm), not the command line"
 NOOP_WARNING = "priority 0 and executionTime 0: this intent changes nothing"
+MAP_FULL_WARNING = "the scheduler's map is full: raise scheduler.map_capacity"
 NOT_FOR_THIS_NODE_REASON = "not for this node: its nodeNames/nodeSelectors do not select {node}"
 
 

@@ -65,6 +65,7 @@ def run_agent(args: argparse.Namespace) -> int:
     from gthulhu_node.engine import Engine
     from gthulhu_node.intents.model import Intent
     from gthulhu_node.matching import PolicySet
+    from gthulhu_node.metrics import Metrics, histogram_count, histogram_quantile
     from gthulhu_node.reconciler import Reconciler
 
     backend: Backend
@@ -94,6 +95,8 @@ def run_agent(args: argparse.Namespace) -> int:
     )
     policy = PolicySet.build([("local/vllm", intent)])
     engine = Engine(Reconciler(backend, policy=policy), rescan_interval_s=args.rescan)
+    metrics = Metrics()
+    engine.add_latency_listener(metrics.observe_reaction)
     engine.start()
     sched_before = backend.counters()
     print("ready", flush=True)
@@ -116,10 +119,11 @@ def run_agent(args: argparse.Namespace) -> int:
         "batches": st.batches,
         "tasks_gone": st.tasks_gone,
         "tasks_vanished": st.tasks_vanished,
-        "latency_p50_ms_last4096": st.latency_p50_s * 1000,
-        "latency_p99_ms_last4096": st.latency_p99_s * 1000,
+        # from the reaction histogram's buckets, as a dashboard reads them
+        "latency_p50_ms": histogram_quantile(metrics.reaction_latency, 0.50) * 1000,
+        "latency_p99_ms": histogram_quantile(metrics.reaction_latency, 0.99) * 1000,
         "write_failures": st.write_failures,
-        "latency_count": st.latency_count,
+        "latency_count": histogram_count(metrics.reaction_latency),
         "scheduler": {k: v - sched_before.get(k, 0) for k, v in sched_after.items()},
         "apply_p50_ms": pct(apply_s, 0.5) * 1e3,
         "apply_p99_ms": pct(apply_s, 0.99) * 1e3,

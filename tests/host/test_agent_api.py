@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import threading
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import grpc
@@ -15,8 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.backends.base import ApplyResult, BackendError, Entry, EntryKey
 from gthulhu_node.backends.dryrun import DryRunBackend
-from gthulhu_node.intents.status import NO_MATCH_WARNING, NOOP_WARNING
+from gthulhu_node.intents.status import MAP_FULL_WARNING, NO_MATCH_WARNING, NOOP_WARNING
 from tests.host.agent_support import (
     NamedThread,
     intent,
@@ -189,6 +191,32 @@ def test_failed_with_reason_when_the_map_is_full() -> None:
             what="Failed status",
         )
         assert "not written" in st.reason and "full" in st.reason.lower()
+        assert MAP_FULL_WARNING in st.warnings
+
+
+class RefusingBackend(DryRunBackend):
+    """Refuses every upsert with an error that is not a full map, whatever its words say."""
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        result = super().apply({}, deletes)
+        result.failed.update({k: BackendError("journal disk full") for k in upserts})
+        return result
+
+
+def test_a_refusal_that_is_not_a_full_map_does_not_say_so() -> None:
+    """The map-capacity advice comes from the failure's typed reason, not from "full" in its text."""
+    with (
+        NamedThread("gn-disk-a"),
+        running_agent(backend=RefusingBackend()) as a,
+        stub_of(a) as stub,
+    ):
+        apply(stub, "disk", 0, intent("a", regex="^gn-disk-a$", priority=4))
+        st = wait_for(
+            lambda: (s := statuses(stub)["disk/a"]).state == pb.INTENT_STATE_FAILED and s,
+            what="Failed status",
+        )
+        assert "not written: journal disk full" in st.reason
+        assert MAP_FULL_WARNING not in st.warnings
 
 
 def test_watch_status_streams_a_change(agent) -> None:  # type: ignore[no-untyped-def]

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from gthulhu_node.backends.base import BackendUnavailable, EntryKey, KeyKind
+from gthulhu_node.backends.base import (
+    ApplyResult,
+    BackendUnavailable,
+    Entry,
+    EntryKey,
+    KeyKind,
+    MapFullError,
+)
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.engine import Engine, EngineStopped
 from gthulhu_node.intents.model import Intent
@@ -271,3 +278,34 @@ def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
     assert b.starts[1] == "gthulhu-backend-reload"
     assert e.call(lambda r: r.backend) is b
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
+
+
+class RefuseOnce(DryRunBackend):
+    """Refuses the first upsert of every key as a full map (room frees up at once after)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: set[EntryKey] = set()
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        first = {k for k in upserts if k not in self.refused}
+        self.refused |= first
+        result = super().apply({k: v for k, v in upserts.items() if k not in first}, deletes)
+        result.failed.update({k: MapFullError(f"{k}: full") for k in first})
+        return result
+
+
+def test_a_refused_write_is_retried_by_the_engine_before_the_next_rescan(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    proc.add(50, 50, "EngineCore", 3)
+    b = RefuseOnce()
+    # nothing else wakes the engine: no rescan, no health check, no events
+    e = make_engine(proc, b, rescan_interval_s=3600.0, health_interval_s=3600.0)
+    engines.append(e)
+    e.start()
+    t0 = time.monotonic()
+    e.call(lambda r: r.set_policy(vllm()))
+    assert EntryKey(KeyKind.TID, 50) in b.refused
+    wait_for(lambda: EntryKey(KeyKind.TID, 50) in b.table)
+    assert time.monotonic() - t0 < DEADLINE_S < 3600.0 and e.call(lambda r: r.stats().scans) == 1

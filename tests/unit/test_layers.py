@@ -20,18 +20,23 @@ EDGES = _modules("api", "rest", "probe")
 # package prefix -> what it must never import
 RULES: dict[str, tuple[str, ...]] = {
     "gthulhu_node.tasks": COMPOSITION + EDGES + _modules(
-        "backends", "scheduler", "intents", "matching", "reconciler", "engine"),
+        "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine"),
     "gthulhu_node.errors": COMPOSITION + EDGES + _modules(
-        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "engine", "limits"),
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine", "limits"),
     "gthulhu_node.lifecycle": COMPOSITION + EDGES + _modules(
-        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "engine", "limits", "errors"),
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine", "limits",
+        "errors"),
     "gthulhu_node.limits": COMPOSITION + EDGES + _modules(
-        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "engine"),
-    "gthulhu_node.backends": COMPOSITION + EDGES + _modules("intents", "matching", "reconciler", "engine"),
-    "gthulhu_node.scheduler": COMPOSITION + EDGES + _modules("intents", "matching", "reconciler", "engine"),
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine"),
+    "gthulhu_node.backends": COMPOSITION + EDGES + _modules(
+        "intents", "matching", "reconciler", "outbox", "engine"),
+    "gthulhu_node.scheduler": COMPOSITION + EDGES + _modules(
+        "intents", "matching", "reconciler", "outbox", "engine"),
     "gthulhu_node.intents": COMPOSITION + EDGES + _modules(
-        "backends", "scheduler", "reconciler", "engine", "tasks"),
-    "gthulhu_node.matching": COMPOSITION + EDGES + _modules("backends", "scheduler", "reconciler", "engine"),
+        "backends", "scheduler", "reconciler", "outbox", "engine", "tasks"),
+    "gthulhu_node.matching": COMPOSITION + EDGES + _modules(
+        "backends", "scheduler", "reconciler", "outbox", "engine"),
+    "gthulhu_node.outbox": COMPOSITION + EDGES + _modules("intents", "matching", "reconciler", "engine"),
     "gthulhu_node.reconciler": COMPOSITION + EDGES + _modules("engine"),
     "gthulhu_node.engine": COMPOSITION + EDGES,
 }

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gthulhu_node.backends.base import ApplyResult, Entry, EntryKey, KeyKind, TaskGoneError
+from gthulhu_node.backends.base import (
+    ApplyResult,
+    BackendError,
+    Entry,
+    EntryKey,
+    KeyKind,
+    MapFullError,
+    TaskGoneError,
+)
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import PolicySet
+from gthulhu_node.outbox import RETRY_INITIAL_S, RETRY_MAX_S, FailureReason
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, snapshot
@@ -376,7 +386,8 @@ def test_latency_is_measured_from_the_event_timestamp(proc: FakeProc) -> None:
     t0 = time.monotonic_ns() - 3_000_000  # the rename happened 3 ms ago
     r.handle_events([ev(EventKind.COMM, 101, 100, "EngineCore", ts=t0)])
     assert len(seen) == 1 and 0.003 <= seen[0] < 10
-    assert r.stats().latency_count == 1
+    r.set_policy(policy(("local/vllm", {"priority": 12})))  # a write no event caused: no latency
+    assert len(seen) == 1
 
 
 def test_pod_selector_matches_only_threads_of_that_pod(proc: FakeProc) -> None:
@@ -480,3 +491,115 @@ def test_a_latency_listener_added_later_is_called_with_the_first(proc: FakeProc)
     r.rescan()
     r.handle_events([ev(EventKind.COMM, 101, 100, "EngineCore", ts=time.monotonic_ns())])
     assert len(first) == len(later) == 1 and first == later
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RefusingBackend(DryRunBackend):
+    """Refuses upserts of the keys in `refuse` with the given error, and (while `down`) every batch."""
+
+    def __init__(self, error: BackendError) -> None:
+        super().__init__()
+        self.error = error
+        self.refuse: set[EntryKey] = set()
+        self.down = False
+        self.attempts = 0
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        if self.down:
+            raise self.error
+        refused = {k for k in upserts if k in self.refuse}
+        self.attempts += len(refused)
+        result = super().apply({k: v for k, v in upserts.items() if k not in refused}, deletes)
+        result.failed.update({k: self.error for k in refused})
+        return result
+
+
+def refused_vllm(proc: FakeProc, error: BackendError, clock: Clock) -> tuple[Reconciler, RefusingBackend]:
+    """One EngineCore thread, one intent for it, and a backend that refuses its TID entry."""
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    b = RefusingBackend(error)
+    b.refuse.add(tid(101))
+    r, _b = make(proc, b, clock=clock)
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))
+    return r, b
+
+
+def test_a_refused_key_is_retried_on_its_own_with_doubling_backoff(proc: FakeProc) -> None:
+    clock = Clock()
+    r, b = refused_vllm(proc, MapFullError("tid:101: map is full"), clock)
+    assert b.attempts == 1 and r.failures() == {tid(101): FailureReason.MAP_FULL}
+    assert r.next_retry_at() == pytest.approx(clock.now + RETRY_INITIAL_S)
+    r.flush()
+    assert b.attempts == 1  # not due yet: no write
+    gaps = []
+    for _ in range(12):
+        due = r.next_retry_at()
+        gaps.append(round(due - clock.now, 3))
+        clock.now = due
+        r.flush()
+    assert b.attempts == 13
+    assert gaps[:5] == [0.1, 0.2, 0.4, 0.8, 1.6] and max(gaps) == RETRY_MAX_S == gaps[-1]
+    b.refuse.clear()  # room again: the next retry writes it, with no rescan and no event
+    clock.now = r.next_retry_at()
+    r.flush()
+    assert b.table == {tid(101): Entry(10, 0, 5)} and r.failures() == {} and r.next_retry_at() == math.inf
+    st = r.intent_stats()["local/vllm"]
+    assert st.pending_failures == 0 and st.write_failures == 13 and r.stats().write_retries == 13
+
+
+def test_a_held_backend_is_not_retried(proc: FakeProc) -> None:
+    clock = Clock()
+    r, b = refused_vllm(proc, BackendError("tid:101: busy"), clock)
+    r.hold_writes = True
+    assert r.next_retry_at() == math.inf
+    clock.now += 60
+    r.flush()
+    assert b.attempts == 1
+
+
+def test_failures_carry_a_typed_reason_not_only_text(proc: FakeProc) -> None:
+    """Status decides "map full" from the reason: a backend's message that says "full" about something
+    else is not a full map, and a map-full error is one whatever its words."""
+    r, b = refused_vllm(proc, BackendError("journal disk full"), Clock())
+    st = r.intent_stats()["local/vllm"]
+    assert st.pending_reasons == {FailureReason.BACKEND: 1} and st.last_reason is FailureReason.BACKEND
+    b.error = MapFullError("no room")
+    r.rescan()
+    st = r.intent_stats()["local/vllm"]
+    assert st.pending_reasons == {FailureReason.MAP_FULL: 1} and st.last_error == "no room"
+    assert r.stats().map_full == 1
+
+
+@pytest.mark.parametrize("then", ["policy change", "exit"])
+def test_a_refused_delete_is_kept_until_the_backend_takes_it(proc: FakeProc, then: str) -> None:
+    """Found by the model test: a policy change (the key is in neither the old nor the new desired table)
+    or the task's exit forgot a key whose delete the backend had refused, so the backend kept the entry
+    until the next rescan."""
+    clock = Clock()
+    r, b = refused_vllm(proc, BackendError("busy"), clock)
+    b.refuse.clear()
+    r.rescan()
+    assert b.table == {tid(101): Entry(10, 0, 5)}
+    b.down = True
+    if then == "policy change":
+        proc.remove(100)
+        r.rescan()
+        r.set_policy(PolicySet.empty())
+    else:
+        r.handle_events([ev(EventKind.COMM, 101, 100, "tokenizer")])  # out of the pattern: delete refused
+        r.handle_events([ev(EventKind.EXIT, 101, 100)])
+    assert r.tasks() == {} and r.failures() == {tid(101): FailureReason.BACKEND}
+    b.down = False
+    clock.now += 60
+    r.flush()
+    assert b.table == {} and r.applied() == {} and r.failures() == {}
