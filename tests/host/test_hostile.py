@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import urllib.error
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,12 +284,23 @@ def test_metrics_connection_flood_as_nobody(agent: Agent) -> None:
     assert samples["gthulhu_node_metrics_connections_refused_total"][()] > 0
 
 
+def token_again(agent: Agent) -> bool:
+    """Whether the Manager gets a token now. Right after the flood closes its 1,100 connections the
+    listener may still reset one (seen on a loaded host: "Connection reset by peer", a TLS EOF); a client
+    retries that, so it counts as "not yet", not as a failure."""
+    try:
+        return bool(agent.manager_token().status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
 def test_rest_port_flood_without_handshakes_as_nobody(agent: Agent) -> None:
     """1,100 plain TCP connects to the mutual-TLS port, never a handshake. Before the fix each held an fd
     and ~300 KB (93 -> 369 MB, never given back) and the agent reached its fd limit."""
-    assert agent.manager_token().status == 200
+    # the fixture waits for the gRPC socket; on a loaded host the REST listener may come a moment later
+    wait_for(lambda: token_again(agent), what="the Manager getting a token")
     samples = survive_flood(agent, agent.rest_port, 2, 550, "gn-hostile-r")
-    wait_for(lambda: agent.manager_token().status == 200, what="the Manager getting a token again")
+    wait_for(lambda: token_again(agent), what="the Manager getting a token again")
     refused = samples["gthulhu_node_rest_connections_refused_total"][()]
     dropped = samples["gthulhu_node_rest_handshakes_failed_total"][()]
     assert refused + dropped > 0
