@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -40,6 +40,7 @@ from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import PolicySet
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.scheduler.backend import SchedExtBackend
+from tests.vm import peers
 
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
@@ -59,6 +60,16 @@ CASES: dict[str, dict[str, Any]] = {
     "EEVDF no autogroup": {"hogs": True, "autogroup": False},
     "ours no autogroup": {"hogs": True, "sched": True, "autogroup": False},
     "chrt -f 50": {"hogs": True, "prefix": ["chrt", "-f", "50"]},
+    # What an operator can do without an agent: the engine process in a cgroup of cpu.weight 10000.
+    "EEVDF weight 10000": {"hogs": True, "cgroup_weight": 10000},
+    # The kernel's reference schedulers (tests/vm/peers.py), each with its strongest setting for the engine
+    "scx_simple nice -20": {"hogs": True, "peer": "scx_simple", "prefix": ["nice", "-n", "-20"]},
+    "scx_flatcg weight 10000": {"hogs": True, "peer": "scx_flatcg", "cgroup_weight": 10000},
+    # Four engines (processes, so no GIL between them) asking 4 x 2/7 of a CPU, 57 % of 2 vCPUs: the
+    # one-engine cases sit at their ceiling and cannot show a regression, these are not.
+    "4 engines no contention": {"hogs": False, "engines": 4},
+    "4 engines EEVDF": {"hogs": True, "engines": 4},
+    "4 engines ours boosted": {"hogs": True, "sched": True, "intent": {"priority": 20}, "engines": 4},
 }
 
 
@@ -146,6 +157,60 @@ def scheduler(active: bool, intent: dict[str, Any] | None) -> Iterator[SchedExtB
         backend.stop()
 
 
+def _sched_ext() -> tuple[str, str]:
+    root = Path("/sys/kernel/sched_ext")
+    ops = root / "root" / "ops"
+    return (root / "state").read_text().strip(), ops.read_text().strip() if ops.exists() else ""
+
+
+@contextlib.contextmanager
+def peer(name: str | None) -> Iterator[None]:
+    """One of the kernel's reference schedulers, built by tests/vm/peers.py, loaded for the block."""
+    if name is None:
+        yield
+        return
+    proc = subprocess.Popen([str(PEERS_DIR / name)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while _sched_ext() != ("enabled", name.removeprefix("scx_")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not load: exit {proc.poll()}, sched_ext {_sched_ext()}")
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# Where the peers' binaries are in the guest: the host copies them into the scratch folder (the guest
+# has a tmpfs over /var/cache, where tests/vm/peers.py caches them). --peers-dir sets it.
+PEERS_DIR = peers.peers_dir()
+ENGINE_CGROUP = Path("/sys/fs/cgroup/gthulhu-bench-engine")
+
+
+@contextlib.contextmanager
+def engine_cgroup(weight: int | None) -> Iterator[Path | None]:
+    """A cgroup of that cpu.weight for the engine processes (None: none)."""
+    if weight is None:
+        yield None
+        return
+    control = Path("/sys/fs/cgroup/cgroup.subtree_control")
+    if "cpu" not in control.read_text().split():
+        control.write_text("+cpu")
+    ENGINE_CGROUP.mkdir(exist_ok=True)
+    (ENGINE_CGROUP / "cpu.weight").write_text(str(weight))
+    try:
+        yield ENGINE_CGROUP
+    finally:
+        time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            ENGINE_CGROUP.rmdir()
+
+
 def apply_intent(backend: SchedExtBackend, intent: dict[str, Any]) -> None:
     """The agent's path: intent -> PolicySet -> reconciler full scan + diff -> backend.apply."""
     model = Intent.model_validate({"id": "engine", "commandRegex": f"^{COMM}$", **intent})
@@ -165,31 +230,49 @@ def parse_cyclictest(text: str) -> dict[str, float]:
     return {"cyclic_avg_us": float(m.group(1)), "cyclic_max_us": float(m.group(2))} if m else {}
 
 
+def _combine(results: list[dict[str, float]]) -> dict[str, float]:
+    """Several engines as one row: mean steps/s and wait, median p50, worst p99."""
+    return {
+        "steps_per_s": statistics.mean(r["steps_per_s"] for r in results),
+        "p50_ms": statistics.median(r["p50_ms"] for r in results),
+        "p99_ms": max(r["p99_ms"] for r in results),
+        "runq_wait_ms_per_step": statistics.mean(r["runq_wait_ms_per_step"] for r in results),
+    }
+
+
 def run_case(name: str, seconds: float) -> dict[str, float]:
     case = CASES[name]
     with (
         autogroup(case.get("autogroup", True)),
         hogs(case["hogs"], seconds) as hog,
         scheduler(case.get("sched", False), case.get("intent")) as sched,
+        peer(case.get("peer")),
+        engine_cgroup(case.get("cgroup_weight")) as cgroup,
     ):
-        proc = subprocess.Popen(
-            [*case.get("prefix", []), sys.executable, __file__, "--engine", str(seconds)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp",
-        )
-        assert proc.stdin is not None and proc.stdout is not None
+        procs = [
+            subprocess.Popen(
+                [*case.get("prefix", []), sys.executable, __file__, "--engine", str(seconds)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp",
+            )
+            for _ in range(case.get("engines", 1))
+        ]
         try:
-            tid = int(proc.stdout.readline())
+            tids = [int(_out(proc).readline()) for proc in procs]
+            if cgroup is not None:
+                for proc in procs:
+                    (cgroup / "cgroup.procs").write_text(str(proc.pid))
             counters_before: dict[str, int] = {}
             if sched is not None:
                 if case.get("intent"):
                     apply_intent(sched, case["intent"])
-                    held = sched.read_back()
-                    assert any(k.id == tid for k in held), f"the intent did not reach the engine: {held}"
+                    held = {k.id for k in sched.read_back()}
+                    assert set(tids) <= held, f"the intent did not reach every engine: {held} {tids}"
                 counters_before = sched.counters()
             cyc = cyclictest(seconds)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            out: dict[str, float] = json.loads(proc.stdout.readline())
+            for proc in procs:
+                _in(proc).write("go\n")
+                _in(proc).flush()
+            out = _combine([json.loads(_out(proc).readline()) for proc in procs])
             cyc_out, _ = cyc.communicate(timeout=seconds + 30)
             out.update(parse_cyclictest(cyc_out))
             if sched is not None:
@@ -198,13 +281,25 @@ def run_case(name: str, seconds: float) -> dict[str, float]:
                             "fair_preemptions", "fair_dispatches"):
                     out[key] = after[key] - counters_before[key]
                 out["health_ok"] = float(sched.health().state.value == "running")
-            proc.wait(timeout=30)
+            for proc in procs:
+                proc.wait(timeout=30)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     out.update(hog)
     return out
+
+
+def _in(proc: subprocess.Popen[str]) -> IO[str]:
+    assert proc.stdin is not None
+    return proc.stdin
+
+
+def _out(proc: subprocess.Popen[str]) -> IO[str]:
+    assert proc.stdout is not None
+    return proc.stdout
 
 
 def main() -> int:
@@ -213,7 +308,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--engine", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--peers-dir", type=Path, default=None, help="where scx_simple and scx_flatcg are")
     args = parser.parse_args()
+    if args.peers_dir is not None:
+        global PEERS_DIR
+        PEERS_DIR = args.peers_dir
     if args.engine is not None:
         engine(args.engine)
         return 0
