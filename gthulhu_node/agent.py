@@ -142,6 +142,7 @@ class Agent:
         self._kick = threading.Event()
         self._status_thread: threading.Thread | None = None
         self._matched_tasks = 0
+        self._last_stats: dict[str, IntentStats] | None = None  # the engine's last answer, for a busy moment
         self._policy_updates = 0
         self._policy_errors = 0
         self.store.subscribe(self._on_store_change)
@@ -417,8 +418,12 @@ class Agent:
                     stats, self._matched_tasks = engine.call(
                         lambda r: (r.intent_stats(), len(r.matches())), timeout=SYNC_TIMEOUT_S
                     )
+                    self._last_stats = stats
                 except Exception as exc:
+                    # An engine too busy to answer in time has not undone anything: the last figures it
+                    # gave stand (turning every intent Pending would tell the operator a falsehood).
                     log.warning("status_stats_unavailable", error=str(exc))
+                    stats = self._last_stats
             statuses = self._compute(self.store.snapshot(), stats)
             self.board.publish(statuses, self._summary())
 

@@ -398,6 +398,12 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.5)
             # every 2 s: scraping and evaluating every second cost the emulated guest too much CPU
             prom = Prometheus(AGENT_DIR, 9813, interval="2s")
+            # Eject only once prometheus has the counter at 0: a first scrape after the first ejection
+            # sees 1 -> 3, an increase of 2, and RepeatedEjections (>= 3 in an hour) never fires.
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and not prom.query("gthulhu_node_scheduler_ejections_total"):
+                time.sleep(1)
+            out["scraped_before_first_ejection"] = bool(prom.query("gthulhu_node_scheduler_ejections_total"))
             t0 = time.monotonic()
             for _ in range(args.threads):
                 deadline = time.monotonic() + 120
