@@ -182,8 +182,11 @@ def test_nested_cgroup_weights_compound_as_under_eevdf(lab: Any) -> None:
                     round(by_weights[leaf], 3)) for leaf in by_weights}
     print("leaf: (ours, EEVDF scaled, by the weights)", json.dumps(table, indent=1))
     assert all(_close(ours[leaf]["share"], by_weights[leaf]) for leaf in by_weights), table
+    # Not the BestEffort leaf: it is at the floor, where ours gives deliberately more than EEVDF (0.0117
+    # against EEVDF's 0.0014 in a two-lane run, 0.0105 by the weights), and the 0.01 absolute tolerance
+    # let EEVDF's near-zero share count as "matching the weights" there.
     assert all(_close(ours[leaf]["share"], eevdf[leaf]["share"] * scale) for leaf in by_weights
-               if _close(eevdf[leaf]["share"] * scale, by_weights[leaf])), table
+               if "besteffort" not in leaf and _close(eevdf[leaf]["share"] * scale, by_weights[leaf])), table
     for name in ("light", "many_be"):
         # The kernel's watchdog is the bound on every wait: an ejection would show here.
         assert out[f"health_{name}"] == "running", out
