@@ -48,6 +48,9 @@ log = structlog.get_logger(__name__)
 
 # First guess of one key's write cost, before a budgeted flush has measured the backend.
 _WRITE_COST_GUESS_S = 0.0002
+# A budgeted flush's batches start this small and at most double: a backend slower than the guess (or
+# than it was) costs one small batch too many, not one budget-sized batch at the wrong price.
+_FIRST_BATCH = 2
 
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
 
@@ -533,12 +536,12 @@ class Reconciler:
         todo.sort(key=lambda item: dirty[item[0]] == 0)  # event-caused writes first: their latency counts
         deadline = time.monotonic() + budget
         total = ApplyResult()
-        i = 0
+        i, n = 0, _FIRST_BATCH
         while i < len(todo):
             start = time.monotonic()
             if i and start >= deadline:
                 break
-            n = max(1, int((deadline - start) / self._write_cost_s))
+            n = max(1, min(2 * n if i else n, int((deadline - start) / self._write_cost_s)))
             chunk = todo[i:i + n]
             result = self._write(chunk, dirty, now)
             self._write_cost_s = max(1e-6, 0.5 * self._write_cost_s
