@@ -21,10 +21,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.vm import warm
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # Workers run until terminated: setting up (compile, agent start) takes minutes under TCG on a busy host.
@@ -95,12 +100,14 @@ def wait_for_comm(pids: list[int], names: list[str], timeout: float = 60.0) -> N
     """Until each process has renamed itself (python starts slowly next to CPU hogs under TCG)."""
     end = time.monotonic() + timeout
     for pid, name in zip(pids, names, strict=True):
-        while time.monotonic() < end:
+        while True:
             try:
                 if Path(f"/proc/{pid}/comm").read_text().strip() == name:
                     break
             except OSError:
                 pass
+            if time.monotonic() > end:  # a worker that died at its start would only show as "no match"
+                raise RuntimeError(f"process {pid} never named itself {name!r} within {timeout} s")
             time.sleep(0.05)
 
 
@@ -112,7 +119,7 @@ AGENT_POLICIES = [
 ]
 
 
-def start_agent(backend: str, policies: list[dict[str, Any]] | None = None) -> subprocess.Popen[bytes]:
+def start_agent(backend: str, policies: list[dict[str, Any]] | None = None) -> Any:
     """The real agent (sched_ext backend in the lab) with three local intents: the boosted twin (priority
     10), the plain twin and the spawner's threads (priority 0, the default slice: not boosted); or with
     the given ones."""
@@ -128,10 +135,9 @@ def start_agent(backend: str, policies: list[dict[str, Any]] | None = None) -> s
         "metrics": {"listen": ""},
         "log": {"format": "json"},
     }))
-    exe = Path(sys.executable).with_name("gthulhu-node")
     with (AGENT_DIR / "agent.log").open("wb") as log:
-        return subprocess.Popen([str(exe), "run", "--config", str(config)], stdout=log,
-                                stderr=subprocess.STDOUT, preexec_fn=normal_priority)
+        return warm.start_cli(["run", "--config", str(config)], stdout=log, stderr=log,
+                              preexec=normal_priority)
 
 
 def wait_matched(socket: Path, names: set[str], timeout: float = 600.0) -> None:
@@ -175,7 +181,7 @@ def run(duration: float, agent: bool, fifo: bool, hogs: int, backend: str = "sch
         print(json.dumps({"error": str(exc)}))
         return
     out["compile_s"] = round(time.monotonic() - t0, 1)
-    procs: list[subprocess.Popen[Any]] = []
+    procs: list[Any] = []
     if agent:
         procs.append(start_agent(backend))
     try:
@@ -257,39 +263,48 @@ def bcc_attached() -> bool:
     return any(str(p.get("name", "")).startswith("tracepoint__sch") for p in bpftool_progs())
 
 
-def run_beside_hogs(cmd: list[str], procs: list[subprocess.Popen[Any]], hogs: int, hog_s: float,
-                    timeout: float) -> tuple[subprocess.Popen[str], str, str]:
-    """Run a command that attaches the BCC probe; start the hogs only once it has attached (compiling
-    next to them takes minutes under TCG). The processes go into `procs` for the caller to stop."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs.append(proc)
-    while proc.poll() is None and not bcc_attached():
-        time.sleep(0.2)
-    procs.append(start_hogs(hogs, hog_s))
-    stdout, stderr = proc.communicate(timeout=timeout)
-    return proc, stdout, stderr
+def start_worker(name: str, fifo: bool = False) -> Any:
+    """A `worker` (below) forked from this warm process when it may fork (a new interpreter takes 16-25 s
+    to start under TCG), else started as one."""
+    if warm.single_threaded():
+        return warm.spawn(lambda: worker(name, WORKER_S, fifo), stdout=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", name, str(WORKER_S),
+                             *(["--fifo"] if fifo else [])], stdout=subprocess.DEVNULL)
+
+
+def run_beside_hogs(args: list[str], procs: list[Any], hogs: int, hog_s: float,
+                    timeout: float) -> tuple[int, str, str]:
+    """Run `gthulhu-node ARGS` that attaches the BCC probe; start the hogs only once it has attached
+    (compiling next to them takes minutes under TCG). The processes go into `procs` for the caller to
+    stop. Returns its exit code, stdout and stderr."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = warm.start_cli(args, stdout=out, stderr=err)
+        procs.append(proc)
+        while proc.poll() is None and not bcc_attached():
+            time.sleep(0.2)
+        procs.append(start_hogs(hogs, hog_s))
+        code = proc.wait(timeout)
+        text = []
+        for f in (out, err):
+            f.seek(0)
+            text.append(f.read().decode(errors="replace"))
+    return code, text[0], text[1]
 
 
 def cli(duration: float, hogs: int) -> int:
     """`gthulhu-node probe --regex '^probe_'` as people run it, beside two engine-step workers; the hogs
     start once the CLI has attached (compiling next to them would take minutes under TCG). Prints the
     command and its output."""
-    me = [sys.executable, os.path.abspath(__file__)]
     names = ["probe_boost", "probe_plain"]
-    procs: list[subprocess.Popen[Any]] = [
-        subprocess.Popen([*me, "worker", name, str(WORKER_S), *(["--fifo"] if name == names[0] else
-                                                                      [])], stdout=subprocess.DEVNULL)
-        for name in names
-    ]
+    procs: list[Any] = [start_worker(name, fifo=name == names[0]) for name in names]
     try:
         wait_for_comm([p.pid for p in procs], names)
-        cmd = [str(Path(sys.executable).with_name("gthulhu-node")), "probe", "--regex", "^probe_",
-               "--duration", f"{duration:g}"]
-        probe, stdout, stderr = run_beside_hogs(cmd, procs, hogs, duration + 60, timeout=600)
+        cmd = ["probe", "--regex", "^probe_", "--duration", f"{duration:g}"]
+        code, stdout, stderr = run_beside_hogs(cmd, procs, hogs, duration + 60, timeout=600)
         print("# gthulhu-node probe --regex '^probe_' --duration", f"{duration:g}")
         print(stdout, end="")
         sys.stderr.write(stderr)
-        return probe.returncode
+        return code
     finally:
         for p in procs:
             if p.poll() is None:
@@ -368,25 +383,24 @@ def compare(duration: float, window: float, hogs: int) -> int:
     real probe: an engine-step worker beside CPU hogs, its intent (priority 10) on and off in windows.
     The hogs start once the probe has attached (compiling next to them takes minutes under TCG). Prints
     the command's JSON."""
-    me = [sys.executable, os.path.abspath(__file__)]
     intent = AGENT_DIR / "engine.yaml"
     AGENT_DIR.mkdir(parents=True, exist_ok=True)
     intent.write_text(json.dumps([{"id": "engine", "commandRegex": "^probe_cmp$", "priority": 10}]))
-    procs: list[subprocess.Popen[Any]] = [start_agent("sched_ext", policies=[])]
+    procs: list[Any] = [start_agent("sched_ext", policies=[])]
     try:
-        procs.append(subprocess.Popen([*me, "worker", "probe_cmp", str(WORKER_S)], stdout=subprocess.DEVNULL))
+        procs.append(start_worker("probe_cmp"))
         wait_for_comm([procs[-1].pid], ["probe_cmp"])
         socket = AGENT_DIR / "api.sock"
         deadline = time.monotonic() + 600  # starting the agent takes minutes under TCG
         while not socket.exists() and time.monotonic() < deadline:
             time.sleep(0.5)
-        cmd = [str(Path(sys.executable).with_name("gthulhu-node")), "compare", "-f", str(intent),
+        cmd = ["compare", "-f", str(intent),
                "--socket", str(socket), "--duration", f"{duration:g}", "--window", f"{window:g}",
                "--settle", "0.5", "-o", "json"]
-        run_cmp, stdout, stderr = run_beside_hogs(cmd, procs, hogs, duration + 120, timeout=900)
+        code, stdout, stderr = run_beside_hogs(cmd, procs, hogs, duration + 120, timeout=900)
         sys.stderr.write(stderr)
         print(stdout, end="")
-        return run_cmp.returncode
+        return code
     finally:
         for p in reversed(procs):
             if p.poll() is None:

@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-EXE = str(REPO / ".venv/bin/gthulhu-node")
+sys.path.insert(0, str(REPO))
+
+from tests.vm import warm  # noqa: E402 (after the path it comes from)
+
 PY = str(REPO / ".venv/bin/python")
 EXAMPLE = REPO / "systemd/policies.d/vllm.yaml.example"
 METRICS = "127.0.0.1:9813"
@@ -40,8 +43,7 @@ def _sysfs() -> dict[str, str]:
 
 
 def _status(config: Path) -> dict[str, Any]:
-    out = subprocess.run([EXE, "status", "-o", "json", "--config", str(config)], capture_output=True,
-                         text=True, check=False)
+    out = warm.run_cli(["status", "-o", "json", "--config", str(config)])
     return dict(json.loads(out.stdout)) if out.returncode == 0 and out.stdout.strip() else {}
 
 
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config.write_text("\n".join(lines) + "\n")
     out: dict[str, Any] = {"before": _sysfs()}
     log = open(work / "agent.log", "w")  # noqa: SIM115 (closed below)
-    agent = subprocess.Popen([EXE, "run", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    agent = warm.start_cli(["run", "--config", str(config)], stdout=log, stderr=log)
     engine = subprocess.Popen([PY, str(REPO / "tests/vm/vllm_engine.py"), "--idle", "--tids",
                                str(work / "tids.json")])
     try:
@@ -93,8 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["log"] = (work / "agent.log").read_text()[-3000:]
             return out
         out["loaded"] = _sysfs()
-        applied = subprocess.run([EXE, "apply", "-f", str(EXAMPLE), "--config", str(config)],
-                                 capture_output=True, text=True, check=False)
+        applied = warm.run_cli(["apply", "-f", str(EXAMPLE), "--config", str(config)])
         out["apply_rc"] = applied.returncode
         while time.monotonic() < deadline and not (work / "tids.json").exists():
             time.sleep(0.2)

@@ -29,6 +29,7 @@ from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
 from gthulhu_node.scheduler.backend import SchedExtBackend
 from gthulhu_node.scheduler.loader import possible_cpus
 from tests.prom_support import Prometheus, dashboard_queries, rules, selectors
+from tests.vm import warm
 from tests.vm.sched_workloads import (
     busy_fraction,
     cpu_shares,
@@ -54,6 +55,41 @@ def boost(backend: SchedExtBackend, prios: dict[int, int]) -> None:
     backend.apply(upserts, [])
 
 
+def measure_stalls(seconds: float) -> Callable[[], dict[str, float]]:
+    """Fork a SCHED_FIFO 99 process that sleeps 1 ms at a time for `seconds` and adds up every oversleep
+    past 20 ms. Nothing in the guest can delay it that long but the emulator itself: a TCG guest loses the
+    host CPU for tens of ms on a loaded machine, and a task's measured wait includes that time, which no
+    guest scheduler can help (the bound excludes it, as it excludes RT time). Shorter oversleeps are the
+    emulated timer's usual lateness (up to ~12 ms measured, about 2 s of it in 3 s), not stalls. Returns a
+    function that waits for the end and gives the total and the longest stall in ms."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
+            total = longest = 0.0
+            end = time.monotonic() + seconds
+            while (t := time.monotonic()) < end:
+                time.sleep(0.001)
+                late = time.monotonic() - t - 0.001
+                if late > 0.020:
+                    total += late
+                    longest = max(longest, late)
+            os.write(w, json.dumps({"total_ms": total * 1e3, "longest_ms": longest * 1e3}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+
+    def result() -> dict[str, float]:
+        with os.fdopen(r) as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        return dict(json.loads(data))
+
+    return result
+
+
 def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float,
             probe: Any = None) -> dict[str, Any]:
     """Start the threads of `mix` ((priority, kind) with kind "spin" or "periodic"), boost them, measure
@@ -64,12 +100,14 @@ def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float
         pids += started
         time.sleep(0.2)
         boost(backend, {pid: prio for pid, (prio, _) in zip(started, mix, strict=True)})
+        stalls = None
         if probe is not None:
             for i, pid in enumerate(started):
                 probe.add_target(pid, i)
+            stalls = measure_stalls(seconds)
         shares = cpu_shares({str(pid): pid for pid in started}, seconds)
         waits: dict[int, Any] = {}
-        if probe is not None:
+        if probe is not None and stalls is not None:
             hists = probe.thread_histograms()
             for pid in started:
                 hist = hists.get(pid)
@@ -78,6 +116,8 @@ def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float
                     "hist": hist,
                 }
                 probe.remove_target(pid)
+            return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits,
+                    "stalls": stalls()}
     return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits}
 
 
@@ -145,6 +185,7 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
                 "shares": res["shares"],
                 "max_wait_ms": [None if w is None else w["max_ms"] for w in waits],
                 "bound_ms": _bound_ms(n, ncpu),
+                "emulator_stalls": res["stalls"],
                 "compare": compare,
             }
         out["health"] = backend.health().state.value
@@ -358,9 +399,7 @@ AGENT_DIR = Path("/tmp/gn-ejections")
 
 
 def _agent_status(config: Path) -> str:
-    exe = Path(sys.executable).with_name("gthulhu-node")
-    out = subprocess.run([str(exe), "status", "-o", "json", "--config", str(config)], capture_output=True,
-                         text=True, check=False)
+    out = warm.run_cli(["status", "-o", "json", "--config", str(config)])
     return out.stdout if out.returncode == 0 else ""
 
 
@@ -385,13 +424,11 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
         "log": {"format": "json"},
         "scheduler": {"reload_backoff_initial_s": 0.5, "ejection_limit": 3, "ejection_window_s": 300},
     }))
-    exe = Path(sys.executable).with_name("gthulhu-node")
     out: dict[str, Any] = {"sysrq": []}
     with workers() as pids, (AGENT_DIR / "agent.log").open("wb") as log:
         pids.append(fork_worker(lambda: time.sleep(600), "ej-worker"))
         pids.append(fork_worker(busy_fraction(2, 6), "ej-busy"))
-        agent = subprocess.Popen([str(exe), "run", "--config", str(config)], stdout=log,
-                                 stderr=subprocess.STDOUT)
+        agent = warm.start_cli(["run", "--config", str(config)], stdout=log, stderr=log)
         prom: Prometheus | None = None
         try:
             # Starting the agent (imports, loading the scheduler) takes minutes under TCG.

@@ -56,11 +56,13 @@ def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
     for seed, res in out["seeds"].items():
         waits = [w for w in res["max_wait_ms"] if w is not None]
         assert waits, (seed, res)
-        # What holds in the lab: no wait anywhere near the watchdog (a stall would eject the scheduler).
-        # The stated bound (docs/scheduler.md) does NOT hold here under load: in the two-lane run of
-        # 2026-12-01 an unboosted spinner waited 877 ms against a bound of 433 ms (+ 74 ms of measured
-        # emulator stall in the run before); on a quiet machine the waits stayed within it. The figures are
-        # printed (-s) and the bound is issue 14's open point.
+        # The stated bound (docs/scheduler.md), with the time the emulator did not run the guest added:
+        # the bound excludes what no guest scheduler can help, and under TCG on a loaded machine the
+        # guest loses the host CPU for tens of ms at a time (the run measures it, see measure_stalls).
+        # Before that was measured, the two-lane run of 2026-12-01 had an unboosted spinner wait 877 ms
+        # against a bound of 433 ms, so the test asserted only half the watchdog.
+        stalled = res["emulator_stalls"]["total_ms"]
+        assert max(waits) <= res["bound_ms"] + stalled, (seed, res)
         assert max(waits) < WATCHDOG_MS / 2, (seed, res)
         for role, c in res["compare"].items():
             ratios[role].append(c["boosted"] / max(c["unboosted"], 1e-3))
