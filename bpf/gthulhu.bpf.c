@@ -420,12 +420,13 @@ static __always_inline u64 boost_deadline(u32 prio, u64 now)
 }
 
 #ifdef GTHULHU_CGROUP_BW
-/*
- * cpu.max. The kernel's "max" quota (RUNTIME_INF). A parked task waits at most BW_MAX_PARK_NS, a quarter of
- * the shortest watchdog timeout the agent accepts (1 s), beside cpu.max's longest period (1 s): past it, it
- * runs until its next tick and is parked again (a period of 1 s gets at most four ticks beyond its quota).
- */
+/* cpu.max "max", the kernel's RUNTIME_INF: no limit. */
 #define BW_UNLIMITED (~0ULL)
+/*
+ * A parked task waits at most this long, a quarter of the shortest watchdog timeout the agent accepts (1 s),
+ * where cpu.max's longest period is 1 s: past it, it runs until its next tick and is parked again (a period
+ * of 1 s gets at most four ticks beyond its quota).
+ */
 #define BW_MAX_PARK_NS 250000000ULL
 /* While tasks are parked the timer also fires at least this often: a lost arm delays a release this much. */
 #define BW_POLL_NS 10000000ULL
