@@ -674,11 +674,29 @@ def _parent_and_many(seconds: float) -> dict[str, Any]:
     return out
 
 
+def _long_period() -> float:
+    """A hog under cpu.max's longest period (1 s) and a 1 % quota, over three periods: its tasks wait up to
+    a second each period, longer than the shortest watchdog timeout allows a task to wait."""
+    cg = _cgroup_at("gthulhu-bw-long", {"cpu.max": "10000 1000000"})
+    with workers() as pids:
+        hog = _hogs_in(cg, "long", 1, pids)
+        time.sleep(0.3)
+        share = cpu_shares(hog, 3.0)["long0"]
+    _remove_cgroups(cg)
+    return share
+
+
 def cpu_max(args: argparse.Namespace) -> dict[str, Any]:
     """cpu.max under EEVDF and then under ours in the same boot, and whether ours enforces it on this kernel
     (the 6.17+ object does; elsewhere one check shows it does not). No ejection throughout."""
     enforced = loader.enforces_cpu_max(loader.kfunc_flavour())
     out: dict[str, Any] = {"enforced": enforced, "eevdf": _bandwidth_checks(args.seconds, None, enforced)}
+    if enforced:
+        out["eevdf"]["long_period"] = _long_period()
+        # the shortest watchdog the agent accepts (1 s) against the longest period: nobody is ejected
+        with scheduler(watchdog_timeout_ms=1000) as backend:
+            out["ours_long_period"] = _long_period()
+            out["health_long_period"] = backend.health().state.value
     with scheduler() as backend:
         out["ours"] = _bandwidth_checks(args.seconds, backend, enforced)
         out["counters"] = backend.counters()
