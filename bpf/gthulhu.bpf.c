@@ -16,7 +16,7 @@
  *    the group's runnable tasks.
  *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
  *    pool by at most one default slice (so a demoted task waits little), and its `served` measure by at
- *    most one window.
+ *    most one window past the later of the fair pool's clock and the reserve's own.
  *  - the reserve: each CPU gives a turn to the task served least, unboosted (by vtime) or boosted (by
  *    served), at least once per (window - budget), and serves nothing else first once boosted tasks used
  *    more than boost_share_percent of it in the current window. A boosted task that the boosted queue
@@ -128,6 +128,13 @@ struct gthulhu_bss bss;
 
 /* Scheduler-internal state, not part of the layout shared with Python. */
 static u64 vtime_now SEC(".data") = 0;
+/*
+ * The reserve's clock: the key of the last task a reserve turn served (the least one waiting), never
+ * going back. vtime_now moves only with unboosted runs; with nothing but boosted tasks runnable it stands
+ * still, and every boosted `served` would sit at the same lead past it, leaving the reserve to deadline
+ * order instead of to the task served least.
+ */
+static u64 reserve_now SEC(".data") = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -817,11 +824,29 @@ static bool fair_head(u64 *vtime)
 
 /*
  * A boosted task's claim on the reserve: what it was served, with a sleeper's floor. The floor is taken
- * once per turn: vtime_now moves under our feet, and both passes over BOOST_DSQ must agree.
+ * once per turn: the clocks move under our feet, and both passes over BOOST_DSQ must agree.
  */
 static __always_inline u64 reserve_key(struct task_ctx *tctx, u64 floor)
 {
 	return before(tctx->served, floor) ? floor : tctx->served;
+}
+
+/* The later of the two clocks: what `served` leads and sleepers are floored against. */
+static __always_inline u64 reserve_clock(void)
+{
+	return before(vtime_now, reserve_now) ? reserve_now : vtime_now;
+}
+
+/*
+ * A sleeper's floor on the reserve: one slice behind the fair pool, as a fair wakeup, and at most one
+ * window behind the reserve's clock, so a boosted task back from a long sleep does not take every turn
+ * until its `served` catches up with a clock that ran on while only boosted tasks were runnable.
+ */
+static __always_inline u64 reserve_floor(void)
+{
+	u64 fair = vtime_now - settings.default_slice_ns, reserve = reserve_now - settings.boost_window_ns;
+
+	return before(fair, reserve) ? reserve : fair;
 }
 
 /* Whether a reserve turn on `cpu` may take p: moving a task to a CPU it may not use ejects us. */
@@ -886,14 +911,20 @@ static bool take_boosted(s32 cpu, u64 floor, u64 key)
  */
 static bool serve_reserve(s32 cpu, struct cpu_ctx *c, u64 now)
 {
-	u64 head = 0, least = 0, floor = vtime_now - settings.default_slice_ns;
+	u64 head = 0, least = 0, floor = reserve_floor(), served;
 	bool have_head = fair_head(&head);
 	bool have_boosted = least_boosted(cpu, floor, &least);
 
-	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, floor, least))
+	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, floor, least)) {
 		count(&bss.stats.reserve_boosted);
-	else if (!have_head || !dsq_move_to_local(FAIR_DSQ))
+		served = least;
+	} else if (have_head && dsq_move_to_local(FAIR_DSQ)) {
+		served = head;
+	} else {
 		return false;
+	}
+	if (before(reserve_now, served))
+		reserve_now = served;
 	c->last_reserve = now;
 	return true;
 }
@@ -1194,7 +1225,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	if (!tctx->prio)
 		return;
 	charge_boost(tctx, c, used, now);
-	lead = vtime_now + settings.boost_window_ns;
+	lead = reserve_clock() + settings.boost_window_ns;
 	if (before(lead, tctx->served))
 		tctx->served = lead;
 	/*

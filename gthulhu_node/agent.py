@@ -136,8 +136,12 @@ class Agent:
         self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
         self._ready = threading.Event()
         self._stopped = threading.Event()
-        self._effect = _Effect({})
+        self._effect = _Effect({})  # what the reconciler has in effect (settled)
         self._effect_lock = threading.Lock()
+        self._submitted = _Effect({})  # what was last handed to the engine (guarded by _build_lock)
+        self._build_lock = threading.Lock()
+        self._changes = 0  # store changes seen, under _effect_lock
+        self._built = 0  # how many of them the last build had seen, under _build_lock
         self._refresh_lock = threading.Lock()
         self._kick = threading.Event()
         self._status_thread: threading.Thread | None = None
@@ -250,7 +254,7 @@ class Agent:
         self.store.load()
         self.local.reload(force=True)
         effect, policy = self._build_policy()
-        self._effect = effect
+        self._effect = self._submitted = effect
         reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
         self.engine = engine_for(reconciler, self.config, on_give_up=self._give_up_sched_ext)
         self.engine.start()
@@ -359,8 +363,10 @@ class Agent:
             if i.selects_node(node.name, node.labels)
         ]
 
-    def _build_policy(self) -> tuple[_Effect, PolicySet]:
-        wanted = self._node_intents(self.store.snapshot())
+    def _build_policy(self, wanted: list[tuple[str, Intent]] | None = None) -> tuple[_Effect, PolicySet]:
+        """The policy of `wanted` (the store's node intents by default), and what it puts in effect."""
+        if wanted is None:
+            wanted = self._node_intents(self.store.snapshot())
         try:
             named_only = self.config.security.unprivileged_tasks == "named_only"
             return _Effect(dict(wanted)), PolicySet.build(wanted, named_only=named_only)
@@ -373,26 +379,49 @@ class Agent:
         engine = self.engine
         if engine is None or not engine.running:
             return  # during start the policy is built once, after every source is loaded
-        engine.submit(self._apply_latest)
-
-    def _apply_latest(self, reconciler: Reconciler) -> None:
-        """On the engine thread: give the reconciler the store's current policy, if it changed."""
-        effect, policy = self._build_policy()
         with self._effect_lock:
-            if effect == self._effect:
+            self._changes += 1
+            seen = self._changes
+        self._submit_latest(engine, seen)
+
+    def _submit_latest(self, engine: Engine, seen: int) -> None:
+        """Build the store's current policy on this thread (the writer's) and hand it to the engine.
+
+        Compiling 1,000 patterns takes a few hundred milliseconds that the engine thread, which feeds the
+        watchdog and handles events, must not spend. The lock, held through the submit, makes the engine
+        receive builds in the order of the store snapshots they read; a change that a later snapshot
+        already includes is not built again."""
+        with self._build_lock:
+            if self._built >= seen:
                 return
+            with self._effect_lock:
+                self._built = self._changes
+            wanted = self._node_intents(self.store.snapshot())
+            if _Effect(dict(wanted)) == self._submitted:
+                return
+            effect, policy = self._build_policy(wanted)
+            self._submitted = effect
+            engine.submit(lambda r: self._take_policy(r, effect, policy))
+
+    def _take_policy(self, reconciler: Reconciler, effect: _Effect, policy: PolicySet) -> None:
+        """On the engine thread. Status calls the policy in effect only once the reconciler has rematched
+        every task and written (or been refused) every entry, which may take several loop turns."""
         reconciler.set_policy(policy)
+        reconciler.when_settled(lambda: self._in_effect(effect))
+
+    def _in_effect(self, effect: _Effect) -> None:
         with self._effect_lock:
             self._effect = effect
             self._policy_updates += 1
         self._kick.set()
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
-        """Wait until earlier store changes are in the reconciler, then recompute status (best effort)."""
+        """Wait until earlier store changes are in effect (rematched and written), then recompute status
+        (best effort)."""
         engine = self.engine
         if engine is not None and engine.running:
             try:
-                engine.submit(lambda r: None).result(timeout)
+                engine.when_settled().result(timeout)
             except Exception as exc:
                 log.warning("agent_sync_failed", error=str(exc))
         self.refresh_status()
@@ -471,6 +500,8 @@ class Agent:
                     reason = f"{st.pending_failures} task entries not written: {why}"
                     if st.pending_reasons.get(FailureReason.MAP_FULL):
                         warnings.append(MAP_FULL_WARNING)
+                elif st.unwritten:
+                    state, reason = IntentState.PENDING, f"{st.unwritten} task entries being written"
                 if st.matched_tasks == 0:
                     warnings.append(NO_MATCH_WARNING)
                 elif st.applied_tasks == 0:

@@ -47,6 +47,10 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
+# A loop turn's share of a long job (a rematch after a policy change, 1,000 writes after a reload): small
+# against the 50 ms the engine may be away from events, the watchdog hook and its callers.
+SLICE_S = 0.005
+
 
 class EngineStopped(Unavailable, RuntimeError):
     """Work was submitted to an engine that is not running (or stopped before running it)."""
@@ -91,10 +95,14 @@ class Engine:
         on_give_up: Callable[[str], Backend] | None = None,
         use_events: bool = True,
         events: ProcEventSource | None = None,
+        slice_s: float = SLICE_S,
     ) -> None:
         """`on_give_up(reason)` returns a started replacement backend once the backend was ejected
-        `ejection_limit` times within `ejection_window_s`; without it the engine reloads forever."""
+        `ejection_limit` times within `ejection_window_s`; without it the engine reloads forever.
+        `slice_s`: how long one loop turn may spend on a rematch, and as long again on writes
+        (`Reconciler.budget_s`), once the first scan is done."""
         self.reconciler = reconciler
+        self.slice_s = slice_s
         self.rescan_interval_s = rescan_interval_s
         self.health_interval_s = health_interval_s
         self.reload_backoff_initial_s = reload_backoff_initial_s
@@ -183,6 +191,23 @@ class Engine:
         """submit(fn) and wait for its result."""
         return self.submit(fn).result(timeout)
 
+    def when_settled(self) -> concurrent.futures.Future[None]:
+        """A Future done once everything submitted before is in effect: any rematch finished and every
+        entry written or refused (`Reconciler.settled`)."""
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def done() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        def not_queued(queued: concurrent.futures.Future[None]) -> None:
+            error = queued.exception()
+            if error is not None and not fut.done():  # the engine stopped first
+                fut.set_exception(error)
+
+        self.submit(lambda r: r.when_settled(done)).add_done_callback(not_queued)
+        return fut
+
     def request_rescan(self) -> None:
         with self._lock:
             self._rescan_requested = True
@@ -234,7 +259,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self._open_events()
-            self._rescan("start")
+            self._rescan("start")  # whole, before start() returns; later work goes in slices
+            self.reconciler.budget_s = self.slice_s
             self._stats.backend_state = self.reconciler.backend.health().state.value
         except BaseException as exc:
             self._start_error = exc
@@ -278,7 +304,7 @@ class Engine:
             with self._lock:
                 periodic = list(self._periodic)
             due = min([next_rescan, next_health, r.next_retry_at(), *(p.due for p in periodic)])
-            timeout_ms = max(0, int((due - now) * 1000) + 1)
+            timeout_ms = 0 if not r.settled else max(0, int((due - now) * 1000) + 1)
             ready = poller.poll(timeout_ms)
             self._stats.loop_wakeups += 1
             for fd, _mask in ready:
@@ -339,7 +365,7 @@ class Engine:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
-        r.flush()
+        r.step()
 
     def _fail_pending(self) -> None:
         while self._work:

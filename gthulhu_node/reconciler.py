@@ -46,6 +46,12 @@ from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
 
 log = structlog.get_logger(__name__)
 
+# First guess of one key's write cost, before a budgeted flush has measured the backend.
+_WRITE_COST_GUESS_S = 0.0002
+# A budgeted flush's batches start this small and at most double: a backend slower than the guess (or
+# than it was) costs one small batch too many, not one budget-sized batch at the wrong price.
+_FIRST_BATCH = 2
+
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
 
 
@@ -76,6 +82,7 @@ class IntentStats:
     overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
     write_failures: int = 0
     pending_failures: int = 0  # entries of this intent not in the backend right now because a write failed
+    unwritten: int = 0  # entries of this intent waiting for their write (a long write is done in slices)
     pending_reasons: dict[FailureReason, int] = field(default_factory=dict)  # the same, by reason
     last_error: str = ""  # the backend's words for the last refusal, for people
     last_reason: FailureReason | None = None
@@ -198,6 +205,15 @@ class Reconciler:
         # written; `resync` writes everything once the backend is back.
         self.hold_writes = False
         self._pending_logs: list[tuple[str, dict[str, object]]] = []
+        # None: a policy change and a flush finish in the call (tests, preview). The engine sets a few
+        # milliseconds: its thread feeds the watchdog and answers callers, so a rematch and a long write
+        # are done in slices of about this much, one per loop turn (`step`), events handled in between.
+        self.budget_s: float | None = None
+        # Processes whose winners were computed with an older policy than `_policy` (tgid -> that policy):
+        # they keep its strategies until rematched, by `step` or before anything changes them.
+        self._stale: dict[int, PolicySet] = {}
+        self._on_settled: list[Callable[[], None]] = []
+        self._write_cost_s = _WRITE_COST_GUESS_S
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -206,14 +222,66 @@ class Reconciler:
         return self._policy
 
     def set_policy(self, policy: PolicySet) -> ApplyResult:
-        """Replace the policy set and recompute every task's strategy; writes the difference at once."""
+        """Replace the policy set and recompute every task's strategy, then write the difference.
+
+        Without a `budget_s` all of it happens in this call. With one, this call does the first slice and
+        `step` the rest; until then each process keeps the strategies of the policy it was matched with
+        (`settled` is False), and a process an event touches is rematched first."""
+        old = self._policy
         self._policy = policy
         self._stats.policy_updates += 1
         for key in [k for k in self._intent_failures if k not in policy.by_key]:
             del self._intent_failures[key]
-        self._rebuild()
-        log.info("policy_applied", intents=len(policy), tasks=len(self._threads), entries=len(self._desired))
+        stale = self._stale
+        for tgid in self._procs:
+            stale.setdefault(tgid, old)
+        # refused keys are tried again at once under the new policy, not after their backoff
+        self._outbox.mark_all(self._outbox.failed.keys())
+        self._outbox.failed.clear()
+        if self.budget_s is None:
+            self._rematch(math.inf)
+            return self.flush()
+        return self.step()
+
+    @property
+    def settled(self) -> bool:
+        """No rematch in progress and nothing left to write (or writes held): what the tables say is what
+        the backend holds, apart from refused keys."""
+        return not self._stale and (not self._outbox.dirty or self.hold_writes)
+
+    def when_settled(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` on this thread once `settled` (now if it is), in the order registered."""
+        self._on_settled.append(callback)
+        self._notify_settled()
+
+    def step(self) -> ApplyResult:
+        """One slice of pending work: rematch processes for up to `budget_s`, then write for up to as long
+        (the engine calls this every loop turn while `settled` is False)."""
+        budget = self.budget_s
+        if self._stale:
+            self._rematch(self._clock() + budget if budget is not None else math.inf)
         return self.flush()
+
+    def _rematch(self, deadline: float) -> None:
+        stale, procs, clock = self._stale, self._procs, self._clock
+        n = 0
+        while stale:
+            if n and clock() >= deadline:
+                return
+            tgid = next(iter(stale))
+            self._rematch_proc(procs[tgid])
+            n += 1
+        log.info("policy_applied", intents=len(self._policy), tasks=len(self._threads),
+                 entries=len(self._desired))
+
+    def _notify_settled(self) -> None:
+        if self._on_settled and self.settled:
+            callbacks, self._on_settled = self._on_settled, []
+            for cb in callbacks:
+                try:
+                    cb()
+                except Exception as exc:  # one listener's failure must not stop the others or the engine
+                    log.exception("settled_callback_failed", error=str(exc))
 
     def apply_snapshot(self, snap: Snapshot) -> ApplyResult:
         """Make the task table agree with a full scan, then diff everything and write.
@@ -349,17 +417,23 @@ class Reconciler:
 
     def intent_stats(self) -> dict[str, IntentStats]:
         """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
-        result = {c.key: IntentStats(c.key, noop=c.is_noop) for c in self._policy.ordered}
-        by_key = self._policy.by_key
+        current = self._policy
+        result = {c.key: IntentStats(c.key, noop=c.is_noop) for c in current.ordered}
+        stale = self._stale
         for th in self._threads.values():
             w = th.winner
             if w is None:
                 continue
             proc = self._procs[th.task.tgid]
-            candidates = set(self._eligible(self._policy.match(th.task.comm).thread, proc))
-            candidates.update(by_key[k] for k in proc.pmatch)
+            # a process not yet rematched is counted as the policy it was matched with has it: that is
+            # what the backend holds for it
+            policy = stale.get(proc.tgid, current)
+            candidates = set(self._eligible(policy.match(th.task.comm).thread, proc, policy))
+            candidates.update(policy.by_key[k] for k in proc.pmatch)
             for c in candidates:
-                s = result[c.key]
+                s = result.get(c.key)
+                if s is None:
+                    continue
                 s.matched_tasks += 1
                 if c is w:
                     s.applied_tasks += 1
@@ -377,6 +451,10 @@ class Reconciler:
                 s = result[want.owner]
                 s.pending_failures += 1
                 s.pending_reasons[failure.reason] = s.pending_reasons.get(failure.reason, 0) + 1
+        for dirty_key in self._outbox.dirty:
+            want = self._desired.get(dirty_key)
+            if want is not None and want.owner in result and self._applied.get(dirty_key) != want.entry:
+                result[want.owner].unwritten += 1
         return result
 
     def stats(self) -> ReconcilerStats:
@@ -398,12 +476,13 @@ class Reconciler:
         for tgid, proc in procs.items():
             assert proc.tids and all(threads[t].task.tgid == tgid for t in proc.tids), tgid
         assert sum(len(p.tids) for p in procs.values()) == len(threads)
-        policy = self._policy
+        assert self._stale.keys() <= procs.keys()
         for proc in procs.values():
+            policy = self._stale.get(proc.tgid, self._policy)  # a stale process: the one it was matched with
             assert proc.winner is best(policy.by_key[k] for k in proc.pmatch), proc.tgid
             for tid in proc.tids:
                 th = threads[tid]
-                thread = self._eligible(policy.match(th.task.comm).thread, proc)
+                thread = self._eligible(policy.match(th.task.comm).thread, proc, policy)
                 assert th.winner is best((thread[0] if thread else None, proc.winner)), tid
         desired, applied, outbox = self._desired, self._applied, self._outbox
         differ = {k for k in desired.keys() | applied.keys() if applied.get(k) != _entry(desired.get(k))}
@@ -415,7 +494,8 @@ class Reconciler:
 
     def flush(self) -> ApplyResult:
         """Write every dirty key, and every refused key whose retry is due, whose desired value differs
-        from what the backend holds, as one batch.
+        from what the backend holds: as one batch, or with a `budget_s` in batches until about that long
+        has passed (event-caused keys first; the rest stay dirty for the next `step`).
 
         Log lines about (un)matched tasks are emitted after the write, so rendering them never delays it.
         """
@@ -429,6 +509,7 @@ class Reconciler:
                         log.info(event, **fields)
                     else:
                         log.debug(event, **fields)
+            self._notify_settled()
 
     def _flush(self) -> ApplyResult:
         outbox = self._outbox
@@ -438,23 +519,55 @@ class Reconciler:
         dirty, retried = outbox.take(now)
         if not dirty:
             return ApplyResult()
-        upserts: dict[EntryKey, Entry] = {}
-        deletes: list[EntryKey] = []
+        todo: list[tuple[EntryKey, Entry | None]] = []
         desired, applied, failed_keys = self._desired, self._applied, outbox.failed
         for key in dirty:
             entry = _entry(desired.get(key))
             if entry == applied.get(key):
                 failed_keys.pop(key, None)
                 continue
+            todo.append((key, entry))
+        if not todo:
+            return ApplyResult()
+        self._stats.write_retries += retried
+        budget = self.budget_s
+        if budget is None:
+            return self._write(todo, dirty, now)
+        todo.sort(key=lambda item: dirty[item[0]] == 0)  # event-caused writes first: their latency counts
+        deadline = time.monotonic() + budget
+        total = ApplyResult()
+        i, n = 0, _FIRST_BATCH
+        while i < len(todo):
+            start = time.monotonic()
+            if i and start >= deadline:
+                break
+            n = max(1, min(2 * n if i else n, int((deadline - start) / self._write_cost_s)))
+            chunk = todo[i:i + n]
+            result = self._write(chunk, dirty, now)
+            self._write_cost_s = max(1e-6, 0.5 * self._write_cost_s
+                                     + 0.5 * (time.monotonic() - start) / len(chunk))
+            total.upserted += result.upserted
+            total.deleted += result.deleted
+            total.failed.update(result.failed)
+            i += len(chunk)
+        for key, _unwritten in todo[i:]:
+            outbox.mark(key, dirty[key])
+        return total
+
+    def _write(self, todo: list[tuple[EntryKey, Entry | None]], dirty: dict[EntryKey, int],
+               now: float) -> ApplyResult:
+        """One batch to the backend; the tables follow what it reports."""
+        upserts: dict[EntryKey, Entry] = {}
+        deletes: list[EntryKey] = []
+        for key, entry in todo:
             if entry is None:
                 deletes.append(key)
             else:
                 upserts[key] = entry
-        if not upserts and not deletes:
-            return ApplyResult()
+        applied, outbox = self._applied, self._outbox
+        failed_keys = outbox.failed
         st = self._stats
         st.batches += 1
-        st.write_retries += retried
         try:
             result = self.backend.apply(upserts, deletes)
         except BackendError as exc:
@@ -575,6 +688,8 @@ class Reconciler:
             if old.start_time != task.start_time or old.tgid != task.tgid:
                 self._remove_task(old.tid, ts)
                 th = old = None
+        if self._stale:
+            self._fresh(task.tgid)
         proc = self._procs.get(task.tgid)
         if proc is None:
             proc = self._procs[task.tgid] = _Proc(task.tgid)
@@ -595,10 +710,13 @@ class Reconciler:
             self._assign(th, proc, ts)
 
     def _remove_task(self, tid: int, ts: int) -> None:
-        th = self._threads.pop(tid, None)
+        th = self._threads.get(tid)
         if th is None:
             return
         task = th.task
+        if self._stale:
+            self._fresh(task.tgid)
+        del self._threads[tid]
         self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
         proc = self._procs.get(task.tgid)
         if proc is None:
@@ -611,10 +729,12 @@ class Reconciler:
         if self._count_process_matches(proc, task.comm, -1) and self._refresh_proc_winner(proc, ts):
             self._assign_all(proc, ts)
 
-    def _eligible(self, cands: tuple[CompiledIntent, ...], proc: _Proc) -> tuple[CompiledIntent, ...]:
+    def _eligible(
+        self, cands: tuple[CompiledIntent, ...], proc: _Proc, policy: PolicySet | None = None
+    ) -> tuple[CompiledIntent, ...]:
         """Drop candidates whose podUID or owner selectors (users, cgroup, executable, and the node's
-        `named_only` setting) do not admit the process."""
-        policy = self._policy
+        `named_only` setting) do not admit the process (under `policy`, the current one by default)."""
+        policy = policy or self._policy
         if not cands:
             return cands
         if policy.has_pod_selectors and any(c.pod_uid is not None for c in cands):
@@ -721,23 +841,25 @@ class Reconciler:
         else:
             self._set_desired(key, Entry(w.priority, w.slice_ns, task.start_time), w.key, ts)
 
-    def _rebuild(self) -> None:
-        """Recompute every process's and thread's winner from scratch (after a policy change)."""
+    def _rematch_proc(self, proc: _Proc) -> None:
+        """Recompute one process's and its threads' winners under the current policy (after a change)."""
+        self._stale.pop(proc.tgid, None)
         threads = self._threads
-        for th in threads.values():
-            th.winner = None
-        old_desired, self._desired = self._desired, {}
-        for proc in self._procs.values():
-            proc.pmatch.clear()
+        for tid in proc.tids:
+            threads[tid].winner = None
+        proc.pmatch.clear()
+        if proc.winner is not None:
             proc.winner = None
+            self._set_desired(EntryKey(KeyKind.TGID, proc.tgid), None, "", 0)
         if self._policy.has_process_scope:
-            for th in threads.values():
-                self._count_process_matches(self._procs[th.task.tgid], th.task.comm, +1)
-            for proc in self._procs.values():
-                if proc.pmatch:
-                    self._refresh_proc_winner(proc, 0)
-        for proc in self._procs.values():
-            self._assign_all(proc, 0)
-        # refused keys too: one whose delete was refused is in neither table, yet the backend holds it
-        self._outbox.mark_all(old_desired.keys() | self._desired.keys() | self._outbox.failed.keys())
-        self._outbox.failed.clear()
+            for tid in proc.tids:
+                self._count_process_matches(proc, threads[tid].task.comm, +1)
+            if proc.pmatch:
+                self._refresh_proc_winner(proc, 0)
+        self._assign_all(proc, 0)
+
+    def _fresh(self, tgid: int) -> None:
+        """Rematch a stale process before anything changes it: its counts and winners must be the
+        current policy's for the change to be computed right."""
+        if tgid in self._stale:
+            self._rematch_proc(self._procs[tgid])

@@ -4,10 +4,12 @@ policy files, health, socket permissions."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -370,3 +372,43 @@ def test_failed_while_the_scheduler_is_ejected_then_applied_again() -> None:
         backend.fail_start = False
         st = wait_for(lambda: (s := statuses(stub)["ej/e"]).state == APPLIED and s, what="Applied again")
         assert st.matched_tasks == 1 and not st.reason
+
+
+class SlowWrites(DryRunBackend):
+    """Takes 40 ms per written key, so a policy's entries are written over several engine loop turns."""
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        deletes = list(deletes)
+        time.sleep(0.04 * (len(upserts) + len(deletes)))
+        return super().apply(upserts, deletes)
+
+
+def test_status_is_not_applied_before_every_entry_is_written() -> None:
+    """The engine writes a long policy in slices (issue 21); meanwhile status must not call the intent
+    applied: every sample that says applied was taken when the backend held all six entries."""
+    backend = SlowWrites()
+    names = [f"gn-slow-{i}" for i in range(6)]
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(NamedThread(name))
+        a = stack.enter_context(running_agent(backend=backend))
+        stub = stack.enter_context(stub_of(a))
+        samples: list[tuple[int, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                a.refresh_status()
+                st = statuses(stub, "slow").get("slow/all")
+                written = len(backend.table)  # read after the status: never more than at its computing
+                samples.append((st.state if st is not None else -1, written))
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        apply(stub, "slow", 0, intent("all", regex="^gn-slow-", priority=4))
+        wait_for(lambda: statuses(stub, "slow")["slow/all"].state == APPLIED, what="applied")
+        done.set()
+        watcher.join()
+        assert len(backend.table) == 6 and statuses(stub, "slow")["slow/all"].matched_tasks == 6
+        assert any(state != APPLIED for state, _ in samples)  # the window was seen
+        assert all(written == 6 for state, written in samples if state == APPLIED), samples

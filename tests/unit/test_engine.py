@@ -309,3 +309,58 @@ def test_a_refused_write_is_retried_by_the_engine_before_the_next_rescan(
     assert EntryKey(KeyKind.TID, 50) in b.refused
     wait_for(lambda: EntryKey(KeyKind.TID, 50) in b.table)
     assert time.monotonic() - t0 < DEADLINE_S < 3600.0 and e.call(lambda r: r.stats().scans) == 1
+
+
+class SlowBackend(DryRunBackend):
+    """Takes `per_key_s` per written key (EEVDF writes each thread with a syscall or two); records the
+    size of every batch (`sizes`)."""
+
+    def __init__(self, per_key_s: float) -> None:
+        super().__init__()
+        self.per_key_s = per_key_s
+        self.sizes: list[int] = []
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        deletes = list(deletes)
+        self.sizes.append(len(upserts) + len(deletes))
+        time.sleep(self.per_key_s * (len(upserts) + len(deletes)))
+        return super().apply(upserts, deletes)
+
+
+def test_a_long_policy_write_leaves_the_engine_free_between_slices(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    """Writing 100 entries at 2 ms each is split across loop turns: work submitted after the policy change
+    runs while entries are still being written (before, the whole write ran inside the change), and the
+    policy is in effect (`when_settled`) only once every entry is written."""
+    for tid in range(100, 200):
+        proc.add(tid, tid, "EngineCore", tid)
+    backend = SlowBackend(0.002)
+    engine = make_engine(proc, backend, slice_s=0.005)
+    engines.append(engine)
+    engine.start()
+    engine.submit(lambda r: r.set_policy(vllm()))
+    written_then = engine.call(lambda r: (r.settled, len(r.applied())))
+    assert written_then[0] is False and written_then[1] < 100
+    engine.when_settled().result(DEADLINE_S)
+    assert len(backend.table) == 100
+    assert engine.call(lambda r: r.applied() == r.desired() and r.settled)
+    assert len(backend.sizes) > 3 and max(backend.sizes) < 100
+
+
+def test_status_reads_pending_while_entries_are_being_written(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    """An intent whose entries are not all written yet is not reported as in effect: its figures say how
+    many are unwritten, until the last is written."""
+    for tid in range(100, 160):
+        proc.add(tid, tid, "EngineCore", tid)
+    engine = make_engine(proc, SlowBackend(0.002), slice_s=0.005)
+    engines.append(engine)
+    engine.start()
+    engine.submit(lambda r: r.set_policy(vllm()))
+    st = engine.call(lambda r: r.intent_stats())["local/vllm"]
+    assert 0 < st.unwritten <= 60
+    engine.when_settled().result(DEADLINE_S)
+    st = engine.call(lambda r: r.intent_stats())["local/vllm"]
+    assert st.unwritten == 0 and st.applied_tasks == 60

@@ -25,7 +25,8 @@ def groups() -> list[tuple[str, str]]:
 
 def test_the_safety_suite_runs_on_guests_of_its_own(groups: list[tuple[str, str]]) -> None:
     safety = {g for node, g in groups if "test_scheduler_safety.py" in node}
-    assert safety == {"plain:7.3/2cpu#safety", "plain:6.12/2cpu#safety", "plain:7.3/8cpu-2numa"}
+    assert safety == {"plain:7.3/2cpu#safety", "plain:6.12/2cpu#safety", "plain:7.3/8cpu-2numa",
+                      "plain:7.3/2cpu-64possible"}
     # the rest of the scheduler suite stays on the shared guests
     assert {g for node, g in groups if "test_scheduler.py" in node} == {"plain:7.3/2cpu", "plain:6.12/2cpu"}
 

@@ -289,8 +289,68 @@ class ReconcilerModel(RuleBasedStateMachine):
         return w.key
 
 
+class SlicedReconcilerModel(ReconcilerModel):
+    """The same world with the engine's budget at its smallest (0 s): a policy change rematches one process
+    per `step` and every flush writes one key, so events and policy changes land mid-rematch and
+    mid-write. The reconciler must agree with the model once `settled`, and `when_settled` (what the agent
+    waits for before it calls a policy in effect) must never fire while an entry is neither written nor
+    refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r.budget_s = 0.0
+        self.fired = 0
+
+    def _settle(self) -> None:
+        for _ in range(10_000):
+            if self.r.settled:
+                return
+            self.r.step()
+        raise AssertionError("the reconciler never settled")
+
+    @rule()
+    def step(self) -> None:
+        """One engine loop turn with nothing else to do."""
+        self.r.step()
+
+    @rule()
+    def settle(self) -> None:
+        self._settle()
+
+    @rule()
+    def wait_until_settled(self) -> None:
+        fired_before = self.fired
+
+        def check() -> None:
+            assert self.r.settled
+            failed = self.r.failures()
+            for key, entry in self.r.desired().items():
+                assert self.backend.table.get(key) == entry or key in failed, key
+            self.fired += 1
+
+        self.r.when_settled(check)
+        self._settle()
+        assert self.fired == fired_before + 1
+
+    @rule()
+    def backend_recovers(self) -> None:
+        self.backend.refuse, self.backend.down = set(), False
+        self.now += RETRY_MAX_S
+        self.r.flush()
+        self._settle()
+        assert self.r.failures() == {}
+        assert self.backend.table == self.r.applied() == self.r.desired()
+
+    @invariant()
+    def agrees_with_the_model_once_caught_up(self) -> None:
+        if self.r.settled:
+            super().agrees_with_the_model_once_caught_up()
+
+
 ReconcilerModel.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_reconciler_against_the_model = ReconcilerModel.TestCase
+SlicedReconcilerModel.TestCase.settings = ReconcilerModel.TestCase.settings
+test_sliced_reconciler_against_the_model = SlicedReconcilerModel.TestCase

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
 from gthulhu_node.scheduler.backend import SchedExtBackend
+from gthulhu_node.scheduler.loader import possible_cpus
 from tests.prom_support import Prometheus, dashboard_queries, rules, selectors
 from tests.vm.sched_workloads import (
     busy_fraction,
@@ -326,7 +327,9 @@ def cpuset(args: argparse.Namespace) -> dict[str, Any]:
     (100 - boost_share_percent) %, although neither boosted thread alone crosses its own share."""
     ncpu = os.cpu_count() or 1
     cg = _cpuset_cgroup("gthulhu-cpuset", str(ncpu - 1))
-    out: dict[str, Any] = {"cpu": ncpu - 1}
+    cpus = Path("/sys/devices/system/cpu")
+    out: dict[str, Any] = {"cpu": ncpu - 1, "possible": (cpus / "possible").read_text().strip(),
+                           "online": (cpus / "online").read_text().strip(), "nr_cpus": possible_cpus()}
     try:
         with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
             tasks = {name: fork_worker(spin, name) for name in ("cs-b0", "cs-b1", "cs-u0", "cs-u1")}
