@@ -24,6 +24,12 @@
  *    unboosted.
  *  - a boosted task that used more than boost_share_percent of a CPU in its window runs unboosted until
  *    the window ends.
+ *  - cpu.max (6.17+ object only, from ops.cgroup_set_bandwidth): each cgroup with a quota has a budget per
+ *    period, charged at every tick and stop to it and to every ancestor with a quota. A task whose cgroup or
+ *    an ancestor has no budget left is parked in THROTTLED_DSQ, boosted or not (the operator's limit wins),
+ *    and a running one is stopped at its next tick; a timer wakes a CPU when a period ends and its dispatch
+ *    moves the tasks whose budget is back to their queue. No task stays parked longer than BW_MAX_PARK_NS:
+ *    one that would runs until its next tick, so the watchdog never sees it wait.
  *
  * docs/scheduler.md explains each choice and states the bounded wait.
  */
@@ -60,6 +66,11 @@ bool scx_bpf_dsq_move(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, 
 #define dsq_move_to_local scx_bpf_dsq_move_to_local
 #define dsq_move scx_bpf_dsq_move
 #endif
+#ifdef GTHULHU_CGROUP_BW
+void scx_bpf_dsq_move_set_vtime(struct bpf_iter_scx_dsq *it__iter, u64 vtime) __ksym;
+bool scx_bpf_dsq_move_vtime(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
+			    u64 enq_flags) __ksym;
+#endif
 s32 scx_bpf_create_dsq(u64 dsq_id, s32 node) __ksym;
 s32 scx_bpf_select_cpu_dfl(struct task_struct *p, s32 prev_cpu, u64 wake_flags, bool *is_idle) __ksym;
 s32 scx_bpf_pick_idle_cpu(const struct cpumask *cpus_allowed, u64 flags) __ksym;
@@ -89,11 +100,13 @@ void bpf_iter_num_destroy(struct bpf_iter_num *it) __ksym;
 #define ENQ_WAKEUP KENUM(scx_enq_flags, SCX_ENQ_WAKEUP)
 #define ENQ_HEAD KENUM(scx_enq_flags, SCX_ENQ_HEAD)
 #define ENQ_PREEMPT KENUM(scx_enq_flags, SCX_ENQ_PREEMPT)
+#define ENQ_LAST KENUM(scx_enq_flags, SCX_ENQ_LAST)
 #define KICK_IDLE KENUM(scx_kick_flags, SCX_KICK_IDLE)
 #define TASK_QUEUED KENUM(scx_ent_flags, SCX_TASK_QUEUED)
 
 #define BOOST_DSQ 1
 #define FAIR_DSQ 2
+#define THROTTLED_DSQ 3
 #define USER_HZ 100
 #define PF_EXITING 0x00000004
 #define PF_KTHREAD 0x00200000
@@ -154,6 +167,8 @@ struct task_ctx {
 	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
 	u32 group_weight; /* what this task added to that group's sum */
 	u32 group_share;  /* an autogroup's weight (its nice), 100 for the default */
+	u64 bw_mark;      /* the current run is charged to the cgroups' cpu.max budgets up to here */
+	u64 parked_at;    /* when it was last parked in THROTTLED_DSQ */
 	u32 prio;         /* effective priority of the current/queued run: 0 fair */
 	u32 group_is_cgroup;
 };
@@ -188,12 +203,20 @@ struct {
  * land in any order; a transient sum is clamped where it is used).
  */
 #define CG_MAX_DEPTH 32
+/* A run longer than this (18 min) is charged as this long: the charge cannot overflow. */
+#define MAX_CHARGED_NS (1ULL << 40)
 struct cgroup_ctx {
 	struct bpf_spin_lock lock;
 	u32 weight;  /* cpu.weight, 1-10000 */
 	u32 contrib; /* what it adds to its parent's load: its weight while it has runnable work, else 0 */
 	s64 load;    /* runnable weight directly in it: its tasks' and its active children's */
 	u64 parent;  /* the parent's id, 0 for a top-level cgroup (a child of the root) */
+	/* cpu.max and cpu.max.burst (6.17+ object only): quota_ns 0 is "max", no limit */
+	u64 period_ns;
+	u64 quota_ns;
+	u64 burst_ns;
+	u64 period_end; /* the current period ends here */
+	s64 budget;     /* run time left in it: quota per period, up to quota + burst carried, debt down to -quota */
 };
 
 struct {
@@ -389,6 +412,272 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 	return found;
 }
 
+/* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
+static __always_inline u64 fair_vtime(struct task_ctx *tctx)
+{
+	u64 floor = vtime_now - settings.default_slice_ns;
+
+	return before(tctx->vtime, floor) ? floor : tctx->vtime;
+}
+
+/* The deadline a boosted task is queued at in BOOST_DSQ: priority buys a head start, waiting catches up. */
+static __always_inline u64 boost_deadline(u32 prio, u64 now)
+{
+	return now + (u64)(AGENT_PRIORITY - prio) * BOOST_STEP_NS;
+}
+
+#ifdef GTHULHU_CGROUP_BW
+/* cpu.max "max", the kernel's RUNTIME_INF: no limit. */
+#define BW_UNLIMITED (~0ULL)
+/*
+ * A parked task waits at most this long, a quarter of the shortest watchdog timeout the agent accepts (1 s),
+ * where cpu.max's longest period is 1 s: past it, it runs until its next tick and is parked again (a period
+ * of 1 s gets at most four ticks beyond its quota).
+ */
+#define BW_MAX_PARK_NS 250000000ULL
+/* While tasks are parked the timer also fires at least this often: a lost arm delays a release this much. */
+#define BW_POLL_NS 10000000ULL
+/* Parked tasks one release pass looks at; the rest wait for the next pass, which is due at once. */
+#define BW_MAX_PASS 1024
+
+/* When the next parked task may go (a period ends, or it has been parked BW_MAX_PARK_NS); 0: none. */
+static u64 bw_release_at SEC(".data") = 0;
+
+struct bw_timer {
+	struct bpf_timer timer;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, struct bw_timer);
+} bw_timers SEC(".maps");
+
+/* A new limit starts a full period now, as writing cpu.max does in the fair class. */
+static __always_inline void bw_set(struct cgroup_ctx *cg, u64 period_us, u64 quota_us, u64 burst_us, u64 now)
+{
+	if (quota_us == BW_UNLIMITED || !quota_us || !period_us) {
+		cg->quota_ns = 0;
+		return;
+	}
+	cg->period_ns = period_us * 1000;
+	cg->quota_ns = quota_us * 1000;
+	cg->burst_ns = burst_us == BW_UNLIMITED ? 0 : burst_us * 1000;
+	cg->budget = cg->quota_ns;
+	cg->period_end = now + cg->period_ns;
+}
+
+/*
+ * Start the periods that ended by `now` (caller holds the lock): each adds a quota, and what is left
+ * unused carries over up to quota + burst (the kernel's cpu.max.burst).
+ */
+static __always_inline void bw_roll(struct cgroup_ctx *cg, u64 now)
+{
+	s64 cap = cg->quota_ns + cg->burst_ns;
+	u64 periods;
+
+	if (before(now, cg->period_end))
+		return;
+	periods = (now - cg->period_end) / cg->period_ns + 1;
+	cg->period_end += periods * cg->period_ns;
+	cg->budget = periods > 64 ? cap : cg->budget + (s64)(periods * cg->quota_ns);
+	if (cg->budget > cap)
+		cg->budget = cap;
+}
+
+/*
+ * Charge `used` ns to the cgroup and every ancestor with a quota; the latest period end among those left
+ * without budget (0: the task may run). Debt stops at one quota, so no cgroup is held past two periods.
+ * Global and not inlined: the verifier checks it once, not at every call (inside the release pass's loop
+ * it exceeded the verifier's budget for dispatch).
+ */
+__attribute__((noinline)) u64 bw_account(u64 id, u64 used, u64 now)
+{
+	struct cgroup_ctx *cg;
+	u64 until = 0;
+	u32 i;
+
+	if (used > MAX_CHARGED_NS)
+		used = MAX_CHARGED_NS;
+	for (i = 0; i < CG_MAX_DEPTH && id; i++) {
+		cg = bpf_map_lookup_elem(&cgroups, &id);
+		if (!cg)
+			break;
+		if (cg->quota_ns) {
+			bpf_spin_lock(&cg->lock);
+			if (cg->quota_ns) {
+				bw_roll(cg, now);
+				cg->budget -= (s64)used;
+				if (cg->budget < -(s64)cg->quota_ns)
+					cg->budget = -(s64)cg->quota_ns;
+				if (cg->budget <= 0 && before(until, cg->period_end))
+					until = cg->period_end;
+			}
+			bpf_spin_unlock(&cg->lock);
+		}
+		id = cg->parent;
+	}
+	return until;
+}
+
+/* Whether the task's cgroup, or an ancestor, is out of budget. */
+static __always_inline bool bw_held(struct task_ctx *tctx, u64 now)
+{
+	return tctx && tctx->cgid && bw_account(tctx->cgid, 0, now);
+}
+
+/* Have the timer fire by `at`, unless it already fires earlier (two CPUs may race: BW_POLL_NS covers it). */
+static void bw_arm(u64 at, u64 now)
+{
+	u64 cur = bw_release_at;
+	struct bw_timer *t;
+	u32 key = 0;
+
+	if (cur && before(now, cur) && !before(at, cur))
+		return;
+	bw_release_at = at;
+	t = bpf_map_lookup_elem(&bw_timers, &key);
+	if (t)
+		bpf_timer_start(&t->timer, before(now, at) ? at - now : 0, 0);
+}
+
+/* Park a task whose cgroup is out of budget; false if it may run. */
+static bool bw_park(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags, u64 now)
+{
+	u64 until, latest = now + BW_MAX_PARK_NS;
+
+	if (!tctx || !tctx->cgid)
+		return false;
+	until = bw_account(tctx->cgid, 0, now);
+	if (!until)
+		return false;
+	tctx->parked_at = now;
+	dsq_insert(p, THROTTLED_DSQ, slice, enq_flags);
+	count(&bss.stats.bw_parked);
+	bw_arm(before(until, latest) ? until : latest, now);
+	return true;
+}
+
+/* Charge the current run since the last mark; whether its cgroup (or an ancestor) is now out of budget. */
+static __always_inline bool bw_charge(struct task_ctx *tctx, u64 now)
+{
+	u64 used = tctx->bw_mark ? now - tctx->bw_mark : 0;
+
+	tctx->bw_mark = now;
+	return tctx->cgid && bw_account(tctx->cgid, used, now);
+}
+
+/* Wake idle CPUs so one of them runs the release pass in its dispatch (kfuncs here: any context). */
+static int bw_timer_fired(void *map, int *key, struct bw_timer *t)
+{
+	u64 now = bpf_ktime_get_ns(), at = bw_release_at;
+	struct bpf_iter_num it;
+	int *i;
+
+	if (!scx_bpf_dsq_nr_queued(THROTTLED_DSQ))
+		return 0;
+	bpf_iter_num_new(&it, 0, settings.nr_cpus);
+	while ((i = bpf_iter_num_next(&it)))
+		scx_bpf_kick_cpu(*i, KICK_IDLE);
+	bpf_iter_num_destroy(&it);
+	bpf_timer_start(&t->timer, at && before(now, at) && at - now < BW_POLL_NS ? at - now : BW_POLL_NS, 0);
+	return 0;
+}
+
+/*
+ * The release pass (dispatch, once bw_release_at is due): parked tasks whose budget is back, or that were
+ * parked BW_MAX_PARK_NS, go to their queue as if enqueued now; the timer is armed for the rest.
+ */
+static void bw_release(u64 now)
+{
+	struct bpf_iter_scx_dsq it;
+	struct task_struct *p;
+	struct task_ctx *tctx;
+	u64 next = 0, until, at;
+	u32 seen = 0;
+
+	bw_release_at = 0;
+	bpf_iter_scx_dsq_new(&it, THROTTLED_DSQ, 0);
+	while ((p = bpf_iter_scx_dsq_next(&it))) {
+		if (seen++ >= BW_MAX_PASS) {
+			next = now;
+			break;
+		}
+		tctx = ctx_of(p);
+		until = tctx && tctx->cgid ? bw_account(tctx->cgid, 0, now) : 0;
+		if (tctx && until && before(now, tctx->parked_at + BW_MAX_PARK_NS)) {
+			at = before(until, tctx->parked_at + BW_MAX_PARK_NS) ? until : tctx->parked_at + BW_MAX_PARK_NS;
+			if (!next || before(at, next))
+				next = at;
+			continue;
+		}
+		if (tctx && tctx->prio) {
+			scx_bpf_dsq_move_set_vtime(&it, boost_deadline(tctx->prio, now));
+			scx_bpf_dsq_move_vtime(&it, p, BOOST_DSQ, 0);
+		} else {
+			scx_bpf_dsq_move_set_vtime(&it, tctx ? fair_vtime(tctx) : vtime_now);
+			scx_bpf_dsq_move_vtime(&it, p, FAIR_DSQ, 0);
+		}
+		count(&bss.stats.bw_released);
+	}
+	bpf_iter_scx_dsq_destroy(&it);
+	if (next)
+		bw_arm(next, now);
+}
+
+static __always_inline void bw_release_due(u64 now)
+{
+	u64 at = bw_release_at;
+
+	if (at && !before(now, at) && scx_bpf_dsq_nr_queued(THROTTLED_DSQ))
+		bw_release(now);
+}
+
+static s32 bw_init(void)
+{
+	struct bw_timer *t;
+	u32 key = 0;
+	s32 ret;
+
+	ret = scx_bpf_create_dsq(THROTTLED_DSQ, -1);
+	if (ret)
+		return ret;
+	t = bpf_map_lookup_elem(&bw_timers, &key);
+	if (!t)
+		return -2; /* -ENOENT */
+	bpf_timer_init(&t->timer, &bw_timers, 1 /* CLOCK_MONOTONIC */);
+	bpf_timer_set_callback(&t->timer, bw_timer_fired);
+	return 0;
+}
+#else
+/* Kernels before 6.17 do not pass cpu.max to a BPF scheduler: nothing is enforced (docs/scheduler.md). */
+static __always_inline bool bw_held(struct task_ctx *tctx, u64 now)
+{
+	return false;
+}
+
+static __always_inline bool bw_park(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags,
+				    u64 now)
+{
+	return false;
+}
+
+static __always_inline bool bw_charge(struct task_ctx *tctx, u64 now)
+{
+	return false;
+}
+
+static __always_inline void bw_release_due(u64 now)
+{
+}
+
+static __always_inline s32 bw_init(void)
+{
+	return 0;
+}
+#endif
+
 /*
  * Boosted wakers go straight to a CPU that runs something less important (prefer the one the default
  * policy picked), so enqueue can insert them into that CPU's local DSQ and preempt.
@@ -400,10 +689,17 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	bool idle = false;
 	s32 cpu, victim;
 	u32 prio;
+	u64 now;
 
 	cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
 	lookup_strategy(p, &s);
-	prio = tctx ? effective_prio(tctx, s.prio, bpf_ktime_get_ns()) : 0;
+	now = bpf_ktime_get_ns();
+	prio = tctx ? effective_prio(tctx, s.prio, now) : 0;
+	/* Over its cgroup's cpu.max: enqueue parks it; the idle CPU claimed for it is woken to idle again. */
+	if (idle && bw_held(tctx, now)) {
+		scx_bpf_kick_cpu(cpu, KICK_IDLE);
+		idle = false;
+	}
 	/* The default policy claimed an idle CPU for us: run there now, or that CPU idles until kicked. */
 	if (idle) {
 		if (tctx) {
@@ -426,14 +722,6 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	return victim >= 0 ? victim : cpu;
 }
 
-/* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
-static __always_inline u64 fair_vtime(struct task_ctx *tctx)
-{
-	u64 floor = vtime_now - settings.default_slice_ns;
-
-	return before(tctx->vtime, floor) ? floor : tctx->vtime;
-}
-
 static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio, u64 enq_flags, u64 now)
 {
 	s32 cpu = scx_bpf_task_cpu(p);
@@ -454,7 +742,7 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 		return;
 	}
 	/* Earliest deadline first: priority buys a head start, waiting catches up with it. */
-	dsq_insert_vtime(p, BOOST_DSQ, s->slice, now + (u64)(AGENT_PRIORITY - prio) * BOOST_STEP_NS, enq_flags);
+	dsq_insert_vtime(p, BOOST_DSQ, s->slice, boost_deadline(prio, now), enq_flags);
 	kick_idle(p);
 }
 
@@ -478,13 +766,21 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 		count(&bss.stats.fair_dispatches);
 		return;
 	}
+	/* ENQ_LAST (6.17+ object): nothing else is queued for this CPU, so it keeps the task. */
 	if (!tctx) {
-		dsq_insert(p, FAIR_DSQ, s.slice, enq_flags);
+		dsq_insert(p, (enq_flags & ENQ_LAST) ? DSQ_LOCAL : FAIR_DSQ, s.slice, enq_flags);
 		return;
 	}
 	prio = effective_prio(tctx, s.prio, now);
 	tctx->prio = prio;
 	tctx->slice = s.slice;
+	/* cpu.max before priority: a boosted task in a limited cgroup is held to the limit. */
+	if (bw_park(p, tctx, s.slice, enq_flags, now))
+		return;
+	if (enq_flags & ENQ_LAST) {
+		dsq_insert(p, DSQ_LOCAL, s.slice, enq_flags);
+		return;
+	}
 	if (prio) {
 		enqueue_boosted(p, &s, prio, enq_flags, now);
 		return;
@@ -639,6 +935,7 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 	u64 now = bpf_ktime_get_ns();
 	struct task_ctx *tctx;
 
+	bw_release_due(now);
 	if (!c) {
 		if (!dsq_move_to_local(BOOST_DSQ))
 			dsq_move_to_local(FAIR_DSQ);
@@ -656,7 +953,7 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 	 */
 	if (prev && (prev->scx.flags & TASK_QUEUED)) {
 		tctx = ctx_of(prev);
-		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now)) {
+		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now) && !bw_held(tctx, now)) {
 			prev->scx.slice = tctx->slice;
 			return;
 		}
@@ -673,6 +970,7 @@ void OP(gthulhu_running, struct task_struct *p)
 	if (!tctx)
 		return;
 	tctx->started_at = bpf_ktime_get_ns();
+	tctx->bw_mark = tctx->started_at;
 	if (!tctx->prio && before(vtime_now, tctx->vtime))
 		vtime_now = tctx->vtime;
 	c = cpu_ctx_of(scx_bpf_task_cpu(p));
@@ -812,8 +1110,6 @@ void OP(gthulhu_quiescent, struct task_struct *p, u64 deq_flags)
  */
 #define WEIGHT_SHIFT 16
 #define WEIGHT_FLOOR (1ULL << WEIGHT_SHIFT)
-/* A run longer than this (18 min) is charged as this long: the charge cannot overflow. */
-#define MAX_CHARGED_NS (1ULL << 40)
 /*
  * One run costs at most what a task at the floor pays for two default slices (a 5 ms slice runs up to
  * ~11 ms at a 250 Hz tick): a run far longer than its slice (a late tick, a vCPU the host took away) must
@@ -921,6 +1217,8 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	/* A task already running when the scheduler was enabled has no start: charge nothing for that run. */
 	used = tctx->started_at ? now - tctx->started_at : 0;
 	tctx->started_at = 0;
+	bw_charge(tctx, now);
+	tctx->bw_mark = 0;
 	charge = fair_charge(p, tctx, used);
 	tctx->vtime += charge;
 	tctx->served += charge;
@@ -957,6 +1255,11 @@ void OP(gthulhu_tick, struct task_struct *p)
 	}
 	if (!tctx || !c)
 		return;
+	/* Its cgroup (or an ancestor) used its cpu.max quota: it stops now and enqueue parks it. */
+	if (bw_charge(tctx, now)) {
+		p->scx.slice = 0;
+		return;
+	}
 	if (tctx->prio) {
 		if (over_budget(tctx, now) || (cpu_throttled(c, now) && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
 			p->scx.slice = 0;
@@ -1024,6 +1327,9 @@ s32 OP(gthulhu_cgroup_init, struct cgroup *cgrp, struct scx_cgroup_init_args *ar
 	cg.weight = args->weight ?: 1;
 	if (BPF_CORE_READ(cgrp, level) > 1)
 		cg.parent = cgroup_key(BPF_CORE_READ(cgrp, self.parent, cgroup));
+#ifdef GTHULHU_CGROUP_BW
+	bw_set(&cg, args->bw_period_us, args->bw_quota_us, args->bw_burst_us, bpf_ktime_get_ns());
+#endif
 	bpf_map_update_elem(&cgroups, &id, &cg, BPF_ANY);
 	return 0;
 }
@@ -1065,6 +1371,22 @@ void OP(gthulhu_cgroup_set_weight, struct cgroup *cgrp, u32 weight)
 	cgroup_add(cg->parent, up);
 }
 
+#ifdef GTHULHU_CGROUP_BW
+/* A new cpu.max or cpu.max.burst (6.17+). A raised or removed limit frees the parked tasks at once. */
+void OP(gthulhu_cgroup_set_bandwidth, struct cgroup *cgrp, u64 period_us, u64 quota_us, u64 burst_us)
+{
+	u64 id = cgroup_key(cgrp), now = bpf_ktime_get_ns();
+	struct cgroup_ctx *cg = id ? bpf_map_lookup_elem(&cgroups, &id) : NULL;
+
+	if (!cg)
+		return;
+	bpf_spin_lock(&cg->lock);
+	bw_set(cg, period_us, quota_us, burst_us, now);
+	bpf_spin_unlock(&cg->lock);
+	bw_arm(now, now);
+}
+#endif
+
 /* Delete an entry only if it belongs to this task: the id may already name a new task. */
 static __always_inline bool delete_if_owned(void *map, u32 id, u64 start_time)
 {
@@ -1097,7 +1419,10 @@ s32 OP(gthulhu_init)
 
 	if (ret)
 		return ret;
-	return scx_bpf_create_dsq(FAIR_DSQ, -1);
+	ret = scx_bpf_create_dsq(FAIR_DSQ, -1);
+	if (ret)
+		return ret;
+	return bw_init();
 }
 
 /* Keep the kernel's reason for the agent, which reads it after noticing the scheduler is gone. */
@@ -1130,8 +1455,14 @@ int gthulhu_count_entries(void *ctx)
  * warning and 7.1 removed it: a kernel refuses flags it does not know. The 6.12 object runs only where the
  * old kfunc names exist, which is 6.12 alone, so only it sets the flag.
  */
+/*
+ * The 6.17+ object sets SCX_OPS_ENQ_LAST (1 << 1 on every kernel): a task the kernel would otherwise keep
+ * on an otherwise idle CPU is enqueued instead, so one over its cpu.max can be parked.
+ */
 #ifdef GTHULHU_KFUNCS_6_12
 #define OPS_FLAGS (1ULL << 16)
+#elif defined(GTHULHU_CGROUP_BW)
+#define OPS_FLAGS (1ULL << 1)
 #else
 #define OPS_FLAGS 0
 #endif
@@ -1151,6 +1482,9 @@ struct sched_ext_ops {
 	void (*cgroup_exit)(struct cgroup *cgrp);
 	void (*cgroup_move)(struct task_struct *p, struct cgroup *from, struct cgroup *to);
 	void (*cgroup_set_weight)(struct cgroup *cgrp, u32 weight);
+#ifdef GTHULHU_CGROUP_BW
+	void (*cgroup_set_bandwidth)(struct cgroup *cgrp, u64 period_us, u64 quota_us, u64 burst_us);
+#endif
 	void (*cpu_online)(s32 cpu);
 	void (*cpu_offline)(s32 cpu);
 	s32 (*init)(void);
@@ -1179,6 +1513,9 @@ struct sched_ext_ops gthulhu_ops = {
 	.cgroup_exit = (void *)gthulhu_cgroup_exit,
 	.cgroup_move = (void *)gthulhu_cgroup_move,
 	.cgroup_set_weight = (void *)gthulhu_cgroup_set_weight,
+#ifdef GTHULHU_CGROUP_BW
+	.cgroup_set_bandwidth = (void *)gthulhu_cgroup_set_bandwidth,
+#endif
 	.cpu_online = (void *)gthulhu_cpu_online,
 	.cpu_offline = (void *)gthulhu_cpu_offline,
 	.init = (void *)gthulhu_init,

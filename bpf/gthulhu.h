@@ -56,6 +56,8 @@ struct gthulhu_stats {
 	u64 live_tgid_entries;  /* entries in tgid_map */
 	u64 reserve_boosted;    /* boosted tasks that were served a CPU's reserve turn (behind the fair pool) */
 	u64 hotplug_events;     /* CPUs that went online or offline while the scheduler ran */
+	u64 bw_parked;          /* tasks held back: their cgroup or an ancestor used its cpu.max quota (6.17+) */
+	u64 bw_released;        /* parked tasks moved back to their queue */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */

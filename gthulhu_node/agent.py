@@ -229,12 +229,14 @@ class Agent:
             self._fall_back(exc)
 
     def cpu_max_enforced(self) -> bool:
-        """False while our sched_ext scheduler runs: the kernel's CFS bandwidth control (cgroup cpu.max)
-        does not apply to its tasks. True for the other backends, and while the scheduler is ejected."""
+        """False while our sched_ext scheduler runs on a kernel before 6.17: the kernel's CFS bandwidth
+        control (cgroup cpu.max) does not apply to its tasks, and those kernels do not pass cpu.max to it
+        (from 6.17 it enforces it itself). True for the other backends, and while the scheduler is ejected."""
         backend = self.backend
         if backend is None or backend.name != SCHED_EXT:
             return True
-        return self._backend_state()[0] not in (BackendState.RUNNING.value, "starting")
+        return (self._backend_state()[0] not in (BackendState.RUNNING.value, "starting")
+                or backend.enforces_cpu_max)
 
     def _stop_backend(self) -> None:
         if self.backend is not None:

@@ -130,6 +130,12 @@ class Backend(abc.ABC):
         """Entries each of the backend's maps holds at most; None when it has no such limit."""
         return None
 
+    @property
+    def enforces_cpu_max(self) -> bool:
+        """Whether cgroup cpu.max holds for the tasks this backend schedules while it runs: the kernel's
+        own scheduler enforces it; the sched_ext scheduler only where the kernel passes it the limits."""
+        return True
+
     def health(self) -> BackendHealth:
         """Whether the backend still works; a real scheduler can be ejected by the kernel."""
         return BackendHealth(BackendState.RUNNING)

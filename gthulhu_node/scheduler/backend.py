@@ -40,6 +40,7 @@ from gthulhu_node.scheduler.loader import (
     SCHED_NAME,
     LoadedScheduler,
     LoadSettings,
+    enforces_cpu_max,
     load,
     sched_ext_state,
     wait_state,
@@ -109,6 +110,11 @@ class SchedExtBackend(Backend):
     @property
     def capacity(self) -> int:
         return self._settings.map_capacity
+
+    @property
+    def enforces_cpu_max(self) -> bool:
+        """Only the 6.17+ object enforces cpu.max: older kernels do not pass it to a BPF scheduler."""
+        return self._sched is not None and enforces_cpu_max(self._sched.flavour)
 
     def start(self) -> None:
         if self._sched is not None:

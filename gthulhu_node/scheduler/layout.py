@@ -51,6 +51,8 @@ STAT_NAMES = (
     "live_tgid_entries",
     "reserve_boosted",
     "hotplug_events",
+    "bw_parked",
+    "bw_released",
 )
 #: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

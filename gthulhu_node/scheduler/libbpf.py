@@ -15,6 +15,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from gthulhu_node.errors import BackendError
@@ -81,6 +82,8 @@ _SIGS: dict[str, tuple[Any, list[Any]]] = {
     "btf__type_by_id": (_P, [_P, ctypes.c_uint32]),
     "btf__name_by_offset": (ctypes.c_char_p, [_P, ctypes.c_uint32]),
     "btf__resolve_size": (ctypes.c_int64, [_P, ctypes.c_uint32]),
+    "btf__parse": (_P, [ctypes.c_char_p, _P]),
+    "btf__free": (None, [_P]),
     "libbpf_set_print": (_P, [_P]),
 }
 
@@ -185,6 +188,17 @@ class Btf:
         if type_id < 0:
             raise LibbpfError(f"btf__find_by_name_kind({name})", -type_id)
         return int(libbpf.btf__resolve_size(self._h, type_id))
+
+
+@contextlib.contextmanager
+def parsed_btf(path: Path) -> Iterator[Btf]:
+    """A BTF file (a kernel's /sys/kernel/btf/vmlinux) read by libbpf, freed on exit."""
+    ctypes.set_errno(0)
+    handle = _ptr(f"btf__parse({path})", lib().btf__parse(str(path).encode(), None))
+    try:
+        yield Btf(handle)
+    finally:
+        lib().btf__free(handle)
 
 
 class _OpenOpts(ctypes.Structure):

@@ -82,17 +82,37 @@ def check_support(root: Path = SCHED_EXT, btf: Path = KERNEL_BTF) -> None:
 
 
 def kfunc_flavour(btf: Path = KERNEL_BTF) -> str:
-    """'6.13' when the kernel has the renamed kfuncs (scx_bpf_dsq_insert), else '6.12' (untested)."""
+    """Which object fits this kernel: '6.17' when its sched_ext_ops has cgroup_set_bandwidth (the object that
+    enforces cpu.max sets it, and libbpf 1.1.2 refuses a member the kernel lacks); else '6.13' when it has
+    the renamed kfuncs (scx_bpf_dsq_insert); else '6.12'."""
     data = btf.read_bytes()
-    return "6.13" if b"\0scx_bpf_dsq_insert\0" in data else "6.12"
+    if b"\0scx_bpf_dsq_insert\0" not in data:
+        return "6.12"
+    return "6.17" if BANDWIDTH_OP in ops_members(btf) else "6.13"
 
 
-_OBJECT_NAME = re.compile(r"gthulhu(?:-6\.12)?\.(\w+)\.bpf\.o")
+BANDWIDTH_OP = "cgroup_set_bandwidth"
+#: the object of each flavour, before .<arch>.bpf.o
+OBJECT_STEMS = {"6.17": "gthulhu-6.17", "6.13": "gthulhu", "6.12": "gthulhu-6.12"}
+
+
+def ops_members(btf: Path = KERNEL_BTF) -> set[str]:
+    """The members of the kernel's struct sched_ext_ops."""
+    with libbpf.parsed_btf(btf) as kernel:
+        return {name for name, _, _ in kernel.struct_members("sched_ext_ops")}
+
+
+def enforces_cpu_max(flavour: str) -> bool:
+    """Whether the object of this flavour enforces cpu.max (only kernels that pass it to us: 6.17+)."""
+    return flavour == "6.17"
+
+
+_OBJECT_NAME = re.compile(r"gthulhu(?:-6\.1[27])?\.(\w+)\.bpf\.o")
 
 
 def packaged_objects() -> Path:
-    """The package's folder of prebuilt objects: `gthulhu[-6.12].<arch>.bpf.o`, <arch> as platform.machine()
-    names it (x86_64, aarch64), since each is built against its architecture's vmlinux.h."""
+    """The package's folder of prebuilt objects: `gthulhu[-6.12|-6.17].<arch>.bpf.o`, <arch> as
+    platform.machine() names it (x86_64, aarch64), each built against its architecture's vmlinux.h."""
     return Path(str(resources.files("gthulhu_node") / "data"))
 
 
@@ -101,7 +121,7 @@ def object_path(flavour: str, override: Path | None = None, machine: str | None 
     if override is not None:
         return override
     machine = machine or platform.machine()
-    stem = "gthulhu" if flavour == "6.13" else "gthulhu-6.12"
+    stem = OBJECT_STEMS[flavour]
     data = packaged_objects()
     path = data / f"{stem}.{machine}.bpf.o"
     if path.is_file():

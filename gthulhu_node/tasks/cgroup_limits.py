@@ -1,9 +1,10 @@
 """Which cgroups on this node have a CPU limit (cgroup v2 `cpu.max`), and telling the operator whether it
 holds.
 
-Why: while our sched_ext scheduler runs, the kernel's CFS bandwidth control does not apply, so a cgroup's
+Why: while our sched_ext scheduler runs, the kernel's CFS bandwidth control does not apply. From Linux 6.17
+the kernel passes each cgroup's `cpu.max` to the scheduler, which enforces it; before 6.17 a cgroup's
 `cpu.max` (every Kubernetes CPU limit, every `docker run --cpus`) is not enforced (docs/scheduler.md). The
-agent cannot fix that here; it counts the limited cgroups so status, metrics and the log say so before an
+agent cannot fix that there; it counts the limited cgroups so status, metrics and the log say so before an
 operator relies on a limit.
 
 The walk is bounded (`max_cgroups`) and tolerates cgroups that vanish while it runs (ENOENT, ENODEV). A
@@ -116,11 +117,13 @@ def describe(scan: CpuMaxScan | None, enforced: bool, backend: str) -> str:
         return f"unknown: the cgroup tree could not be read ({scan.error})"
     count = f"at least {scan.limited}" if scan.capped else str(scan.limited)
     text = f"{count} cgroups limited"
-    if enforced:
+    if enforced and backend == "sched_ext":
+        text += "; enforced by the sched_ext scheduler (kernel 6.17 or later)"
+    elif enforced:
         text += f"; enforced by the kernel ({backend} backend)"
     else:
         text += f"; {'NOT' if scan.limited else 'a cpu.max set now would NOT be'} enforced while the " \
-                "sched_ext scheduler runs (docs/scheduler.md)"
+                "sched_ext scheduler runs on this kernel (before 6.17; docs/scheduler.md)"
     if scan.capped:
         text += f"; walk stopped at {scan.visited} cgroups"
     if scan.errors:
@@ -222,5 +225,5 @@ class CpuMaxWatch:
             log.warning("cgroup_cpu_max_not_enforced", limited=result.limited, examples=list(result.examples),
                         capped=result.capped, scan_s=round(time.monotonic() - started, 3),
                         action="the sched_ext scheduler does not enforce cgroup cpu.max (CPU limits of "
-                               "containers); see docs/scheduler.md")
+                               "containers) on kernels before 6.17; see docs/scheduler.md")
         return result

@@ -5,7 +5,8 @@ kernel's reference schedulers scx_simple and scx_flatcg) interleaved round by ro
 
 Prints medians [min-max] of steps/s, the 2 ms work's wall time p50/p99, cyclictest avg/max wakeup latency
 and the hogs' bogo-ops/s, with ratios against the uncontended run and the SCHED_FIFO run.
-GTHULHU_BENCH_SECONDS (default 30) and GTHULHU_BENCH_ROUNDS (default 3) size it.
+GTHULHU_BENCH_SECONDS (default 30) and GTHULHU_BENCH_ROUNDS (default 3) size it; GTHULHU_BENCH_CASES (a
+comma-separated list of case names, default all) picks the cases.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.bench
 
 SECONDS = float(os.environ.get("GTHULHU_BENCH_SECONDS", "30"))
 ROUNDS = int(os.environ.get("GTHULHU_BENCH_ROUNDS", "3"))
+CASES = os.environ.get("GTHULHU_BENCH_CASES", "")
 BASE = "no contention"
 FIFO = "chrt -f 50"
 # what the boosted engine is compared with, each at its strongest setting for the engine
@@ -97,7 +99,8 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
         shutil.copy2(path, lab.scratch_host / "peers" / name)
     r = lab.python(
         "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS),
-        "--peers-dir", str(lab.scratch_guest / "peers"), timeout=BUDGET_S,
+        "--peers-dir", str(lab.scratch_guest / "peers"), *(["--cases", CASES] if CASES else []),
+        timeout=BUDGET_S,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])

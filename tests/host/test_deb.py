@@ -27,6 +27,7 @@ pytestmark = pytest.mark.host
 VENV = "opt/gthulhu-node/venv"
 PYVER = f"{sys.version_info[0]}.{sys.version_info[1]}"
 MACHINE = platform.machine()  # the architecture whose scheduler objects a package for this machine carries
+STEMS = ("gthulhu", "gthulhu-6.12", "gthulhu-6.17")  # the objects of each architecture
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,7 @@ def test_file_list(unpacked: Path) -> None:
         f"{VENV}/bin/gthulhu-node",
         f"{site}/gthulhu_node/data/gthulhu.{MACHINE}.bpf.o",
         f"{site}/gthulhu_node/data/gthulhu-6.12.{MACHINE}.bpf.o",
+        f"{site}/gthulhu_node/data/gthulhu-6.17.{MACHINE}.bpf.o",
         "opt/gthulhu-node/remote-api.conf",
         "usr/share/doc/gthulhu-node/copyright",
         "usr/share/doc/gthulhu-node/changelog.Debian.gz",
@@ -93,11 +95,11 @@ def test_file_list(unpacked: Path) -> None:
     # the package is for one architecture: no other architecture's scheduler objects, and its record of
     # installed files (RECORD) names only what is there
     assert {f for f in files if f.endswith(".bpf.o")} == {
-        f"{site}/gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in ("gthulhu", "gthulhu-6.12")}
+        f"{site}/gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in STEMS}
     [record] = [f for f in files if f.startswith(f"{site}/gthulhu_node-") and f.endswith("/RECORD")]
     listed = {line.split(",")[0] for line in (unpacked / record).read_text().splitlines()}
     assert {n for n in listed if n.endswith(".bpf.o")} == {
-        f"gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in ("gthulhu", "gthulhu-6.12")}
+        f"gthulhu_node/data/{stem}.{MACHINE}.bpf.o" for stem in STEMS}
     # no pip in a dpkg-owned tree, nothing naming the build machine
     assert not any("/pip/" in f for f in files)
     # byte code built with the package: hash-checked (valid whatever mtimes dpkg sets), no staging path

@@ -19,6 +19,7 @@ from tests.vm.kernel import lab_kernel, other_btfs
 
 DATA = Path(__file__).resolve().parents[2] / "gthulhu_node" / "data"
 ARM_NEW, ARM_OLD = DATA / "gthulhu.aarch64.bpf.o", DATA / "gthulhu-6.12.aarch64.bpf.o"
+ARM_BW = DATA / "gthulhu-6.17.aarch64.bpf.o"
 # The kfuncs only the 6.12 object calls: renamed in 6.13, the old names gone in 6.17.
 NAMES_6_12 = {"scx_bpf_dispatch", "scx_bpf_dispatch_vtime", "scx_bpf_consume", "scx_bpf_dispatch_from_dsq"}
 # platform.machine()'s name -> Debian's
@@ -31,6 +32,10 @@ def arm64_btf() -> Path:
 
 def test_the_arm64_6_13_object_matches_the_arm64_7_3_kernel() -> None:
     assert check(ARM_NEW, arm64_btf()) == []
+
+
+def test_the_arm64_6_17_object_matches_the_arm64_7_3_kernel() -> None:
+    assert check(ARM_BW, arm64_btf()) == []
 
 
 def test_the_arm64_6_12_object_differs_from_7_3_only_in_the_old_kfunc_names() -> None:

@@ -10,16 +10,19 @@ enumerators) is checked here for each. Fetching the BTF needs the network once; 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.btfcheck import check
+from gthulhu_node.scheduler import loader
+from tests.btfcheck import Btf, check
 from tests.vm.kernel import lab_kernel, other_btfs
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "gthulhu_node" / "data"
 NEW, OLD = DATA / "gthulhu.x86_64.bpf.o", DATA / "gthulhu-6.12.x86_64.bpf.o"
+BW = DATA / "gthulhu-6.17.x86_64.bpf.o"  # 6.17+: also sets ops.cgroup_set_bandwidth (cpu.max)
 UNLOADABLE = REPO / "bpf" / ".output" / "gthulhu-unloadable.bpf.o"
 
 
@@ -29,6 +32,49 @@ def test_the_6_12_object_matches_the_6_12_kernel() -> None:
 
 def test_the_6_13_object_matches_the_7_3_kernel() -> None:
     assert check(NEW, lab_kernel("7.3").vmlinux) == []
+
+
+def test_the_6_17_object_matches_the_7_3_kernel() -> None:
+    assert check(BW, lab_kernel("7.3").vmlinux) == []
+
+
+def test_only_the_6_17_object_has_the_cpu_max_member_in_its_sched_ext_ops_members() -> None:
+    """libbpf 1.1.2 refuses an ops member the kernel lacks, even zero: 6.13-6.16 have no cgroup_set_bandwidth,
+    so only the object picked on kernels that have it may declare it."""
+    def members(obj: Path) -> set[str]:
+        return {m["name"] for m in Btf(obj).named(("STRUCT",), "sched_ext_ops")[0]["members"]}
+
+    assert "cgroup_set_bandwidth" in members(BW)
+    assert "cgroup_set_bandwidth" not in members(NEW) | members(OLD)
+    assert members(BW) - members(NEW) == {"cgroup_set_bandwidth"}
+    assert "sched_ext_ops.cgroup_set_bandwidth: not in the kernel" in check(BW, lab_kernel("6.12").vmlinux)
+
+
+# What a 6.13-6.16 kernel's BTF looks like to the loader: the new kfunc names, an ops table without
+# cgroup_set_bandwidth (a BPF object's BTF: libbpf parses it as it parses /sys/kernel/btf/vmlinux).
+KERNEL_6_16 = """
+struct task_struct;
+struct sched_ext_ops { void (*enqueue)(struct task_struct *p, unsigned long long f);
+                       void (*cgroup_set_weight)(void *cgrp, unsigned int weight); };
+extern void scx_bpf_dsq_insert(struct task_struct *p, unsigned long long d, unsigned long long s,
+                               unsigned long long f) __attribute__((section(".ksyms")));
+struct sched_ext_ops ops __attribute__((section(".data")));
+void *used(void) { return (void *)scx_bpf_dsq_insert; }
+"""
+
+
+def test_the_loader_picks_the_object_by_the_kernels_sched_ext_ops_members(tmp_path: Path) -> None:
+    """7.3 (and 7.2) have cgroup_set_bandwidth: the cpu.max object; 6.12 the old names; a kernel with the
+    new names but no such member (6.13-6.16) the 6.13 object, which libbpf 1.1.2 can load there."""
+    src, btf = tmp_path / "k.c", tmp_path / "k.o"
+    src.write_text(KERNEL_6_16)
+    subprocess.run(["clang-16", "-g", "-O2", "-target", "bpf", "-c", str(src), "-o", str(btf)], check=True)
+    assert "cgroup_set_weight" in loader.ops_members(btf)
+    assert loader.kfunc_flavour(btf) == "6.13"
+    assert loader.kfunc_flavour(lab_kernel("7.3").vmlinux) == "6.17"
+    assert loader.kfunc_flavour(lab_kernel("6.12").vmlinux) == "6.12"
+    assert all(loader.kfunc_flavour(path) == "6.17" for path in other_btfs().values())
+    assert loader.enforces_cpu_max("6.17") and not loader.enforces_cpu_max("6.13")
 
 
 def test_the_6_13_object_does_not_fit_the_6_12_kernel() -> None:
@@ -49,6 +95,7 @@ def test_every_offered_kernel_differs_at_most_in_kfunc_arguments(version: str) -
     in each point release; 7.3.4 has none). libbpf refuses any object whose declaration differs
     ("func_proto incompatible with kernel", seen booting 7.2.9), so there the agent falls back to the
     eevdf backend (docs/lab.md). Ops members, CO-RE fields and enumerators must fit every kernel."""
-    problems = check(NEW, other_btfs()[version])
-    assert all(re.fullmatch(r"kfunc (scx_bpf|bpf_iter_scx)_\w+: \d+ arguments in the kernel", p)
-               for p in problems), problems
+    for obj in (NEW, BW):
+        problems = check(obj, other_btfs()[version])
+        assert all(re.fullmatch(r"kfunc (scx_bpf|bpf_iter_scx)_\w+: \d+ arguments in the kernel", p)
+                   for p in problems), problems

@@ -57,12 +57,12 @@ def test_wheel_runs_and_carries_the_scheduler_objects(venv: Path) -> None:
          "import gthulhu_node, importlib.resources as r; d = r.files('gthulhu_node') / 'data'; "
          "print(gthulhu_node.__file__); "
          "print(*(d.joinpath(f'{s}.{a}.bpf.o').read_bytes()[:4] for a in ('x86_64', 'aarch64') "
-         "for s in ('gthulhu', 'gthulhu-6.12')))"],
+         "for s in ('gthulhu', 'gthulhu-6.12', 'gthulhu-6.17')))"],
         capture_output=True, text=True, check=True, cwd="/")
     module, magics = where.stdout.splitlines()
     assert module.startswith(str(venv)), "the package came from the checkout, not the wheel"
     elf = repr(b"\x7fELF")
-    assert magics == " ".join([elf] * 4)
+    assert magics == " ".join([elf] * 6)
 
 
 def test_the_wheel_carries_each_architectures_objects_and_nothing_else(wheel: Path) -> None:
@@ -72,7 +72,7 @@ def test_the_wheel_carries_each_architectures_objects_and_nothing_else(wheel: Pa
     with zipfile.ZipFile(wheel) as archive:
         objects = {n for n in archive.namelist() if n.endswith(".bpf.o")}
         assert objects == {f"gthulhu_node/data/{stem}.{arch}.bpf.o" for arch in ("x86_64", "aarch64")
-                           for stem in ("gthulhu", "gthulhu-6.12")}
+                           for stem in ("gthulhu", "gthulhu-6.12", "gthulhu-6.17")}
         for name in objects:
             assert archive.read(name) == (REPO / name).read_bytes(), name
 

@@ -98,7 +98,10 @@ def test_the_walk_stops_at_its_cap_and_says_so(tmp_path: Path) -> None:
 def test_status_line() -> None:
     scan = CpuMaxScan(12, 40)
     assert describe(scan, False, "sched_ext") == (
-        "12 cgroups limited; NOT enforced while the sched_ext scheduler runs (docs/scheduler.md)")
+        "12 cgroups limited; NOT enforced while the sched_ext scheduler runs on this kernel (before 6.17; "
+        "docs/scheduler.md)")
+    assert describe(scan, True, "sched_ext") == (
+        "12 cgroups limited; enforced by the sched_ext scheduler (kernel 6.17 or later)")
     assert describe(scan, True, "eevdf") == "12 cgroups limited; enforced by the kernel (eevdf backend)"
     assert describe(None, True, "eevdf") == "not scanned yet"
     unreadable = CpuMaxScan(1, 2, errors=1, first_error="x: bad")
@@ -164,21 +167,34 @@ def test_rescans_on_its_own_thread(tmp_path: Path) -> None:
 
 
 class SchedExtStandIn(DryRunBackend):
-    """A dry run under the sched_ext backend's name: what the agent decides from, without loading BPF."""
+    """A dry run under the sched_ext backend's name, as on a kernel before 6.17: what the agent decides
+    from, without loading BPF."""
+
+    name = "sched_ext"
+
+    @property
+    def enforces_cpu_max(self) -> bool:
+        return False
+
+
+class SchedExt617StandIn(DryRunBackend):
+    """The sched_ext backend on 6.17+: its object enforces cpu.max."""
 
     name = "sched_ext"
 
 
 @pytest.mark.parametrize("backend, line, enforced", [
     (DryRunBackend, "2 cgroups limited; enforced by the kernel (dry-run backend)", 1.0),
-    (SchedExtStandIn,
-     "2 cgroups limited; NOT enforced while the sched_ext scheduler runs (docs/scheduler.md)", 0.0),
+    (SchedExtStandIn, "2 cgroups limited; NOT enforced while the sched_ext scheduler runs on this kernel "
+     "(before 6.17; docs/scheduler.md)", 0.0),
+    (SchedExt617StandIn, "2 cgroups limited; enforced by the sched_ext scheduler (kernel 6.17 or later)",
+     1.0),
 ])
 def test_status_metrics_and_log_of_a_real_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 backend: type[DryRunBackend], line: str,
                                                 enforced: float) -> None:
-    """What an operator sees: the `gthulhu-node status` line, the two gauges, and (sched_ext only) one
-    warning at start."""
+    """What an operator sees: the `gthulhu-node status` line, the two gauges, and (sched_ext before 6.17
+    only) one warning at start."""
     from gthulhu_node import cli
     from gthulhu_node.agent import Agent
     from gthulhu_node.config import AgentConfig
