@@ -570,10 +570,15 @@ class Reconciler:
         st.batches += 1
         try:
             result = self.backend.apply(upserts, deletes)
-        except BackendError as exc:
-            # The whole batch was refused (nothing written): every key keeps its old applied value.
+        except Exception as raised:
+            # The whole batch was refused (nothing written): every key keeps its old applied value and is
+            # retried on its own. An exception no backend should raise (a bug, an OSError let through) is
+            # a refusal too, logged with its traceback: raised through the engine, it dropped the keys
+            # taken for this write until the next rescan.
+            exc = (raised if isinstance(raised, BackendError)
+                   else BackendError(f"{type(raised).__name__}: {raised}"))
             log.error("backend_write_failed", backend=self.backend.name, keys=len(upserts) + len(deletes),
-                      error=str(exc))
+                      error=str(exc), exc_info=not isinstance(raised, BackendError))
             st.write_failures += len(upserts) + len(deletes)
             for key in [*upserts, *deletes]:
                 self._record_failure(key, exc, now)

@@ -557,6 +557,36 @@ def test_a_refused_key_is_retried_on_its_own_with_doubling_backoff(proc: FakePro
     assert st.pending_failures == 0 and st.write_failures == 13 and r.stats().write_retries == 13
 
 
+class CrashingBackend(DryRunBackend):
+    """Raises an exception that is no BackendError (a bug in a backend) while `crash` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.crash = True
+
+    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
+        if self.crash:
+            raise RuntimeError("bug in the backend")
+        return super().apply(upserts, deletes)
+
+
+def test_an_unexpected_backend_exception_is_a_refusal_retried_per_key(proc: FakeProc) -> None:
+    """Before: the exception went through flush to the engine, and the keys taken for that write were
+    not written again until the next rescan (30 s)."""
+    clock = Clock()
+    proc.add(100, 101, "EngineCore_DP0", 5)
+    b = CrashingBackend()
+    r, _b = make(proc, b, clock=clock)
+    r.rescan()
+    r.set_policy(policy(("local/vllm", {})))  # must not raise
+    assert r.failures() == {tid(101): FailureReason.BACKEND}
+    assert "RuntimeError: bug in the backend" in r.intent_stats()["local/vllm"].last_error
+    b.crash = False
+    clock.now = r.next_retry_at()
+    r.flush()
+    assert b.table == {tid(101): Entry(10, 0, 5)} and r.failures() == {}
+
+
 def test_a_held_backend_is_not_retried(proc: FakeProc) -> None:
     clock = Clock()
     r, b = refused_vllm(proc, BackendError("tid:101: busy"), clock)
