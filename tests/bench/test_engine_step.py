@@ -97,11 +97,21 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
     (lab.scratch_host / "peers").mkdir(exist_ok=True)
     for name, path in peers.obtain().items():
         shutil.copy2(path, lab.scratch_host / "peers" / name)
-    r = lab.python(
-        "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS),
-        "--peers-dir", str(lab.scratch_guest / "peers"), *(["--cases", CASES] if CASES else []),
-        timeout=BUDGET_S,
-    )
+    progress = lab.scratch_host / "engine_step_progress.jsonl"
+    progress.unlink(missing_ok=True)
+    try:
+        r = lab.python(
+            "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS),
+            "--peers-dir", str(lab.scratch_guest / "peers"), *(["--cases", CASES] if CASES else []),
+            "--progress", str(lab.scratch_guest / progress.name), timeout=BUDGET_S,
+        )
+    finally:
+        # what ended before a timeout or a kill is still printed (the full JSON comes only at the end)
+        partial: dict[str, list[dict[str, float]]] = {}
+        for line in progress.read_text().splitlines() if progress.exists() else []:
+            row = json.loads(line)
+            partial.setdefault(row["case"], []).append(row["result"])
+        print("\nresults so far: " + json.dumps(partial))
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     data["tcg_thread"] = lab.tcg_thread

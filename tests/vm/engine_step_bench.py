@@ -309,6 +309,8 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--engine", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peers-dir", type=Path, default=None, help="where scx_simple and scx_flatcg are")
+    parser.add_argument("--progress", type=Path, default=None,
+                        help="append each case's result there as a JSON line as soon as it ends")
     args = parser.parse_args()
     if args.peers_dir is not None:
         global PEERS_DIR
@@ -322,6 +324,9 @@ def main() -> int:
         for name in names:
             runs[name].append(run_case(name, args.seconds))
             print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+            if args.progress is not None:
+                with args.progress.open("a") as f:
+                    f.write(json.dumps({"case": name, "result": runs[name][-1]}) + "\n")
     print(json.dumps({"seconds": args.seconds, "rounds": args.rounds, "kernel": os.uname().release,
                       "cpus": os.cpu_count(), "runs": runs}))
     return 0
