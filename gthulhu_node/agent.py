@@ -235,8 +235,16 @@ class Agent:
         backend = self.backend
         if backend is None or backend.name != SCHED_EXT:
             return True
-        return (self._backend_state()[0] not in (BackendState.RUNNING.value, "starting")
-                or backend.enforces_cpu_max)
+        return not self._scheduler_running() or backend.enforces_cpu_max
+
+    def _scheduler_running(self) -> bool:
+        return self._backend_state()[0] in (BackendState.RUNNING.value, "starting")
+
+    def cpu_max_by_scheduler(self) -> bool:
+        """Whether our own scheduler is what holds cpu.max now (the 6.17 object, running)."""
+        backend = self.backend
+        return (backend is not None and backend.name == SCHED_EXT and backend.enforces_cpu_max
+                and self._scheduler_running())
 
     def _stop_backend(self) -> None:
         if self.backend is not None:
@@ -535,7 +543,8 @@ class Agent:
             warnings=self._agent_warnings(),
             capabilities=self.capabilities,
             cgroup_cpu_max=describe(self.cgroup_limits.latest(), self.cpu_max_enforced(),
-                                    self.backend.name if self.backend is not None else "no"),
+                                    self.backend.name if self.backend is not None else "no",
+                                    self.cpu_max_by_scheduler()),
         )
 
     def _agent_warnings(self) -> tuple[str, ...]:

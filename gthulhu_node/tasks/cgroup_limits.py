@@ -109,16 +109,20 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False  # gone between listing and looking
 
 
-def describe(scan: CpuMaxScan | None, enforced: bool, backend: str) -> str:
-    """The status line: how many cgroups are limited and whether the limit holds with this backend."""
+def describe(scan: CpuMaxScan | None, enforced: bool, backend: str, by_scheduler: bool = False) -> str:
+    """The status line: how many cgroups are limited and whether the limit holds with this backend, and
+    who holds it: our scheduler (`by_scheduler`, the 6.17 object running) or the kernel (any other backend,
+    or the sched_ext backend while its scheduler is not running)."""
     if scan is None:
         return "not scanned yet"
     if scan.limited is None:
         return f"unknown: the cgroup tree could not be read ({scan.error})"
     count = f"at least {scan.limited}" if scan.capped else str(scan.limited)
     text = f"{count} cgroups limited"
-    if enforced and backend == "sched_ext":
+    if enforced and by_scheduler:
         text += "; enforced by the sched_ext scheduler (kernel 6.17 or later)"
+    elif enforced and backend == "sched_ext":
+        text += "; enforced by the kernel while the sched_ext scheduler is not running"
     elif enforced:
         text += f"; enforced by the kernel ({backend} backend)"
     else:

@@ -100,8 +100,11 @@ def test_status_line() -> None:
     assert describe(scan, False, "sched_ext") == (
         "12 cgroups limited; NOT enforced while the sched_ext scheduler runs on this kernel (before 6.17; "
         "docs/scheduler.md)")
-    assert describe(scan, True, "sched_ext") == (
+    assert describe(scan, True, "sched_ext", by_scheduler=True) == (
         "12 cgroups limited; enforced by the sched_ext scheduler (kernel 6.17 or later)")
+    # ejected on a kernel before 6.17: the kernel's CFS holds the limit, not our scheduler (it said ours)
+    assert describe(scan, True, "sched_ext") == (
+        "12 cgroups limited; enforced by the kernel while the sched_ext scheduler is not running")
     assert describe(scan, True, "eevdf") == "12 cgroups limited; enforced by the kernel (eevdf backend)"
     assert describe(None, True, "eevdf") == "not scanned yet"
     unreadable = CpuMaxScan(1, 2, errors=1, first_error="x: bad")
