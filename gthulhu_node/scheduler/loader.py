@@ -88,7 +88,13 @@ def kfunc_flavour(btf: Path = KERNEL_BTF) -> str:
     data = btf.read_bytes()
     if b"\0scx_bpf_dsq_insert\0" not in data:
         return "6.12"
-    return "6.17" if BANDWIDTH_OP in ops_members(btf) else "6.13"
+    try:
+        members = ops_members(btf)
+    except libbpf.LibbpfError as exc:
+        # a refusal, so that `backend: auto` falls back as it does when the load itself fails
+        raise SchedulerRefused(
+            f"cannot read struct sched_ext_ops from the kernel's BTF ({btf}): {exc}") from exc
+    return "6.17" if BANDWIDTH_OP in members else "6.13"
 
 
 BANDWIDTH_OP = "cgroup_set_bandwidth"

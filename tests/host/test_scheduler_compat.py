@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gthulhu_node.backends.base import SchedulerRefused
 from gthulhu_node.scheduler import loader
 from tests.btfcheck import Btf, check
 from tests.vm.kernel import lab_kernel, other_btfs
@@ -75,6 +76,15 @@ def test_the_loader_picks_the_object_by_the_kernels_sched_ext_ops_members(tmp_pa
     assert loader.kfunc_flavour(lab_kernel("6.12").vmlinux) == "6.12"
     assert all(loader.kfunc_flavour(path) == "6.17" for path in other_btfs().values())
     assert loader.enforces_cpu_max("6.17") and not loader.enforces_cpu_max("6.13")
+
+
+def test_an_unreadable_kernel_btf_is_a_refusal_that_auto_falls_back_from(tmp_path: Path) -> None:
+    """Before: libbpf's parse error (a BackendError, not a refusal) stopped an agent with `backend: auto`
+    at start instead of falling back to eevdf."""
+    btf = tmp_path / "vmlinux"
+    btf.write_bytes(b"not BTF\0scx_bpf_dsq_insert\0")
+    with pytest.raises(SchedulerRefused, match="cannot read struct sched_ext_ops"):
+        loader.kfunc_flavour(btf)
 
 
 def test_the_6_13_object_does_not_fit_the_6_12_kernel() -> None:
