@@ -577,6 +577,14 @@ static int bw_timer_fired(void *map, int *key, struct bw_timer *t)
 
 	if (!scx_bpf_dsq_nr_queued(THROTTLED_DSQ))
 		return 0;
+	/*
+	 * Parked tasks but no release due: a park raced a release pass (its insert lands when enqueue returns,
+	 * after the pass cleared bw_release_at and missed it). Make one due, or the task waits for the watchdog.
+	 */
+	if (!at) {
+		bw_release_at = now;
+		at = now;
+	}
 	bpf_iter_num_new(&it, 0, settings.nr_cpus);
 	while ((i = bpf_iter_num_next(&it)))
 		scx_bpf_kick_cpu(*i, KICK_IDLE);
@@ -619,6 +627,8 @@ static void bw_release(u64 now)
 			scx_bpf_dsq_move_set_vtime(&it, tctx ? fair_vtime(tctx) : vtime_now);
 			scx_bpf_dsq_move_vtime(&it, p, FAIR_DSQ, 0);
 		}
+		/* as an enqueue does: the CPUs the timer woke may have gone idle again before this pass */
+		kick_idle(p);
 		count(&bss.stats.bw_released);
 	}
 	bpf_iter_scx_dsq_destroy(&it);
