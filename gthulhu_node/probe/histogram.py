@@ -52,7 +52,12 @@ class WaitHistogram:
         return sum(self.counts.values())
 
     def percentile_ns(self, q: float) -> float:
-        """The q-quantile (0 < q <= 1), interpolated within its log2 bucket; 0.0 for an empty histogram."""
+        """The q-quantile (0 < q <= 1), interpolated within its log2 bucket; 0.0 for an empty histogram.
+
+        A q outside (0, 1] is refused: a percent (99 for 0.99) used to fall through to the maximum, so a
+        caller asking for a p99 silently compared maxima."""
+        if not 0 < q <= 1:
+            raise ValueError(f"percentile_ns takes a fraction in (0, 1], not {q!r}")
         total = self.histogram_count
         if total == 0:
             return 0.0

@@ -49,6 +49,15 @@ def test_tail_lands_in_the_slow_bucket() -> None:
     assert hist.percentile_ns(0.99) > 4_000_000
 
 
+@pytest.mark.parametrize("q", [99, 1.5, 0, -0.5])
+def test_a_quantile_outside_zero_to_one_is_refused(q: float) -> None:
+    # percentile_ns(99) used to return the maximum (the rank fell past the last bucket): the safety
+    # suite's "p99" comparison was a comparison of single worst waits, i.e. of emulator stalls.
+    hist = WaitHistogram.from_values([10_000] * 98 + [8_000_000] * 2)
+    with pytest.raises(ValueError, match="fraction"):
+        hist.percentile_ns(q)
+
+
 def test_empty_histogram() -> None:
     hist = WaitHistogram()
     assert hist.percentile_ns(0.99) == 0.0

@@ -112,8 +112,8 @@ def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float
             for pid in started:
                 hist = hists.get(pid)
                 waits[pid] = None if hist is None else {
-                    "max_ms": hist.max_ns / 1e6, "p99_ms": hist.percentile_ns(99) / 1e6, "count": hist.count,
-                    "hist": hist,
+                    "max_ms": hist.max_ns / 1e6, "p99_ms": hist.percentile_ns(0.99) / 1e6,
+                    "count": hist.count, "hist": hist,
                 }
                 probe.remove_target(pid)
             return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits,
@@ -196,25 +196,35 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
 def priorities(args: argparse.Namespace) -> dict[str, Any]:
     """Boosted demand within budget: one periodic thread at each of priorities 20, 15, 10, 5 (2 ms busy,
     6 ms asleep: a quarter of a CPU each, one CPU of the 1.5 the guard allows on 2) beside CPU-bound
-    unboosted hogs; each priority's p99 wait from the probe."""
+    unboosted hogs; each priority's wait percentiles from the probe, pooled over `arg` rounds (3) in one
+    boot, with the emulator's stalls measured beside them."""
     from gthulhu_node.probe.histogram import WaitHistogram
     from gthulhu_node.probe.loader import RunqueueProbe
 
     ncpu = os.cpu_count() or 1
     prios = (20, 15, 10, 5)
+    rounds = int(args.arg) if args.arg else 3
     mix = [(p, "periodic") for p in prios] + [(0, "spin")] * (2 * ncpu)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rounds": []}
+    per_prio: dict[int, WaitHistogram] = {}
     with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, RunqueueProbe(per_thread=True) as probe:
-        res = run_mix(backend, mix, args.seconds, probe)
-        per_prio: dict[int, WaitHistogram] = {}
-        for pid, (prio, _) in zip(res["pids"], mix, strict=True):
-            w = res["waits"].get(pid)
-            if prio and w is not None:
-                per_prio.setdefault(prio, WaitHistogram()).merge(w["hist"])
-        out["p99_ms"] = {p: per_prio[p].percentile_ns(99) / 1e6 for p in prios if p in per_prio}
+        for _ in range(rounds):
+            res = run_mix(backend, mix, args.seconds, probe)
+            this: dict[int, WaitHistogram] = {}
+            for pid, (prio, _) in zip(res["pids"], mix, strict=True):
+                w = res["waits"].get(pid)
+                if prio and w is not None:
+                    this.setdefault(prio, WaitHistogram()).merge(w["hist"])
+                    per_prio.setdefault(prio, WaitHistogram()).merge(w["hist"])
+            out["rounds"].append({"p99_ms": {p: h.percentile_ns(0.99) / 1e6 for p, h in this.items()},
+                                  "emulator_stalls": res["stalls"]})
+        for q in (50, 90, 99):
+            out[f"p{q}_ms"] = {p: per_prio[p].percentile_ns(q / 100) / 1e6 for p in prios if p in per_prio}
+        out["max_ms"] = {p: per_prio[p].max_ns / 1e6 for p in prios if p in per_prio}
         out["counts"] = {p: per_prio[p].count for p in prios if p in per_prio}
         out["boosted_demand_cpus"] = sum(0.25 for p, _ in mix if p)
         out["health"] = backend.health().state.value
+        out["counters"] = backend.counters()
         out["state"] = state()
     return out
 

@@ -71,13 +71,16 @@ def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
 
 
 def test_higher_priorities_wait_no_longer_within_budget(lab: Any) -> None:
-    out = scenario(lab, "priorities", "--seconds", "6", timeout=600)
+    out = scenario(lab, "priorities", "3", "--seconds", "4", timeout=600)
     assert_still_ours(out)
     p99 = {int(k): v for k, v in out["p99_ms"].items()}
-    assert set(p99) == {20, 15, 10, 5} and min(out["counts"].values()) >= 50, out
-    # The extremes are ordered in every run so far; the middle priorities were not always (16.8 ms at
-    # 15 against 19.7 at 20 in one run), which is within TCG's noise and not yet a guarantee.
+    assert set(p99) == {20, 15, 10, 5} and min(out["counts"].values()) >= 150, out
+    # Before: the scenario asked percentile_ns for its 99th percentile as `99`, which returned the
+    # maximum, so this compared single worst waits (emulator stalls of 35-75 ms, in any order).
+    # Measured (7.3, quiet machine): p99 12.8 / 13.7 / 15.8 / 20.1 ms, p90 4.6 / 4.8 / 7.0 / 8.0 ms at
+    # 20 / 15 / 10 / 5; adjacent priorities are within a log2 bucket of each other, the extremes are not.
     assert p99[20] <= p99[5], out
+    assert out["p90_ms"]["20"] <= out["p90_ms"]["5"], out
 
 
 @both_kernels
