@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -68,6 +69,10 @@ _SIGS: dict[str, tuple[Any, list[Any]]] = {
     "bpf_program__flags": (ctypes.c_uint32, [_P]),
     "bpf_program__set_flags": (ctypes.c_int, [_P, ctypes.c_uint32]),
     "bpf_program__fd": (ctypes.c_int, [_P]),
+    "bpf_program__name": (ctypes.c_char_p, [_P]),
+    "bpf_program__set_log_level": (ctypes.c_int, [_P, ctypes.c_uint32]),
+    "bpf_program__set_log_buf": (ctypes.c_int, [_P, _P, ctypes.c_size_t]),
+    "bpf_object__next_program": (_P, [_P, _P]),
     "bpf_link__destroy": (ctypes.c_int, [_P]),
     "bpf_link__disconnect": (None, [_P]),
     "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _P, _P, ctypes.c_uint64]),
@@ -263,10 +268,31 @@ class BpfMap:
         return Link(_ptr(f"bpf_map__attach_struct_ops({self.name})", ptr))
 
 
+# The verifier's log level that prints only its statistics (kernel BPF_LOG_STATS).
+BPF_LOG_STATS = 4
+_PROCESSED = re.compile(rb"processed (\d+) insns")
+
+
 class Program:
     def __init__(self, handle: int, name: str) -> None:
         self._h = handle
         self.name = name
+        self._log: ctypes.Array[ctypes.c_char] | None = None
+
+    def record_stats(self) -> None:
+        """Have the verifier write its statistics (a few lines) for this program at load. Only for checks:
+        with a log buffer of ours, libbpf does not retry a refused load with the full log it would print."""
+        self._log = ctypes.create_string_buffer(4096)
+        _check(f"bpf_program__set_log_buf({self.name})",
+               lib().bpf_program__set_log_buf(self._h, self._log, len(self._log)))
+        _check(f"bpf_program__set_log_level({self.name})",
+               lib().bpf_program__set_log_level(self._h, BPF_LOG_STATS))
+
+    def verified_insns(self) -> int | None:
+        """Instructions the verifier processed for this program (its limit is 1,000,000), after a load
+        with record_stats; None without."""
+        found = _PROCESSED.search(self._log.value) if self._log is not None else None
+        return int(found.group(1)) if found else None
 
     def add_flags(self, flags: int) -> None:
         libbpf = lib()
@@ -333,6 +359,14 @@ class BpfObject:
 
     def btf(self) -> Btf:
         return Btf(_ptr("bpf_object__btf", lib().bpf_object__btf(self.handle)))
+
+    def programs(self) -> list[Program]:
+        found: list[Program] = []
+        ptr = lib().bpf_object__next_program(self.handle, None)
+        while ptr:
+            found.append(Program(ptr, (lib().bpf_program__name(ptr) or b"").decode()))
+            ptr = lib().bpf_object__next_program(self.handle, ptr)
+        return found
 
     def load(self) -> None:
         _check("bpf_object__load", lib().bpf_object__load(self.handle))

@@ -53,6 +53,7 @@ class LoadSettings:
     watchdog_timeout_ms: int = 0  # 0: the kernel's default
     agent_tgid: int = 0  # 0: the agent's own threads are not protected
     bpf_object: Path | None = None
+    verifier_stats: bool = False  # record each program's verifier statistics (LoadedScheduler.verifier_insns)
 
 
 def sched_ext_state(root: Path = SCHED_EXT) -> tuple[str, str]:
@@ -256,6 +257,8 @@ class LoadedScheduler:
         self.capacity = obj.map("tid_map").max_entries
         self._bss_fd = _internal_map(obj, ".bss").fd
         self._count_prog = obj.program("gthulhu_count_entries")
+        # per program, when loaded with LoadSettings.verifier_stats
+        self.verifier_insns: dict[str, int | None] = {}
 
     def bss(self, refresh_counts: bool = True) -> GthulhuBss:
         """Counters and exit info as the scheduler holds them now."""
@@ -376,6 +379,9 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         rodata.set_initial_value(bytes(values))
         for prog in SLEEPABLE_PROGRAMS:
             obj.program(prog).add_flags(libbpf.BPF_F_SLEEPABLE)
+        recorded = obj.programs() if settings.verifier_stats else []
+        for program in recorded:
+            program.record_stats()
         with libbpf.captured_messages() as messages:
             try:
                 obj.load()
@@ -387,6 +393,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
                 raise _refused(f"attaching the scheduler failed: {exc}", messages) from exc
         state, ops = wait_state("enabled", ATTACH_TIMEOUT_S, root)
         loaded = LoadedScheduler(obj, link, lock, flavour)
+        loaded.verifier_insns = {p.name: p.verified_insns() for p in recorded}
         if state != "enabled" or ops != SCHED_NAME:
             info = loaded.bss(refresh_counts=False).exit_info
             loaded.detach()

@@ -157,6 +157,15 @@ def lifecycle(_: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def verifier(_: argparse.Namespace) -> dict[str, Any]:
+    """The scheduler loaded with the verifier's statistics: instructions processed, per program."""
+    sched = loader.load(loader.LoadSettings(verifier_stats=True))
+    try:
+        return {"flavour": sched.flavour, "insns": dict(sched.verifier_insns)}
+    finally:
+        sched.detach()
+
+
 def other_scheduler(_: argparse.Namespace) -> dict[str, Any]:
     """Another sched_ext scheduler (our object renamed) is running: our start must refuse to displace it."""
     path = loader.object_path(loader.kfunc_flavour())
@@ -1026,6 +1035,7 @@ def ejection(_: argparse.Namespace) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "lifecycle": lifecycle,
+    "verifier": verifier,
     "other-scheduler": other_scheduler,
     "crashed-agent": crashed_agent,
     "_hold": _hold,
