@@ -234,7 +234,7 @@ struct {
 	__type(value, struct cgroup_ctx);
 } cgroups SEC(".maps");
 
-/* Written only by its own CPU (running, stopping, dispatch, hotplug callbacks of that CPU). */
+/* Written under its CPU's rq lock (running, stopping, dispatch, hotplug callbacks of that CPU). */
 struct cpu_ctx {
 	u64 last_reserve; /* when this CPU last gave the reserve a turn */
 	u64 vtime;        /* vtime of the unboosted task it runs */
@@ -242,7 +242,10 @@ struct cpu_ctx {
 	u64 boost_used;   /* boosted run time on this CPU inside it */
 	u32 prio;         /* what it runs now: 0 unboosted or idle, else the boosted priority */
 #ifdef GTHULHU_CGROUP_BW
-	u32 bw_stop_state; /* BW_STOP_*: the state of bw_stop */
+	u32 bw_stop_ready; /* bw_stop initialised */
+	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
+	u32 bw_stop_run;   /* the run bw_stop was armed for */
+	u32 pad;
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
 #else
 	u32 pad;
@@ -453,10 +456,6 @@ static __always_inline u64 boost_deadline(u32 prio, u64 now)
 #define BW_MAX_PASS 1024
 /* The shortest run a cpu.max budget cuts a task's run to (bw_limit_run). */
 #define BW_MIN_RUN_NS 200000ULL
-/* cpu_ctx.bw_stop_state */
-#define BW_STOP_NONE 0  /* not initialised */
-#define BW_STOP_IDLE 1  /* initialised, not armed */
-#define BW_STOP_ARMED 2
 
 /* When the next parked task may go (a period ends, or it has been parked BW_MAX_PARK_NS); 0: none. */
 static u64 bw_release_at SEC(".data") = 0;
@@ -604,7 +603,13 @@ static __always_inline bool bw_charge(struct task_ctx *tctx, u64 now)
 /* A limited task's budget ran out mid-run: preempt it, so stopping charges it and enqueue parks it. */
 static int bw_stop_fired(void *map, u32 *cpu, struct cpu_ctx *c)
 {
+	/* The run it was armed for may have ended (the timer is never cancelled): then it is not ours to end. */
+	if (c->bw_stop_run != c->bw_run) {
+		count(&bss.stats.bw_stops_stale);
+		return 0;
+	}
 	scx_bpf_kick_cpu(*cpu, KICK_PREEMPT);
+	count(&bss.stats.bw_stops);
 	return 0;
 }
 
@@ -613,33 +618,35 @@ static int bw_stop_fired(void *map, u32 *cpu, struct cpu_ctx *c)
  * tick, and charged at ticks a 3 ms quota overran each 100 ms period by up to a tick (4 ms at 250 Hz).
  * Not sooner than BW_MIN_RUN_NS, so a nearly spent budget does not cost a switch every few microseconds;
  * tasks of one cgroup running at once may each use what is left, once.
+ *
+ * The timer is re-armed, never cancelled: bpf_timer_cancel under the rq lock (IRQs off) fails on 7.x
+ * (-EOPNOTSUPP, the cancel is deferred only by a kfunc there), and before that release a cancel also
+ * dropped the callback, so later starts failed. A run number tells the callback whether its run is on.
  */
 static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
 {
 	u64 left;
 
+	c->bw_run++;
 	if (!tctx->cgid)
 		return;
 	left = bw_walk(tctx->cgid, 0, now, BW_LEFT);
 	if (left >= slice)
 		return;
-	if (c->bw_stop_state == BW_STOP_NONE) {
+	if (!c->bw_stop_ready) {
 		if (bpf_timer_init(&c->bw_stop, &cpu_ctxs, 1 /* CLOCK_MONOTONIC */))
 			return;
-		bpf_timer_set_callback(&c->bw_stop, bw_stop_fired);
-		c->bw_stop_state = BW_STOP_IDLE;
+		c->bw_stop_ready = 1;
 	}
-	if (!bpf_timer_start(&c->bw_stop, left < BW_MIN_RUN_NS ? BW_MIN_RUN_NS : left, 0))
-		c->bw_stop_state = BW_STOP_ARMED;
+	c->bw_stop_run = c->bw_run;
+	bpf_timer_set_callback(&c->bw_stop, bw_stop_fired);
+	bpf_timer_start(&c->bw_stop, left < BW_MIN_RUN_NS ? BW_MIN_RUN_NS : left, 0);
 }
 
-/* The run ended before its budget did: the timer must not preempt whatever runs next. */
+/* The run is over: a stop timer armed for it must not preempt whatever runs next. */
 static __always_inline void bw_run_ended(struct cpu_ctx *c)
 {
-	if (c->bw_stop_state == BW_STOP_ARMED) {
-		bpf_timer_cancel(&c->bw_stop);
-		c->bw_stop_state = BW_STOP_IDLE;
-	}
+	c->bw_run++;
 }
 
 /* Wake idle CPUs so one of them runs the release pass in its dispatch (kfuncs here: any context). */
@@ -709,10 +716,11 @@ static void bw_release(u64 now)
 		kick_idle(p);
 		count(&bss.stats.bw_released);
 	}
+	/* more parked tasks than one pass takes: the next pass is due at once */
+	if (!drained && bpf_iter_scx_dsq_next(&it))
+		next = now;
 	bpf_iter_num_destroy(&pass);
 	bpf_iter_scx_dsq_destroy(&it);
-	if (!drained) /* more parked tasks than one pass takes: the next pass is due at once */
-		next = now;
 	if (next)
 		bw_arm(next, now);
 }
@@ -1056,7 +1064,8 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 	 */
 	if (prev && (prev->scx.flags & TASK_QUEUED)) {
 		tctx = ctx_of(prev);
-		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now) && !bw_held(tctx, now)) {
+		/* charged, not only looked at: since its last tick prev ran uncharged (stopping comes later) */
+		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now) && !bw_charge(tctx, now)) {
 			prev->scx.slice = tctx->slice;
 			return;
 		}

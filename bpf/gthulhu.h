@@ -58,6 +58,8 @@ struct gthulhu_stats {
 	u64 hotplug_events;     /* CPUs that went online or offline while the scheduler ran */
 	u64 bw_parked;          /* tasks held back: their cgroup or an ancestor used its cpu.max quota (6.17+) */
 	u64 bw_released;        /* parked tasks moved back to their queue */
+	u64 bw_stops;           /* runs ended by the stop timer when their cgroup's budget ran out */
+	u64 bw_stops_stale;     /* stop timers that fired after their run had ended (nothing done) */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */

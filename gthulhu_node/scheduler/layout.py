@@ -53,6 +53,8 @@ STAT_NAMES = (
     "hotplug_events",
     "bw_parked",
     "bw_released",
+    "bw_stops",
+    "bw_stops_stale",
 )
 #: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")
