@@ -140,6 +140,32 @@ def inversion(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def after_boosted_phase(args: argparse.Namespace) -> dict[str, Any]:
+    """The inversion's mix (six at 20, one at 5) alone for a while, then two unboosted spinners join: the
+    priority-5 thread's share after they join, against the same run with it unboosted throughout. Each run
+    in a fresh load of the scheduler (its clocks start over), alternating, compared by median."""
+    phase1 = float(args.arg) if args.arg else 4.0
+    out: dict[str, Any] = {"phase1_s": phase1, "rounds": {"boosted": [], "unboosted": []}}
+    for _ in range(2):
+        for case, low in (("boosted", 5), ("unboosted", 0)):
+            with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
+                started = [fork_worker(spin, f"gap-hi{i}") for i in range(6)] + [fork_worker(spin, "gap-lo")]
+                pids += started
+                time.sleep(0.2)
+                boost(backend, {pid: 20 for pid in started[:-1]} | {started[-1]: low})
+                time.sleep(phase1)
+                joined = [fork_worker(spin, f"gap-new{i}") for i in range(2)]
+                pids += joined
+                shares = cpu_shares({"low": started[-1], **{str(p): p for p in joined}}, args.seconds)
+                out["rounds"][case].append({"low": shares["low"],
+                                            "joined": [shares[str(p)] for p in joined]})
+                out["health"] = backend.health().state.value
+                out["state"] = state()
+    for case, rounds in out["rounds"].items():
+        out[case] = {"low_share": statistics.median(r["low"] for r in rounds)}
+    return out
+
+
 def _bound_ms(threads: int, ncpu: int, slice_ms: float = 5.0, window_ms: float = 100.0,
               share: float = 0.75, tick_ms: float = 4.0) -> float:
     """docs/scheduler.md's bound on any single wait: one window, plus (2 + lead/slice) reserve turns per
@@ -516,6 +542,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "inversion": inversion,
     "mixed": mixed,
     "priorities": priorities,
+    "after_boosted_phase": after_boosted_phase,
     "hotplug": hotplug,
     "cpuset": cpuset,
     "rt_ticker": rt_ticker,

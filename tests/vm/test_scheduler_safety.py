@@ -48,6 +48,16 @@ def test_a_low_priority_boost_is_never_worse_than_no_boost(lab: Any) -> None:
     assert out["boosted"]["low_share"] >= 0.9 * out["unboosted"]["low_share"], out
 
 
+@pytest.mark.lab_seconds(60)
+def test_a_low_priority_boost_is_not_worse_off_after_a_boosted_only_phase(lab: Any) -> None:
+    # The reserve's clock (reserve_now) runs on while only boosted tasks are runnable, the fair pool's
+    # (vtime_now) stands still; unboosted tasks that came later then won every reserve turn until their
+    # vtime caught up, about as long as the boosted-only phase lasted.
+    out = scenario(lab, "after_boosted_phase", "4", "--seconds", "3")
+    assert_still_ours(out)
+    assert out["boosted"]["low_share"] >= 0.9 * out["unboosted"]["low_share"], out
+
+
 @pytest.mark.lab_seconds(250)  # measured 2026-12-01 (--durations)
 def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
     out = scenario(lab, "mixed", "1,2,3,4", "--seconds", "3", timeout=900)
