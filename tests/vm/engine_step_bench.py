@@ -70,6 +70,11 @@ CASES: dict[str, dict[str, Any]] = {
     "4 engines no contention": {"hogs": False, "engines": 4},
     "4 engines EEVDF": {"hogs": True, "engines": 4},
     "4 engines ours boosted": {"hogs": True, "sched": True, "intent": {"priority": 20}, "engines": 4},
+    # issue 15: the engine in a container-like cgroup whose cpu.max leaves it room (it needs 2 ms of every
+    # 7, 29 % of a CPU), the hogs outside it
+    "EEVDF engine under cpu.max 50 %": {"hogs": True, "cgroup_weight": 100, "cgroup_max": "50000 100000"},
+    "ours boosted engine under cpu.max 50 %": {"hogs": True, "sched": True, "intent": {"priority": 20},
+                                               "cgroup_weight": 100, "cgroup_max": "50000 100000"},
 }
 
 
@@ -193,8 +198,8 @@ ENGINE_CGROUP = Path("/sys/fs/cgroup/gthulhu-bench-engine")
 
 
 @contextlib.contextmanager
-def engine_cgroup(weight: int | None) -> Iterator[Path | None]:
-    """A cgroup of that cpu.weight for the engine processes (None: none)."""
+def engine_cgroup(weight: int | None, cpu_max: str | None = None) -> Iterator[Path | None]:
+    """A cgroup of that cpu.weight (and cpu.max, when given) for the engine processes (None: none)."""
     if weight is None:
         yield None
         return
@@ -203,6 +208,7 @@ def engine_cgroup(weight: int | None) -> Iterator[Path | None]:
         control.write_text("+cpu")
     ENGINE_CGROUP.mkdir(exist_ok=True)
     (ENGINE_CGROUP / "cpu.weight").write_text(str(weight))
+    (ENGINE_CGROUP / "cpu.max").write_text(cpu_max or "max")
     try:
         yield ENGINE_CGROUP
     finally:
@@ -247,7 +253,7 @@ def run_case(name: str, seconds: float) -> dict[str, float]:
         hogs(case["hogs"], seconds) as hog,
         scheduler(case.get("sched", False), case.get("intent")) as sched,
         peer(case.get("peer")),
-        engine_cgroup(case.get("cgroup_weight")) as cgroup,
+        engine_cgroup(case.get("cgroup_weight"), case.get("cgroup_max")) as cgroup,
     ):
         procs = [
             subprocess.Popen(

@@ -62,7 +62,7 @@ def test_a_low_priority_boost_is_not_worse_off_after_a_boosted_only_phase(lab: A
 def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
     out = scenario(lab, "mixed", "1,2,3,4", "--seconds", "3", timeout=900)
     assert_still_ours(out)
-    ratios: dict[str, list[float]] = {"lowest": [], "highest": []}
+    worst: list[float] = []  # per seed, the least boosted/unboosted ratio of any of its boosted threads
     for seed, res in out["seeds"].items():
         waits = [w for w in res["max_wait_ms"] if w is not None]
         assert waits, (seed, res)
@@ -74,10 +74,10 @@ def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
         stalled = res["emulator_stalls"]["total_ms"]
         assert max(waits) <= res["bound_ms"] + stalled, (seed, res)
         assert max(waits) < WATCHDOG_MS / 2, (seed, res)
-        for role, c in res["compare"].items():
-            ratios[role].append(c["boosted"] / max(c["unboosted"], 1e-3))
-    for role, values in ratios.items():
-        assert statistics.median(values) >= 0.9, (role, values, out)
+        assert res["compare"], (seed, res)
+        worst.append(min(c["boosted"] / max(c["unboosted"], 1e-3) for c in res["compare"]))
+    # Each boosted thread, not only the lowest and the highest priority as before (2026-12-02).
+    assert statistics.median(worst) >= 0.9, (worst, out)
 
 
 def test_higher_priorities_wait_no_longer_within_budget(lab: Any) -> None:
@@ -187,10 +187,11 @@ def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any)
 
 
 # What the ejections scenario's agent does not export: it has no REST listener, no Failed intent and no
-# refused gRPC call (the host test has all three), and no BCC probe: with the probe compiling in the agent
-# beside the ejections, the scenario ran past 1,400 s under TCG in a two-lane run, so the run-queue
-# histogram's selector is checked against prometheus nowhere yet (its collector is unit-tested:
-# tests/unit/test_probe_collector.py).
+# refused gRPC call (the host test has all three), and no BCC probe: with the probe compiling in its agent
+# beside the ejections, the scenario ran past 1,400 s under TCG in a two-lane run. The run-queue
+# histogram's selector is checked against prometheus nowhere yet: the agent's own probe cannot attach once
+# it has dropped CAP_SYS_ADMIN (found 2026-12-02, docs/probe.md), and the host has no kernel headers for
+# BCC; its collector is unit-tested (tests/unit/test_probe_collector.py).
 SELECTORS_ONLY_ON_THE_HOST = ("gthulhu_node_rest_", 'gthulhu_node_intents{state="failed"}',
                               "gthulhu_node_api_errors_total",
                               "gthulhu_node_runqueue_wait_latency_seconds_bucket")
