@@ -246,6 +246,7 @@ struct cpu_ctx {
 	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
 	u32 pad;
+	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
 #else
 	u32 pad;
@@ -603,8 +604,11 @@ static __always_inline bool bw_charge(struct task_ctx *tctx, u64 now)
 /* A limited task's budget ran out mid-run: preempt it, so stopping charges it and enqueue parks it. */
 static int bw_stop_fired(void *map, u32 *cpu, struct cpu_ctx *c)
 {
-	/* The run it was armed for may have ended (the timer is never cancelled): then it is not ours to end. */
-	if (c->bw_stop_run != c->bw_run) {
+	/*
+	 * The run it was armed for may have ended (the timer is never cancelled), or this is an older arm's
+	 * expiry landing after a re-arm (a start under the rq lock may take effect later): not ours to end.
+	 */
+	if (c->bw_stop_run != c->bw_run || bpf_ktime_get_ns() < c->bw_stop_at) {
 		count(&bss.stats.bw_stops_stale);
 		return 0;
 	}
@@ -622,6 +626,7 @@ static int bw_stop_fired(void *map, u32 *cpu, struct cpu_ctx *c)
  * The timer is re-armed, never cancelled: bpf_timer_cancel under the rq lock (IRQs off) fails on 7.x
  * (-EOPNOTSUPP, the cancel is deferred only by a kfunc there), and before that release a cancel also
  * dropped the callback, so later starts failed. A run number tells the callback whether its run is on.
+ * Also called when dispatch keeps a boosted prev for a new slice: no running comes for that one.
  */
 static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
 {
@@ -636,11 +641,14 @@ static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *
 	if (!c->bw_stop_ready) {
 		if (bpf_timer_init(&c->bw_stop, &cpu_ctxs, 1 /* CLOCK_MONOTONIC */))
 			return;
+		bpf_timer_set_callback(&c->bw_stop, bw_stop_fired);
 		c->bw_stop_ready = 1;
 	}
+	if (left < BW_MIN_RUN_NS)
+		left = BW_MIN_RUN_NS;
 	c->bw_stop_run = c->bw_run;
-	bpf_timer_set_callback(&c->bw_stop, bw_stop_fired);
-	bpf_timer_start(&c->bw_stop, left < BW_MIN_RUN_NS ? BW_MIN_RUN_NS : left, 0);
+	c->bw_stop_at = now + left;
+	bpf_timer_start(&c->bw_stop, left, 0);
 }
 
 /* The run is over: a stop timer armed for it must not preempt whatever runs next. */
@@ -1067,6 +1075,7 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 		/* charged, not only looked at: since its last tick prev ran uncharged (stopping comes later) */
 		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now) && !bw_charge(tctx, now)) {
 			prev->scx.slice = tctx->slice;
+			bw_limit_run(tctx, c, tctx->slice, now);
 			return;
 		}
 	}
