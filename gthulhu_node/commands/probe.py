@@ -16,8 +16,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "probe",
         help="measure how long matched threads wait for a CPU (BCC; needs root and kernel headers)",
-        description="Attach BCC tracepoint programs (sched_wakeup, sched_wakeup_new, sched_switch) filtered "
-        "in the kernel to the threads the agent's intents match (or to a regex on comm, without the "
+        description="Attach BCC raw tracepoint programs (sched_wakeup, sched_wakeup_new, sched_switch) "
+        "filtered in the kernel to the threads the agent's intents match (or to a regex on comm, without the "
         "agent), and report each thread's and intent's run-queue wait: p50/p90/p99/max from log2 "
         "histograms, interpolated within a bucket.",
     )

@@ -85,8 +85,8 @@ class RunqueueProbe:
                 raise preflight.ProbeUnavailable(preflight.no_headers_message(os.uname().release)) from None
             if "Failed to attach" in str(exc):
                 raise preflight.ProbeUnavailable(
-                    f"gthulhu-node probe: {exc} (is tracefs mounted? mount -t tracefs tracefs "
-                    "/sys/kernel/tracing)"
+                    f"gthulhu-node probe: {exc} (raw tracepoints need CAP_BPF and CAP_PERFMON, and a "
+                    "kernel with sched_wakeup/sched_switch raw tracepoints)"
                 ) from None
             raise preflight.ProbeUnavailable(
                 f"gthulhu-node probe: the BPF program did not compile or load: {_first_error(diagnostics)}"

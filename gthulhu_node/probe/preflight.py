@@ -16,7 +16,6 @@ from gthulhu_node.errors import Unsupported
 
 MODULES_ROOT = Path("/lib/modules")
 KHEADERS = Path("/sys/kernel/kheaders.tar.xz")
-TRACEFS_EVENTS = (Path("/sys/kernel/debug/tracing/events"), Path("/sys/kernel/tracing/events"))
 
 
 class ProbeUnavailable(Unsupported):
@@ -38,13 +37,6 @@ def no_headers_message(release: str) -> str:
     return (
         f"gthulhu-node probe: no kernel headers for {release} "
         f"({MODULES_ROOT / release / 'build'} is missing): install linux-headers-{release}"
-    )
-
-
-def no_tracefs_message() -> str:
-    return (
-        "gthulhu-node probe: tracefs is not mounted (needed for sched tracepoints): "
-        "mount -t tracefs tracefs /sys/kernel/tracing"
     )
 
 
@@ -73,6 +65,4 @@ def check(modules_root: Path = MODULES_ROOT) -> ModuleType:
     release = os.uname().release
     if not headers_present(release, modules_root):
         raise ProbeUnavailable(no_headers_message(release))
-    if not any(p.is_dir() for p in TRACEFS_EVENTS):
-        raise ProbeUnavailable(no_tracefs_message())
     return bcc

@@ -2,17 +2,18 @@
  * Run-queue wait of selected threads, as log2 histograms, compiled by BCC at run time.
  *
  * A wait starts when a thread becomes runnable without running: woken (sched_wakeup, sched_wakeup_new), or
- * switched out while still runnable (sched_switch with prev_state "R": preempted or yielded). It ends at the
- * sched_switch that puts the thread on a CPU. Only threads in `targets` (tid -> intent index, written by
- * user space) are measured; every other event costs one hash lookup.
+ * switched out while still runnable (sched_switch, preempted or with its state still TASK_RUNNING: a
+ * yield). It ends at the sched_switch that puts the thread on a CPU. Only threads in `targets` (tid ->
+ * intent index, written by user space) are measured; every other event costs one hash lookup.
+ *
+ * Raw tracepoints, not the tracefs ones: attaching a tracefs tracepoint opens a perf event through
+ * tracefs, which the agent can no longer do once it has dropped CAP_SYS_ADMIN (docs/probe.md); a raw
+ * tracepoint needs only CAP_BPF and CAP_PERFMON, and no tracefs. The arguments are the tracepoints'
+ * TP_PROTO, unchanged since 5.18: sched_wakeup(p), sched_switch(preempt, prev, next, prev_state).
  *
  * NSLOTS, MAX_TARGETS, MAX_INTENTS and THREAD_HIST come from the Python side as -D flags.
  */
 #include <linux/sched.h>
-
-/* The bits of prev_state that name a sleeping/stopped state; none set means the task is still runnable
- * (TASK_REPORT_MAX itself is how the kernel reports a preemption). */
-#define SLEEP_STATE_MASK (TASK_REPORT_MAX - 1)
 
 struct intent_slot {
     u32 intent;
@@ -86,23 +87,33 @@ static inline void wait_ends(u32 tid)
 #endif
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup)
+static inline u32 task_tid(u64 arg)
 {
-    woken(args->pid);
+    u32 tid = 0;
+    bpf_probe_read_kernel(&tid, sizeof(tid), &((struct task_struct *)arg)->pid);
+    return tid;
+}
+
+RAW_TRACEPOINT_PROBE(sched_wakeup)
+{
+    woken(task_tid(ctx->args[0]));
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup_new)
+RAW_TRACEPOINT_PROBE(sched_wakeup_new)
 {
-    woken(args->pid);
+    woken(task_tid(ctx->args[0]));
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_switch)
+RAW_TRACEPOINT_PROBE(sched_switch)
 {
-    u32 prev = args->prev_pid;
+    bool preempt = ctx->args[0];
+    u32 prev = task_tid(ctx->args[1]);
+    unsigned int prev_state = ctx->args[3];
+
     if (prev != 0 && targets.lookup(&prev)) {
-        if ((args->prev_state & SLEEP_STATE_MASK) == 0) {
+        if (preempt || prev_state == TASK_RUNNING) {
             u64 now = bpf_ktime_get_ns();
             wait_start.update(&prev, &now);
         } else {
@@ -110,6 +121,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
             wait_start.delete(&prev);
         }
     }
-    wait_ends(args->next_pid);
+    wait_ends(task_tid(ctx->args[2]));
     return 0;
 }

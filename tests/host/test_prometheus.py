@@ -37,10 +37,11 @@ pytestmark = pytest.mark.host
 
 STATE_FIXTURE = REPO / "tests" / "fixtures" / "state" / "intents-0.1.0.json"
 # Series this host cannot produce, and why. Each is exported where the lab VM has what it needs, and
-# checked there (tests/vm/test_scheduler_safety.py, the ejections scenario).
+# checked there.
 NOT_ON_THIS_HOST = {
     # The BCC run-queue probe compiles against the running kernel's headers, which this host's kernel does
-    # not have (tests/host/test_probe_agent_host.py); the lab VM's kernels do.
+    # not have (tests/host/test_probe_agent_host.py); the lab VM's kernels do: tests/vm/test_probe.py has
+    # prometheus read this selector from an agent running its probe.
     "gthulhu_node_runqueue_wait_latency_seconds_bucket":
         "BCC probe (probe.enabled): needs the running kernel's headers, absent on this host",
 }

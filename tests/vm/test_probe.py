@@ -5,7 +5,8 @@ tests: the real agent runs with the sched_ext backend and local intents (the `pr
 at priority 10, its `probe_plain` twin and the spawner's threads unboosted), and the probe's filter follows
 the agent's matches (ListMatches over its gRPC socket) as threads appear and exit. Then the CLI runs once
 against an ad-hoc regex with no agent and no intent, as people would before writing a policy, beside a
-SCHED_FIFO twin (what people do instead of a policy) and an ordinary one.
+SCHED_FIFO twin (what people do instead of a policy) and an ordinary one. Last, the agent runs its own
+continuous probe (`probe.enabled`) and Debian's prometheus reads the dashboard's heatmap from it.
 """
 
 from __future__ import annotations
@@ -136,3 +137,25 @@ def test_compare_against_the_real_agent_and_probe(lab_session: Lab) -> None:
     assert on["waits"] > 50 and off["waits"] > 50, doc
     assert on["p99_us"] < off["p99_us"] and on["mean_us"] < off["mean_us"], doc
 
+
+
+@pytest.mark.lab_seconds(120)  # 84-93 s measured beside a kernel build (2026-12-02)
+def test_the_agents_continuous_probe_feeds_the_dashboards_histogram(lab_session: Lab) -> None:
+    """`gthulhu-node run` with `probe.enabled`, as the service runs it (CAP_SYS_ADMIN dropped at start),
+    beside CPU hogs: the probe attaches, and Debian's prometheus, scraping the agent, answers the
+    dashboard's heatmap query with non-zero buckets, and counts waits for the boosted twin's intent. Before
+    the probe used raw tracepoints it could not attach without CAP_SYS_ADMIN (docs/probe.md)."""
+    lab_session.ensure_alive()
+    headers_visible(lab_session)
+    r = lab_session.run([lab_session.venv_python, "tests/vm/guest_probe.py", "agent-probe", "--hogs", "2"],
+                        timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    print(json.dumps(out, indent=1))
+    assert out["cap_sys_admin_held"] is False, out
+    assert out["probe_up"] == ["gthulhu_node_probe_up 1.0"], out
+    assert len(out["bcc_programs"]) == 3, out
+    assert len(out["heatmap_queries"]) == 1, out
+    assert out["heatmap_nonzero_buckets"][0] > 0, out
+    boosted = [v for k, v in out["waits_by_intent"].items() if k.endswith("boost")]
+    assert boosted and boosted[0] > 0, out

@@ -191,9 +191,8 @@ def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any)
 # What the ejections scenario's agent does not export: it has no REST listener, no Failed intent and no
 # refused gRPC call (the host test has all three), and no BCC probe: with the probe compiling in its agent
 # beside the ejections, the scenario ran past 1,400 s under TCG in a two-lane run. The run-queue
-# histogram's selector is checked against prometheus nowhere yet: the agent's own probe cannot attach once
-# it has dropped CAP_SYS_ADMIN (found 2026-12-02, docs/probe.md), and the host has no kernel headers for
-# BCC; its collector is unit-tested (tests/unit/test_probe_collector.py).
+# histogram's selector is checked against prometheus and an agent running its own probe in
+# tests/vm/test_probe.py (test_the_agents_continuous_probe_feeds_the_dashboards_histogram).
 SELECTORS_ONLY_ON_THE_HOST = ("gthulhu_node_rest_", 'gthulhu_node_intents{state="failed"}',
                               "gthulhu_node_api_errors_total",
                               "gthulhu_node_runqueue_wait_latency_seconds_bucket")
