@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 from typing import Any
 
@@ -95,16 +94,13 @@ BUDGET_S = ROUNDS * N_CASES * (SECONDS + 300) + 300
 
 @pytest.mark.timeout(BUDGET_S + 120)
 def test_engine_step_under_gthulhu(lab: Lab) -> None:
-    # built on this machine; the guest has a tmpfs over their cache, so they go through the scratch folder
-    (lab.scratch_host / "peers").mkdir(exist_ok=True)
-    for name, path in peers.obtain().items():
-        shutil.copy2(path, lab.scratch_host / "peers" / name)
+    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
     progress = lab.scratch_host / "engine_step_progress.jsonl"
     progress.unlink(missing_ok=True)
     try:
         r = lab.python(
             "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS),
-            "--peers-dir", str(lab.scratch_guest / "peers"), *(["--cases", CASES] if CASES else []),
+            "--peers-dir", str(peers_dir), *(["--cases", CASES] if CASES else []),
             "--progress", str(lab.scratch_guest / progress.name), timeout=BUDGET_S,
         )
     finally:

@@ -82,6 +82,15 @@ def obtain(cache: Path = CACHE) -> dict[str, Path]:
     return out
 
 
+def stage(scratch_host: Path, scratch_guest: Path) -> Path:
+    """Both peers copied into a lab guest's scratch folder (the guest has a tmpfs over the cache where
+    they are built); their folder as the guest sees it."""
+    (scratch_host / "peers").mkdir(exist_ok=True)
+    for name, path in obtain().items():
+        shutil.copy2(path, scratch_host / "peers" / name)
+    return scratch_guest / "peers"
+
+
 def main() -> int:
     for name, path in obtain().items():
         print(f"{name} {path}")

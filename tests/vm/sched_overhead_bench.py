@@ -1,0 +1,125 @@
+"""Scheduling overhead in the lab guest: scheduling-heavy work timed under EEVDF, ours and scx_simple.
+
+Guest side of tests/bench/test_sched_overhead.py. Each workload is all context switches and wakeups, so its
+time is mostly the scheduler's own path: `hackbench -p` (rt-tests: groups of 20 senders and 20 receivers
+over pipes), `perf bench sched messaging` (the same design, Debian's linux-perf) and `perf bench sched
+pipe` (two tasks ping-ponging one pipe). Cases: EEVDF (no sched_ext scheduler), ours (the gthulhu
+scheduler loaded through the agent's backend, no policy: what every unboosted task pays) and the kernel's
+scx_simple (weighted vtime, one global queue). Rounds are interleaved case by case in one boot; each
+workload runs `--reps` times per case and round, then once more with kernel.bpf_stats_enabled on, not
+timed: the scheduler's callbacks' own run time and calls in that run (bpftool's run_time_ns and run_cnt
+of the struct_ops programs), summed over rounds. Prints one JSON document: seconds per timed run, and
+the callbacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.vm import engine_step_bench  # the scheduler and peer context managers
+
+CASES: dict[str, dict[str, str | bool]] = {
+    "EEVDF": {},
+    "ours (no policy)": {"sched": True},
+    "scx_simple": {"peer": "scx_simple"},
+}
+# name -> (command, pattern of its time in seconds). Sized for a few seconds each under TCG.
+WORKLOADS: dict[str, tuple[list[str], str]] = {
+    "hackbench -p -g 2 -l 200": (["hackbench", "-p", "-g", "2", "-l", "200"], r"Time:\s*([\d.]+)"),
+    "perf sched messaging -g 2 -l 100": (["perf", "bench", "sched", "messaging", "-g", "2", "-l", "100"],
+                                         r"Total time:\s*([\d.]+)"),
+    "perf sched pipe -l 20000": (["perf", "bench", "sched", "pipe", "-l", "20000"],
+                                 r"Total time:\s*([\d.]+)"),
+}
+
+
+BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+
+def struct_ops_stats() -> dict[str, tuple[int, int]]:
+    """name -> (run_time_ns, run_cnt) of every struct_ops program loaded (the sched_ext scheduler's
+    callbacks, ours or a peer's); needs kernel.bpf_stats_enabled."""
+    show = ["bpftool", "-j", "prog", "show"]
+    out = subprocess.run(show, capture_output=True, text=True, check=False).stdout
+    stats: dict[str, tuple[int, int]] = {}
+    for prog in json.loads(out or "[]"):
+        if prog.get("type") == "struct_ops":
+            name = str(prog.get("name"))
+            ns, cnt = stats.get(name, (0, 0))
+            stats[name] = (ns + int(prog.get("run_time_ns", 0)), cnt + int(prog.get("run_cnt", 0)))
+    return stats
+
+
+def timed(name: str) -> float:
+    """One run of a workload: the time it reports itself (its own start to end, not process start-up)."""
+    cmd, pattern = WORKLOADS[name]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp", timeout=600, check=False)
+    m = re.search(pattern, r.stdout)
+    if r.returncode != 0 or not m:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-800:]}\n{r.stderr[-800:]}")
+    return float(m.group(1))
+
+
+@contextlib.contextmanager
+def loaded(case: str) -> Iterator[None]:
+    spec = CASES[case]
+    with (engine_step_bench.scheduler(bool(spec.get("sched")), None) as backend,
+          engine_step_bench.peer(str(spec["peer"]) if "peer" in spec else None)):
+        yield
+        if backend is not None and backend.health().state.value != "running":
+            raise RuntimeError(f"our scheduler is no longer running: {backend.health()}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--peers-dir", type=Path, required=True, help="where scx_simple is")
+    parser.add_argument("--progress", type=Path, default=None, help="append each result as a JSON line")
+    args = parser.parse_args()
+    engine_step_bench.PEERS_DIR = args.peers_dir
+    runs: dict[str, dict[str, list[float]]] = {w: {c: [] for c in CASES} for w in WORKLOADS}
+    # per workload and case: callback -> [BPF run time ns, calls], summed over every run
+    callbacks: dict[str, dict[str, dict[str, list[int]]]] = {w: {c: {} for c in CASES} for w in WORKLOADS}
+    for _ in range(args.rounds):
+        for case in CASES:
+            with loaded(case):
+                time.sleep(0.5)
+                for work in WORKLOADS:
+                    for _ in range(args.reps):
+                        runs[work][case].append(timed(work))
+                    # one more run, not timed: the statistics cost the callbacks two clock reads each
+                    BPF_STATS.write_text("1")
+                    before = struct_ops_stats()
+                    timed(work)
+                    after = struct_ops_stats()
+                    BPF_STATS.write_text("0")
+                    for name, (ns, cnt) in after.items():
+                        b_ns, b_cnt = before.get(name, (0, 0))
+                        acc = callbacks[work][case].setdefault(name, [0, 0])
+                        acc[0] += ns - b_ns
+                        acc[1] += cnt - b_cnt
+                        if args.progress is not None:
+                            with args.progress.open("a") as f:
+                                f.write(json.dumps({"workload": work, "case": case,
+                                                    "seconds": runs[work][case][-1]}) + "\n")
+            print(f"{case}: " + ", ".join(f"{w} {runs[w][case][-1]:.3f}" for w in WORKLOADS),
+                  file=sys.stderr, flush=True)
+    print(json.dumps({"kernel": os.uname().release, "cpus": os.cpu_count(), "rounds": args.rounds,
+                      "reps": args.reps, "runs": runs, "callbacks": callbacks}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
