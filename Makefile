@@ -36,10 +36,15 @@ lint: build
 
 # Every kernel of the lab matrix, and the newer libbpf, before any test asks for one: the first run builds
 # the 6.12 LTS kernel from Debian's source (docs/lab.md has the time); later runs find all in the cache.
+# Also arm64's 7.3 and the BTF of every offered cloud kernel of both architectures, which the host tests
+# are parametrized by: fetched at collection, in every pytest worker at once, they raced on an empty cache.
 lab-kernels: deps
 	@$(PY) -m tests.vm.kernel --kernel 7.3 >/dev/null
 	@$(PY) -m tests.vm.kernel --kernel 6.12 >/dev/null
 	@$(PY) -m tests.vm.libbpf_build >/dev/null
+	@$(PY) -m tests.vm.kernel --kernel 7.3 --arch arm64 >/dev/null
+	@$(PY) -m tests.vm.kernel --other-btfs >/dev/null
+	@$(PY) -m tests.vm.kernel --other-btfs --arch arm64 >/dev/null
 
 test: build lint lab-kernels
 	$(PYTEST) -n $(LANES) --dist loadgroup --durations=40 -m "not bench" tests

@@ -259,7 +259,16 @@ def other_btfs(cache: Path = CACHE, arch: str = LAB_ARCH) -> dict[str, Path]:
     fetched once.
 
     Only the headers package is needed (about 1.5 MB: its vmlinux carries just the BTF). The compatibility
-    check of the scheduler object runs against each, covering kernels the lab does not boot."""
+    check of the scheduler object runs against each, covering kernels the lab does not boot.
+
+    Under the cache's apt lock: pytest's workers each collect the tests parametrized by this list, so on an
+    empty cache they all fetched at once, into the same folders, and one failed ("Different tests were
+    collected"). `make lab-kernels` fetches them before pytest starts (`--other-btfs`)."""
+    with cache_lock(cache, "obtain-debian-kernel"):
+        return _other_btfs(cache, arch)
+
+
+def _other_btfs(cache: Path, arch: str) -> dict[str, Path]:
     base = apt_base(cache, arch)
     if not (base / "parts" / "lab.sources").exists():
         apt_setup(base, arch=arch)
@@ -285,6 +294,8 @@ def other_btfs(cache: Path = CACHE, arch: str = LAB_ARCH) -> dict[str, Path]:
             shutil.rmtree(tmp, ignore_errors=True)
             deb.unlink()
         found[full] = target
+    if not found:  # an empty list would parametrize no test at all: the checks would pass unseen
+        raise RuntimeError(f"{SUITE} offers no linux-headers-*-cloud-{arch} package (apt lists in {base})")
     return found
 
 
@@ -294,7 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                         default="version")
     parser.add_argument("--kernel", choices=KERNELS, default=DEFAULT_KERNEL)
     parser.add_argument("--arch", choices=ARCHES, default=LAB_ARCH, help="Debian's name (default amd64)")
+    parser.add_argument("--other-btfs", action="store_true",
+                        help="fetch the BTF of every cloud kernel of --arch the suite offers; print them")
     args = parser.parse_args(argv)
+    if args.other_btfs:
+        for version, path in other_btfs(arch=args.arch).items():
+            print(version, path)
+        return 0
     kernel = lab_kernel(args.kernel, arch=args.arch)
     print(getattr(kernel, args.print))
     return 0
