@@ -2,8 +2,8 @@
  * Run-queue wait of selected threads, as log2 histograms, compiled by BCC at run time.
  *
  * A wait starts when a thread becomes runnable without running: woken (sched_wakeup, sched_wakeup_new), or
- * switched out while still runnable (sched_switch, preempted or with its state still TASK_RUNNING: a
- * yield). It ends at the sched_switch that puts the thread on a CPU. Only threads in `targets` (tid ->
+ * switched out while still runnable (sched_switch, preempted, or with its state still TASK_RUNNING:
+ * rescheduled on its way back to user space, or a yield). It ends at the sched_switch that puts the thread on a CPU. Only threads in `targets` (tid ->
  * intent index, written by user space) are measured; every other event costs one hash lookup.
  *
  * Raw tracepoints, not the tracefs ones: attaching a tracefs tracepoint opens a perf event through

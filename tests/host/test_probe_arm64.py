@@ -1,14 +1,15 @@
 """The probe's C (gthulhu_node/probe/runqwait.bpf.c) is compiled by BCC on the target, against that
-kernel's headers: it must compile against arm64 headers too. It reads only sched tracepoint fields and
-BPF helpers (no pt_regs, no kprobes, no syscall wrappers), so nothing in it is x86's; this compiles it
-with BCC for arm64 (ARCH=arm64) against Debian's arm64 7.3 cloud kernel headers, with the amd64 ones as
-the control.
+kernel's headers: it must compile against arm64 headers too. It reads only the sched raw tracepoints'
+arguments and BPF helpers (no pt_regs, no kprobes, no syscall wrappers), so nothing in it is x86's; this
+compiles it with BCC for arm64 (ARCH=arm64) against Debian's arm64 7.3 cloud kernel headers, with the
+amd64 ones as the control.
 
 This machine's kernel has no headers (test_probe_host.py), so each run happens in a private mount
-namespace where /lib/modules/<release>/{build,source} point at the unpacked headers and tracefs is
-mounted: the machine's own mounts are untouched. The program BCC built is then loaded and attached to this
-kernel's tracepoints for a moment (BPF byte code is the same machine everywhere), exactly as
-`gthulhu-node probe` does, through the agent's own RunqueueProbe.
+namespace where /lib/modules/<release>/{build,source} point at the unpacked headers: the machine's own
+mounts are untouched. The program BCC built is then loaded and attached to this kernel's raw tracepoints
+for a moment (BPF byte code is the same machine everywhere; the task_struct offsets are the other
+kernel's, harmless for a moment: only a tid is read), exactly as `gthulhu-node probe` does, through the
+agent's own RunqueueProbe.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ mount -t tmpfs tmpfs /lib/modules
 mkdir -p "/lib/modules/$(uname -r)"
 ln -s "$HEADERS" "/lib/modules/$(uname -r)/build"
 ln -s "$COMMON" "/lib/modules/$(uname -r)/source"
-[ -d /sys/kernel/tracing/events ] || mount -t tracefs tracefs /sys/kernel/tracing
 exec "$PYTHON" -c "$PROGRAM"
 """
 

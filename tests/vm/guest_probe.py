@@ -271,7 +271,11 @@ def _cap_sys_admin_held(pid: int) -> bool:
     """Whether any thread of `pid` holds CAP_SYS_ADMIN (bit 21) in its effective set."""
     held = False
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue  # the thread exited meanwhile
+        for line in status.splitlines():
             if line.startswith("CapEff:"):
                 held |= bool(int(line.split()[1], 16) >> 21 & 1)
     return held

@@ -99,21 +99,23 @@ def main() -> int:
                 for work in WORKLOADS:
                     for _ in range(args.reps):
                         runs[work][case].append(timed(work))
+                        if args.progress is not None:
+                            with args.progress.open("a") as f:
+                                f.write(json.dumps({"workload": work, "case": case,
+                                                    "seconds": runs[work][case][-1]}) + "\n")
                     # one more run, not timed: the statistics cost the callbacks two clock reads each
                     BPF_STATS.write_text("1")
-                    before = struct_ops_stats()
-                    timed(work)
-                    after = struct_ops_stats()
-                    BPF_STATS.write_text("0")
+                    try:
+                        before = struct_ops_stats()
+                        timed(work)
+                        after = struct_ops_stats()
+                    finally:
+                        BPF_STATS.write_text("0")
                     for name, (ns, cnt) in after.items():
                         b_ns, b_cnt = before.get(name, (0, 0))
                         acc = callbacks[work][case].setdefault(name, [0, 0])
                         acc[0] += ns - b_ns
                         acc[1] += cnt - b_cnt
-                        if args.progress is not None:
-                            with args.progress.open("a") as f:
-                                f.write(json.dumps({"workload": work, "case": case,
-                                                    "seconds": runs[work][case][-1]}) + "\n")
             print(f"{case}: " + ", ".join(f"{w} {runs[w][case][-1]:.3f}" for w in WORKLOADS),
                   file=sys.stderr, flush=True)
     print(json.dumps({"kernel": os.uname().release, "cpus": os.cpu_count(), "rounds": args.rounds,
