@@ -40,6 +40,13 @@ def no_headers_message(release: str) -> str:
     )
 
 
+def unreadable_headers_message(exc: OSError) -> str:
+    return (
+        f"gthulhu-node probe: cannot look for the kernel headers ({exc}); in a systemd unit, "
+        "ProtectKernelModules=yes hides /lib/modules (the shipped unit sets it to no: docs/service.md)"
+    )
+
+
 def import_bcc() -> ModuleType:
     """BCC's module, or ProbeUnavailable saying how to install it."""
     try:
@@ -63,6 +70,10 @@ def check(modules_root: Path = MODULES_ROOT) -> ModuleType:
         raise ProbeUnavailable(not_root_message())
     bcc = import_bcc()
     release = os.uname().release
-    if not headers_present(release, modules_root):
+    try:
+        present = headers_present(release, modules_root)
+    except OSError as exc:
+        raise ProbeUnavailable(unreadable_headers_message(exc)) from None
+    if not present:
         raise ProbeUnavailable(no_headers_message(release))
     return bcc

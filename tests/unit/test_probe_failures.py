@@ -130,3 +130,20 @@ def test_session_counts_a_full_map() -> None:
     session.sync()
     assert len(probe.map) == 1
     assert session.result().map_full_errors == 1
+
+
+def test_a_headers_folder_that_cannot_be_read_is_a_clear_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Seen in the systemd lab with ProtectKernelModules=yes: Path.is_dir raised PermissionError on
+    # /lib/modules/<release>/build, and the agent's probe thread logged a traceback as probe_failed.
+    monkeypatch.setattr(preflight.os, "geteuid", lambda: 0)
+    monkeypatch.delenv("BCC_KERNEL_SOURCE", raising=False)
+
+    def refused(_: Path) -> bool:
+        raise PermissionError(13, "Permission denied", "/lib/modules/x/build")
+
+    monkeypatch.setattr(preflight.Path, "is_dir", refused)
+    with pytest.raises(preflight.ProbeUnavailable) as info:
+        preflight.check(modules_root=tmp_path)
+    assert "Permission denied" in str(info.value) and "ProtectKernelModules" in str(info.value)

@@ -96,6 +96,36 @@ def wait_tids(path: Path, timeout: float = 60.0) -> int:
     return 0
 
 
+def wait_probe(timeout: float = 600.0) -> int:
+    """Until the service's metrics say its continuous probe is up (BCC compiles in the agent: a minute
+    under TCG), or its journal says why it is not. Prints the probe's metric lines and any
+    `probe_unavailable` or `probe_failed` record."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    unavailable: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:9812/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            text = ""
+        lines = [line for line in text.splitlines() if line.startswith("gthulhu_node_probe_")]
+        if "gthulhu_node_probe_up 1.0" in lines:
+            break
+        # two matches of one field: either event
+        journal = subprocess.run(["journalctl", "-u", "gthulhu-node", "-o", "cat", "--no-pager",
+                                  "EVENT=probe_unavailable", "EVENT=probe_failed"],
+                                 capture_output=True, text=True, check=False)
+        unavailable = [line for line in journal.stdout.splitlines() if line.strip()]
+        if unavailable:
+            break
+        time.sleep(1)
+    print(json.dumps({"metrics": lines, "unavailable": unavailable}))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cmd, *rest = argv
     if cmd == "install":
@@ -106,6 +136,8 @@ def main(argv: list[str]) -> int:
         return kernel_tids()
     if cmd == "wait-tids":
         return wait_tids(Path(rest[0]))
+    if cmd == "wait-probe":
+        return wait_probe()
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -247,6 +247,19 @@ def test_sigkill_restarts_with_intents_back(shared: Shared) -> None:
     assert set(kernel_tids(lab)) == engine_tids
 
 
+@pytest.mark.timeout(1800)
+def test_the_continuous_probe_runs_in_the_service(shared: Shared) -> None:
+    """`probe.enabled` in the packaged unit's sandbox: BCC must find the headers under /lib/modules (hidden
+    by ProtectKernelModules=yes, which the unit had) and attach without CAP_SYS_ADMIN."""
+    lab = shared.started()
+    run(lab, f"grep -q '^probe:' {DIR}/config.yaml || "
+             f"echo 'probe: {{enabled: true, poll_interval_s: 1.0}}' >> {DIR}/config.yaml")
+    run(lab, "systemctl restart gthulhu-node", timeout=600)
+    shared.is_applied = False  # a restart: the intents come back from the state file, checked elsewhere
+    out = json.loads(run(lab, f"{HELPER} wait-probe", timeout=900))
+    assert out["unavailable"] == [] and "gthulhu_node_probe_up 1.0" in out["metrics"], out
+
+
 def test_stop_leaves_sched_ext_disabled(shared: Shared) -> None:
     lab = shared.started()
     out = run(lab, "systemctl stop gthulhu-node; systemctl is-active gthulhu-node; "
