@@ -644,17 +644,30 @@ def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
     """The capped hog's limit changed while it runs, each measured from one period after the write; with
     `backend`, the hog then boosted to the top priority."""
     out: dict[str, Any] = {}
-    changes = (("raised", "50000 100000"), ("lowered", "10000 100000"), ("restored", "20000 100000"))
+    # "small": a quota under one tick (3 ms at 250 Hz), where only the stop timer can end a run in time
+    changes = (("raised", "50000 100000"), ("lowered", "10000 100000"), ("small", "3000 100000"),
+               ("restored", "20000 100000"))
     for name, quota in changes:
         (cg / "cpu.max").write_text(quota)
         time.sleep(BW_PERIOD_S)
+        before = backend.counters() if backend is not None else {}
         out[name] = cpu_shares(hog, seconds)["capped0"]
+        if backend is not None:
+            after = backend.counters()
+            out[f"{name}_counters"] = {n: after[n] - before[n] for n in after if n.startswith("bw_")}
     if backend is not None:
         k, st = key_for(KeyKind.TID, hog["capped0"])
         backend.apply({k: Entry(PRIORITY_MAX, 0, st)}, [])
         time.sleep(0.2)
         out["boosted"] = cpu_shares(hog, seconds)["capped0"]
         out["boost_entries"] = backend.counters()["tid_hits"] > 0
+        # Boosted and alone, dispatch keeps it for slice after slice with no `running` between.
+        (cg / "cpu.max").write_text("3000 100000")
+        time.sleep(BW_PERIOD_S)
+        before = backend.counters()
+        out["boosted_small"] = cpu_shares(hog, seconds)["capped0"]
+        after = backend.counters()
+        out["boosted_small_counters"] = {n: after[n] - before[n] for n in after if n.startswith("bw_")}
     return out
 
 

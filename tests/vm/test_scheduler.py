@@ -245,6 +245,12 @@ def test_cpu_max_is_enforced_from_6_17_and_reported_as_not_before(lab: Any) -> N
     for key, cap in (*CPU_MAX_CHECKS, ("boosted", 0.2)):
         assert abs(ours[key] - cap) <= CPU_MAX_TOLERANCE, (key, ours)
     assert ours["boost_entries"], ours
+    # A quota under one tick (3 ms of each 100 ms), the hog alone: EEVDF delivers it. Ours stays under it
+    # but delivers less, and less still to the hog boosted (2026-12-02: 0.010-0.026 unboosted, 0.005-0.017
+    # boosted, against EEVDF's 0.028-0.031; one stop and one park per period: docs/scheduler.md, cpu.max,
+    # a known defect). So for ours only the limit is asserted.
+    assert abs(eevdf["small"] - 0.03) <= 0.01, eevdf
+    assert ours["small"] <= 0.03 + 0.012 and ours["boosted_small"] <= 0.03 + 0.012, ours
     # 50 cgroups at 3 % each: none over its cap, all of them run, and together no more than the caps allow.
     # Not compared with EEVDF's total: under TCG it gives them less than their caps (1.01-1.38 of 1.5
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
@@ -260,6 +266,8 @@ def test_cpu_max_is_enforced_from_6_17_and_reported_as_not_before(lab: Any) -> N
     # per second beyond the quota (docs/scheduler.md: no task is parked over 250 ms).
     print("1 s period, 1 % quota (EEVDF, ours):", eevdf["long_period"], out["ours_long_period"])
     print("counters:", {k: v for k, v in out["counters"].items() if k.startswith("bw_")})
+    print("counters under a 3 % quota, unboosted and boosted:", ours["small_counters"],
+          ours["boosted_small_counters"])
     assert out["health_long_period"] == "running", out
     assert out["ours_long_period"] <= 0.01 + 0.016 + CPU_MAX_TOLERANCE, out
 
