@@ -3,8 +3,9 @@
  *
  * A wait starts when a thread becomes runnable without running: woken (sched_wakeup, sched_wakeup_new), or
  * switched out while still runnable (sched_switch, preempted, or with its state still TASK_RUNNING:
- * rescheduled on its way back to user space, or a yield). It ends at the sched_switch that puts the thread on a CPU. Only threads in `targets` (tid ->
- * intent index, written by user space) are measured; every other event costs one hash lookup.
+ * rescheduled on its way back to user space, or a yield). It ends at the sched_switch that puts the thread
+ * on a CPU. Only threads in `targets` (tid -> intent index, written by user space) are measured; every
+ * other event costs one hash lookup.
  *
  * Raw tracepoints, not the tracefs ones: attaching a tracefs tracepoint opens a perf event through
  * tracefs, which the agent can no longer do once it has dropped CAP_SYS_ADMIN (docs/probe.md); a raw
