@@ -275,6 +275,7 @@ class Engine:
         finally:
             if self._reloading is not None:  # whoever stops the backend next must not meet the reload
                 self._reloading.join()
+            if isinstance(self.reconciler.backend, _Reloading):
                 self._restore_backend()
             self._events.close()
             self._fail_pending()
@@ -408,13 +409,15 @@ class Engine:
                 return
         if now < self._next_reload:
             return
-        self._begin_reload(backend)
+        self._begin_reload(backend.inner if isinstance(backend, _Reloading) else backend)
 
     def _begin_reload(self, backend: Backend) -> None:
         """Stop and start the backend on a thread of its own: loading a scheduler takes seconds, which the
         engine thread (events, submitted work, the watchdog hook) must not wait for. Meanwhile the
         reconciler holds a stand-in, so nothing on the engine thread reaches the backend being reloaded:
-        the reload thread is its only user until `_finish_reload` gives it back (docs/design.md)."""
+        the reload thread is its only user until `_finish_reload` gives it back (docs/design.md). The
+        stand-in stays through failed reloads: the backend they stopped would report itself stopped, and
+        metrics and alerts must keep saying ejected, with the kernel's reason, until it is back."""
         outcome: list[BaseException | None] = []
 
         def reload() -> None:
@@ -430,7 +433,7 @@ class Engine:
                 outcome.append(None)
             self._wake()
 
-        self.reconciler.backend = _Reloading(backend)
+        self.reconciler.backend = _Reloading(backend, self._stats.last_ejection_reason)
         self._reload_outcome = outcome
         self._reloading = threading.Thread(target=reload, name="gthulhu-backend-reload", daemon=True)
         self._reloading.start()
@@ -443,16 +446,17 @@ class Engine:
         return backend
 
     def _finish_reload(self, now: float) -> None:
-        backend = self._restore_backend()
         r = self.reconciler
         error = self._reload_outcome[0] if self._reload_outcome else RuntimeError("the reload thread ended")
         if error is not None:
+            self._reloading = None
             self._stats.backend_reload_failures += 1
             self._next_reload = now + self._backoff_s
-            log.error("backend_reload_failed", backend=backend.name, error=str(error),
+            log.error("backend_reload_failed", backend=r.backend.name, error=str(error),
                       retry_in_s=self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, self.reload_backoff_max_s)
             return
+        backend = self._restore_backend()
         self._ejected = False
         r.hold_writes = False
         self._stats.backend_reloads += 1
@@ -500,12 +504,13 @@ class Engine:
 
 
 class _Reloading(Backend):
-    """What the reconciler holds while its backend is reloaded on another thread: it writes nothing (the
-    engine holds writes while ejected) and answers the engine thread's readers (metrics, status) without
-    touching the backend being reloaded."""
+    """What the reconciler holds from the first reload of an ejected backend until one succeeds: it writes
+    nothing (the engine holds writes while ejected) and answers the engine thread's readers (metrics,
+    status) without touching the backend being reloaded."""
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Backend, reason: str) -> None:
         self.inner = inner
+        self.reason = reason or "being reloaded"
         self.name = inner.name
         self.process_fallback = inner.process_fallback
 
@@ -526,4 +531,4 @@ class _Reloading(Backend):
         return {}
 
     def health(self) -> BackendHealth:
-        return BackendHealth(BackendState.EJECTED, "being reloaded")
+        return BackendHealth(BackendState.EJECTED, self.reason)

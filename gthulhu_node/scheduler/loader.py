@@ -230,6 +230,17 @@ def wait_state(want: str, timeout: float, root: Path = SCHED_EXT) -> tuple[str, 
         time.sleep(0.05)
 
 
+def wait_gone(timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
+    """Wait until no scheduler of ours holds sched_ext: disabled, or another scheduler enabled (one that
+    took the slot after ours was ejected; waiting for "disabled" then lasted the whole timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state, ops = sched_ext_state(root)
+        if state == "disabled" or (state == "enabled" and not _is_ours(ops)) or time.monotonic() > deadline:
+            return state, ops
+        time.sleep(0.05)
+
+
 def detach_stale(root: Path = SCHED_EXT) -> int:
     """Unregister every loaded struct_ops map of ours (left by an agent that died); returns how many."""
     count = 0
@@ -240,7 +251,7 @@ def detach_stale(root: Path = SCHED_EXT) -> int:
                 count += libbpf.map_delete(fd, key)
         finally:
             os.close(fd)
-    wait_state("disabled", ATTACH_TIMEOUT_S, root)
+    wait_gone(ATTACH_TIMEOUT_S, root)
     return count
 
 
@@ -273,7 +284,7 @@ class LoadedScheduler:
         try:
             with contextlib.suppress(OSError):
                 self._link.destroy()
-            wait_state("disabled", ATTACH_TIMEOUT_S)
+            wait_gone(ATTACH_TIMEOUT_S)
         finally:
             self.obj.close()
             self._lock.release()

@@ -14,6 +14,8 @@ import pytest
 
 from gthulhu_node.backends.base import (
     ApplyResult,
+    BackendHealth,
+    BackendState,
     BackendUnavailable,
     Entry,
     EntryKey,
@@ -139,6 +141,32 @@ def test_ejected_backend_is_reloaded_with_backoff_and_resynced(proc: FakeProc, e
     assert "watchdog" in st.last_ejection_reason
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
     assert e.call(lambda r: r.stats().resyncs) == 1
+
+
+class StopsLikeTheScheduler(FlakyBackend):
+    """Reports STOPPED once stopped, whatever stopped it, as the sched_ext backend does (it detaches the
+    ejected instance and holds none); the dry run keeps saying EJECTED."""
+
+    def stop(self) -> None:
+        super().stop()
+        self._state = BackendState.STOPPED
+
+
+def test_a_backend_that_cannot_be_reloaded_still_reads_as_ejected_with_the_kernels_reason(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    """What metrics and the Ejected alert read (the reconciler's backend, on the engine thread) between
+    failed reloads. Before the fix the reload's stop left the backend reporting STOPPED, so a scheduler
+    kept out by another one showed as stopped and the Ejected alert never fired (lab VM, 2026-12-02)."""
+    b = StopsLikeTheScheduler(failures=1_000)
+    e = make_engine(proc, b, health_interval_s=0.02, reload_backoff_initial_s=30, reload_backoff_max_s=30)
+    engines.append(e)
+    e.start()
+    b.eject("disabled by sysrq-S")
+    wait_for(lambda: e.stats().backend_reload_failures == 1)
+    health = e.call(lambda r: r.backend.health())
+    assert health == BackendHealth(BackendState.EJECTED, "disabled by sysrq-S")
+    assert e.stats().backend_state == "ejected"
 
 
 def giving_up_engine(
@@ -271,8 +299,10 @@ def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
     b.eject("disabled by sysrq-S")
     assert b.in_start.wait(DEADLINE_S)
     # mid-reload, the engine thread still runs submitted work, and none of it reaches the backend
+    assert e.call(lambda r: r.backend, timeout=5) is not b  # the stand-in
     health = e.call(lambda r: r.backend.health(), timeout=5)
-    assert health.reason == "being reloaded" and e.call(lambda r: r.backend.counters(), timeout=5) == {}
+    assert health == BackendHealth(BackendState.EJECTED, "disabled by sysrq-S")
+    assert e.call(lambda r: r.backend.counters(), timeout=5) == {}
     b.go.set()
     wait_for(lambda: e.stats().backend_reloads == 1)
     assert b.starts[1] == "gthulhu-backend-reload"

@@ -26,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
+from gthulhu_node.scheduler import loader
 from gthulhu_node.scheduler.backend import SchedExtBackend
 from gthulhu_node.scheduler.loader import possible_cpus
 from tests.prom_support import Prometheus, dashboard_queries, rules, selectors
@@ -35,6 +36,7 @@ from tests.vm.sched_workloads import (
     cpu_shares,
     fork_worker,
     key_for,
+    load_intruder,
     scheduler,
     spin,
     state,
@@ -446,7 +448,10 @@ def _agent_status(config: Path) -> str:
 def ejections(args: argparse.Namespace) -> dict[str, Any]:
     """The real agent (backend auto) while the scheduler is ejected by sysrq-S, `--threads` times, each as
     soon as the agent has reloaded it: after scheduler.ejection_limit (3) it must stop reloading, run the
-    eevdf backend with the intent applied there, and say so in status, log and metric."""
+    eevdf backend with the intent applied there, and say so in status, log and metric. At the first
+    ejection another sched_ext scheduler takes the slot until prometheus has fired the Ejected alert: the
+    agent's reloads fail meanwhile (it never displaces another scheduler), which is how a host stays ejected
+    for longer than the moment between an ejection and the agent's reload."""
     import urllib.request
 
     AGENT_DIR.mkdir(parents=True, exist_ok=True)
@@ -456,13 +461,13 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
          {"id": "ej-busy", "commandRegex": "^ej-busy$", "priority": 5}]))
     config = AGENT_DIR / "config.yaml"
     config.write_text(json.dumps({
-        "backend": {"kind": "auto"},
+        "backend": {"kind": "auto", "reload_backoff_initial_s": 0.5, "reload_backoff_max_s": 2},
         "api": {"socket": str(AGENT_DIR / "api.sock")},
         "policies": {"directory": str(AGENT_DIR / "policies.d")},
         "state": {"directory": str(AGENT_DIR / "state")},
         "metrics": {"listen": "127.0.0.1:9813"},
         "log": {"format": "json"},
-        "scheduler": {"reload_backoff_initial_s": 0.5, "ejection_limit": 3, "ejection_window_s": 300},
+        "scheduler": {"ejection_limit": 3, "ejection_window_s": 300},
     }))
     out: dict[str, Any] = {"sysrq": []}
     with workers() as pids, (AGENT_DIR / "agent.log").open("wb") as log:
@@ -484,8 +489,9 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
             while time.monotonic() < deadline and not prom.query("gthulhu_node_scheduler_ejections_total"):
                 time.sleep(1)
             out["scraped_before_first_ejection"] = bool(prom.query("gthulhu_node_scheduler_ejections_total"))
+            intruder = load_intruder()
             t0 = time.monotonic()
-            for _ in range(args.threads):
+            for i in range(args.threads):
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and state() != OURS:
                     if "given up" in _agent_status(config):
@@ -493,7 +499,10 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.1)
                 was = state()
                 Path("/proc/sysrq-trigger").write_text("S")
-                out["sysrq"].append({"at_s": round(time.monotonic() - t0, 1), "state_before": was["state"]})
+                out["sysrq"].append({"at_s": round(time.monotonic() - t0, 1), "state_before": was["state"],
+                                     "wall": time.time()})
+                if i == 0:
+                    out["held"] = _hold_the_slot(intruder, prom)
                 time.sleep(1.0)
             deadline = time.monotonic() + 60
             status = ""
@@ -519,7 +528,43 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
             agent.wait(60)
     logged = (AGENT_DIR / "agent.log").read_text(errors="replace").splitlines()
     out["log_given_up"] = [line for line in logged if "backend_given_up" in line]
+    out["log_reload_failed"] = [line for line in logged if "backend_reload_failed" in line]
     return out
+
+
+def _hold_the_slot(intruder: Any, prom: Prometheus) -> dict[str, Any]:
+    """Attach the preloaded intruder as soon as the ejection has freed the slot, keep it until prometheus
+    has seen two of the agent's reloads refused and fires the Ejected alert (60 s at most), then free the
+    slot for the agent's next reload."""
+    held: dict[str, Any] = {"attached": False, "ejected_alert": False, "not_running_alert": False,
+                            "reload_failures": 0.0}
+    link = None
+    deadline = time.monotonic() + 10
+    while link is None and time.monotonic() < deadline:
+        try:  # refused while the kernel still disables ours (sysrq-S works asynchronously)
+            link = intruder.map(loader.OPS_MAP).attach_struct_ops()
+        except OSError:
+            time.sleep(0.01)
+    if link is None:
+        return held
+    try:
+        held["attached"] = True
+        held["state"] = state()
+        held["samples"] = [(time.time(), state())]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (held["ejected_alert"] and held["reload_failures"] >= 2):
+            time.sleep(1)
+            held["samples"].append((time.time(), state()))
+            held["ejected_alert"] = "GthulhuNodeSchedulerEjected" in prom.firing()
+            failures = prom.query("gthulhu_node_scheduler_reload_failures_total")
+            held["reload_failures"] = float(failures[0]["value"][1]) if failures else 0.0
+        held["not_running_alert"] = "GthulhuNodeSchedulerNotRunning" in prom.firing()
+        held["ejected_gauge"] = prom.query('gthulhu_node_scheduler_state{state="ejected"}')
+        held["state_at_release"] = state()
+    finally:
+        link.destroy()
+        intruder.close()
+    return held
 
 
 def _selectors_without_series(prom: Prometheus) -> list[str]:

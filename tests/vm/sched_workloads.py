@@ -38,7 +38,7 @@ from gthulhu_node.backends.base import (
 )
 from gthulhu_node.config import SchedulerConfig
 from gthulhu_node.limits import PRIORITY_MAX
-from gthulhu_node.scheduler import loader
+from gthulhu_node.scheduler import libbpf, loader
 from gthulhu_node.scheduler.backend import SchedExtBackend, task_start_time
 
 # stdout carries the JSON result only
@@ -166,13 +166,20 @@ def verifier(_: argparse.Namespace) -> dict[str, Any]:
         sched.detach()
 
 
-def other_scheduler(_: argparse.Namespace) -> dict[str, Any]:
-    """Another sched_ext scheduler (our object renamed) is running: our start must refuse to displace it."""
+def load_intruder() -> Any:
+    """Another sched_ext scheduler, our object renamed "intruder", loaded (verified) but not attached: its
+    attach then takes milliseconds, so it can take the slot the moment ours leaves it."""
     path = loader.object_path(loader.kfunc_flavour())
     elf = loader.patch_ops(path.read_bytes(), name="intruder")
-    obj = loader.libbpf.BpfObject(elf, "intruder")
-    obj.program("gthulhu_init").add_flags(loader.libbpf.BPF_F_SLEEPABLE)
+    obj = libbpf.BpfObject(elf, "intruder")
+    obj.program("gthulhu_init").add_flags(libbpf.BPF_F_SLEEPABLE)
     obj.load()
+    return obj
+
+
+def other_scheduler(_: argparse.Namespace) -> dict[str, Any]:
+    """Another sched_ext scheduler (our object renamed) is running: our start must refuse to displace it."""
+    obj = load_intruder()
     link = obj.map(loader.OPS_MAP).attach_struct_ops()
     try:
         out: dict[str, Any] = {"running": state()}

@@ -181,11 +181,19 @@ def test_repeated_ejections_end_in_the_eevdf_backend_not_a_reload_loop(lab: Any)
     absent = out["selectors_without_series"]
     assert [s for s in absent if not s.startswith(SELECTORS_ONLY_ON_THE_HOST)] == [], out
     # RepeatedEjections never fired before the scenario waited for prometheus's first scrape: the first
-    # ejection came before it, so prometheus saw the counter go 1 -> 3. The Ejected alert is printed, not
-    # asserted: the ejected state lasts only until the agent's reload (0.5 s backoff), often less than
-    # one 2 s scrape, and its own `for: 1m` is covered by promtool's unit test.
+    # ejection came before it, so prometheus saw the counter go 1 -> 3.
     assert out["scraped_before_first_ejection"], out
     assert out["alerts"]["GthulhuNodeSchedulerRepeatedEjections"], out
+    # The Ejected alert against this agent: at the first ejection another scheduler held the slot, so the
+    # agent stayed ejected (each reload refused, never displacing it) until the alert fired; then it reloaded.
+    # Before the intruder, the ejected state lasted only until the reload (0.5 s), often less than one 2 s
+    # scrape, and the alert fired in some runs only. Its own `for: 1m` is covered by promtool's unit test.
+    held = out["held"]
+    assert held["attached"] and held["state"] == {"state": "enabled", "ops": "intruder"}, out
+    assert held["ejected_alert"] and held["not_running_alert"] and held["reload_failures"] >= 2, out
+    assert held["state_at_release"] == {"state": "enabled", "ops": "intruder"}, out
+    assert any("(intruder)" in line for line in out["log_reload_failed"]), out
+    assert out["sysrq"][1]["state_before"] == "enabled", out  # the agent took the slot back
 
 
 # What the ejections scenario's agent does not export: it has no REST listener, no Failed intent and no
