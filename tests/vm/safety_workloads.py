@@ -499,8 +499,7 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.1)
                 was = state()
                 Path("/proc/sysrq-trigger").write_text("S")
-                out["sysrq"].append({"at_s": round(time.monotonic() - t0, 1), "state_before": was["state"],
-                                     "wall": time.time()})
+                out["sysrq"].append({"at_s": round(time.monotonic() - t0, 1), "state_before": was["state"]})
                 if i == 0:
                     out["held"] = _hold_the_slot(intruder, prom)
                 time.sleep(1.0)
@@ -550,11 +549,9 @@ def _hold_the_slot(intruder: Any, prom: Prometheus) -> dict[str, Any]:
     try:
         held["attached"] = True
         held["state"] = state()
-        held["samples"] = [(time.time(), state())]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (held["ejected_alert"] and held["reload_failures"] >= 2):
             time.sleep(1)
-            held["samples"].append((time.time(), state()))
             held["ejected_alert"] = "GthulhuNodeSchedulerEjected" in prom.firing()
             failures = prom.query("gthulhu_node_scheduler_reload_failures_total")
             held["reload_failures"] = float(failures[0]["value"][1]) if failures else 0.0
