@@ -618,8 +618,9 @@ def _remove_cgroups(*cgroups: Path) -> None:
                 time.sleep(0.1)
 
 
-def _hogs_in(cg: Path, name: str, count: int, pids: list[int]) -> dict[str, int]:
-    hogs = {f"{name}{i}": fork_worker(spin, f"{name}{i}") for i in range(count)}
+def _hogs_in(cg: Path, name: str, count: int, pids: list[int],
+             body: Callable[[], None] = spin) -> dict[str, int]:
+    hogs = {f"{name}{i}": fork_worker(body, f"{name}{i}") for i in range(count)}
     for pid in hogs.values():
         (cg / "cgroup.procs").write_text(str(pid))
         pids.append(pid)
@@ -629,17 +630,48 @@ def _hogs_in(cg: Path, name: str, count: int, pids: list[int]) -> dict[str, int]
 BW_PERIOD_S = 0.1  # the cpu.max period every check below uses (100000 us, the default)
 
 
+class WorkCounter:
+    """A hog that counts its loop turns in shared memory: its CPU share by work done, against its own rate
+    without a limit, measured in the same boot. Under a quota below one tick the kernel's run time for a
+    task of ours (schedstat) reads up to half of what sched_switch timestamps show it held the CPU
+    (docs/scheduler.md, cpu.max), so work is the measure there."""
+
+    def __init__(self) -> None:
+        self._shm = mmap.mmap(-1, 8)
+        self._turns = ctypes.c_uint64.from_buffer(self._shm)
+        self.full_rate = 0.0
+
+    def body(self) -> None:
+        turns = ctypes.c_uint64.from_buffer(self._shm)
+        n = 0
+        while True:
+            for _ in range(1000):
+                n += 1
+            turns.value = n
+
+    def rate(self, seconds: float) -> float:
+        """Loop turns per second over about `seconds`."""
+        w0, t0 = self._turns.value, time.monotonic()
+        time.sleep(seconds)
+        return (self._turns.value - w0) / (time.monotonic() - t0)
+
+    def share(self, seconds: float) -> float:
+        """Fraction of one CPU by work done, against `full_rate`."""
+        return self.rate(seconds) / self.full_rate
+
+
 def _bandwidth_checks(seconds: float, backend: SchedExtBackend | None, full: bool) -> dict[str, Any]:
     """CPU hogs under cpu.max, each check measured over `seconds` (fractions of one CPU). With `backend`
     (ours), the capped hog is also boosted to the top priority partway. Not `full`: the first check only."""
     out: dict[str, Any] = {}
     cg = _cgroup_at("gthulhu-bw", {"cpu.max": "20000 100000"})
+    work = WorkCounter()
     with workers() as pids:
-        hog = _hogs_in(cg, "capped", 1, pids)
+        hog = _hogs_in(cg, "capped", 1, pids, work.body)
         time.sleep(0.3)
         out["capped"] = cpu_shares(hog, seconds)["capped0"]
         if full:
-            out.update(_changed_limits(cg, hog, seconds, backend))
+            out.update(_changed_limits(cg, hog, seconds, backend, work))
     _remove_cgroups(cg)
     if full:
         out.update(_parent_and_many(seconds))
@@ -647,10 +679,14 @@ def _bandwidth_checks(seconds: float, backend: SchedExtBackend | None, full: boo
 
 
 def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
-                    backend: SchedExtBackend | None) -> dict[str, Any]:
+                    backend: SchedExtBackend | None, work: WorkCounter) -> dict[str, Any]:
     """The capped hog's limit changed while it runs, each measured from one period after the write; with
-    `backend`, the hog then boosted to the top priority."""
+    `backend`, the hog then boosted to the top priority. Under the quota below one tick also by work done,
+    against the hog's rate without a limit (measured first)."""
     out: dict[str, Any] = {}
+    (cg / "cpu.max").write_text("max 100000")
+    time.sleep(BW_PERIOD_S)
+    work.full_rate = out["full_rate"] = work.rate(1.0)
     # "small": a quota under one tick (3 ms at 250 Hz), where only the stop timer can end a run in time
     changes = (("raised", "50000 100000"), ("lowered", "10000 100000"), ("small", "3000 100000"),
                ("restored", "20000 100000"))
@@ -658,6 +694,8 @@ def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
         (cg / "cpu.max").write_text(quota)
         time.sleep(BW_PERIOD_S)
         before = backend.counters() if backend is not None else {}
+        if name == "small":
+            out["small_by_work"] = work.share(2 * seconds)  # twice as long: 3 ms runs vary
         out[name] = cpu_shares(hog, seconds)["capped0"]
         if backend is not None:
             after = backend.counters()
@@ -672,6 +710,7 @@ def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
         (cg / "cpu.max").write_text("3000 100000")
         time.sleep(BW_PERIOD_S)
         before = backend.counters()
+        out["boosted_small_by_work"] = work.share(2 * seconds)
         out["boosted_small"] = cpu_shares(hog, seconds)["capped0"]
         after = backend.counters()
         out["boosted_small_counters"] = {n: after[n] - before[n] for n in after if n.startswith("bw_")}

@@ -239,12 +239,17 @@ def test_cpu_max_is_enforced_from_6_17_and_reported_as_not_before(lab: Any) -> N
     for key, cap in (*CPU_MAX_CHECKS, ("boosted", 0.2)):
         assert abs(ours[key] - cap) <= CPU_MAX_TOLERANCE, (key, ours)
     assert ours["boost_entries"], ours
-    # A quota under one tick (3 ms of each 100 ms), the hog alone: EEVDF delivers it. Ours stays under it
-    # but delivers less, most after limit changes (2026-12-02: 0.010-0.026 unboosted, 0.005-0.017 boosted
-    # after it, against EEVDF's 0.028-0.031; one stop and one park per period: docs/scheduler.md, cpu.max,
-    # a known defect). So for ours only the limit is asserted.
+    # A quota under one tick (3 ms of each 100 ms), the hog alone. By schedstat EEVDF delivers it and ours
+    # reads 0.002-0.026, but for ours schedstat misses run time (docs/scheduler.md, cpu.max: sched_switch
+    # timestamps showed 0.029-0.032 held in windows schedstat read 0.015-0.023), so ours is held to EEVDF
+    # by work done, each against its own rate without a limit, and boosted against unboosted by the same
+    # measure: a boost never costs a limited task its quota.
+    print("3 % quota by work (EEVDF, ours, ours boosted):", eevdf["small_by_work"], ours["small_by_work"],
+          ours["boosted_small_by_work"])
     assert abs(eevdf["small"] - 0.03) <= 0.01, eevdf
     assert ours["small"] <= 0.03 + 0.012 and ours["boosted_small"] <= 0.03 + 0.012, ours
+    assert 0.6 * eevdf["small_by_work"] <= ours["small_by_work"] <= 0.03 + 0.012, (eevdf, ours)
+    assert 0.7 * ours["small_by_work"] <= ours["boosted_small_by_work"] <= 0.03 + 0.012, ours
     # 50 cgroups at 3 % each: none over its cap, all of them run, and together no more than the caps allow.
     # Not compared with EEVDF's total: under TCG it gives them less than their caps (1.01-1.38 of 1.5
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
