@@ -38,10 +38,12 @@ def _source_tree(cache: Path, work: Path) -> Path:
     debs.mkdir(parents=True, exist_ok=True)
     found = sorted(debs.glob(f"{SOURCE_PACKAGE}_*.deb"))
     if not found:
-        base = apt_base(cache)
-        apt_setup(base)
-        subprocess.run(["apt-get", *apt_opts(base), "download", SOURCE_PACKAGE], check=True, cwd=debs,
-                       stdout=subprocess.DEVNULL)
+        # the apt folder is shared with the kernel fetches, which hold this lock while they use it
+        with cache_lock(cache, "obtain-debian-kernel"):
+            base = apt_base(cache)
+            apt_setup(base)
+            subprocess.run(["apt-get", *apt_opts(base), "download", SOURCE_PACKAGE], check=True, cwd=debs,
+                           stdout=subprocess.DEVNULL)
         found = sorted(debs.glob(f"{SOURCE_PACKAGE}_*.deb"))
     unpacked = work / "deb"
     subprocess.run(["dpkg-deb", "-x", str(found[-1]), str(unpacked)], check=True)

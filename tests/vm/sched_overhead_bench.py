@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.vm import engine_step_bench  # the scheduler and peer context managers
+from tests.vm.guest_probe import bpftool_progs
 
 CASES: dict[str, dict[str, str | bool]] = {
     "EEVDF": {},
@@ -50,10 +51,8 @@ BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 def struct_ops_stats() -> dict[str, tuple[int, int]]:
     """name -> (run_time_ns, run_cnt) of every struct_ops program loaded (the sched_ext scheduler's
     callbacks, ours or a peer's); needs kernel.bpf_stats_enabled."""
-    show = ["bpftool", "-j", "prog", "show"]
-    out = subprocess.run(show, capture_output=True, text=True, check=False).stdout
     stats: dict[str, tuple[int, int]] = {}
-    for prog in json.loads(out or "[]"):
+    for prog in bpftool_progs():
         if prog.get("type") == "struct_ops":
             name = str(prog.get("name"))
             ns, cnt = stats.get(name, (0, 0))
