@@ -626,16 +626,9 @@ static int bw_stop_fired(void *map, u32 *cpu, struct cpu_ctx *c)
  * The timer is re-armed, never cancelled: bpf_timer_cancel under the rq lock (IRQs off) fails on 7.x
  * (-EOPNOTSUPP, the cancel is deferred only by a kfunc there), and before that release a cancel also
  * dropped the callback, so later starts failed. A run number tells the callback whether its run is on.
- * Also called when dispatch keeps a boosted prev for a new slice: no running comes for that one.
  */
-static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
+static __always_inline void bw_stop_after(struct cpu_ctx *c, u64 left, u64 slice, u64 now)
 {
-	u64 left;
-
-	c->bw_run++;
-	if (!tctx->cgid)
-		return;
-	left = bw_walk(tctx->cgid, 0, now, BW_LEFT);
 	if (left >= slice)
 		return;
 	if (!c->bw_stop_ready) {
@@ -649,6 +642,34 @@ static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *
 	c->bw_stop_run = c->bw_run;
 	c->bw_stop_at = now + left;
 	bpf_timer_start(&c->bw_stop, left, 0);
+}
+
+/* A run starts (running): arm its stop timer if its cgroups' budget ends before its slice does. */
+static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
+{
+	c->bw_run++;
+	if (tctx->cgid)
+		bw_stop_after(c, bw_walk(tctx->cgid, 0, now, BW_LEFT), slice, now);
+}
+
+/*
+ * Dispatch keeps a boosted prev for a new slice, and no `running` comes for it: charge what it ran since
+ * the last mark and arm the stop timer for what is left, in one walk of its cgroups. False: out of budget,
+ * so it must go (stopping charges the rest, enqueue parks it).
+ */
+static __always_inline bool bw_keep(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
+{
+	u64 used = tctx->bw_mark ? now - tctx->bw_mark : 0;
+	u64 left = BW_UNLIMITED;
+
+	tctx->bw_mark = now;
+	if (tctx->cgid)
+		left = bw_walk(tctx->cgid, used, now, BW_LEFT);
+	if (!left)
+		return false;
+	c->bw_run++;
+	bw_stop_after(c, left, slice, now);
+	return true;
 }
 
 /* The run is over: a stop timer armed for it must not preempt whatever runs next. */
@@ -781,6 +802,11 @@ static __always_inline void bw_release_due(u64 now)
 
 static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
 {
+}
+
+static __always_inline bool bw_keep(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
+{
+	return true;
 }
 
 static __always_inline void bw_run_ended(struct cpu_ctx *c)
@@ -1073,9 +1099,9 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 	if (prev && (prev->scx.flags & TASK_QUEUED)) {
 		tctx = ctx_of(prev);
 		/* charged, not only looked at: since its last tick prev ran uncharged (stopping comes later) */
-		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now) && !bw_charge(tctx, now)) {
+		if (tctx && effective_prio(tctx, tctx->prio, now) && !over_budget(tctx, now) &&
+		    bw_keep(tctx, c, tctx->slice, now)) {
 			prev->scx.slice = tctx->slice;
-			bw_limit_run(tctx, c, tctx->slice, now);
 			return;
 		}
 	}
