@@ -11,13 +11,15 @@ Its loop waits (poll) on three things at once:
   (the service feeds the systemd watchdog from one, so a stuck engine stops the watchdog).
 
 Lost events (ENOBUFS) or a socket error: a fresh socket and a full rescan at once.
+`stop()` ends the thread and removes nothing: the Agent decides what happens to the backend.
 
 The engine is the one producer of status (gthulhu_node/feed.py): after a loop turn that changed the
 reconciler (`Reconciler.revision`) it publishes an `EngineFrame` on `feed`, at most every
 `publish_interval_s`; at once when the reconciler settles with someone waiting (so `Agent.sync` and a
-policy in effect read status that includes it); and every `refresh_s` in any case, for the backend's own
-counters and health. Readers (status, gRPC, REST, metrics, the probe) read the feed, never the engine.
-`stop()` ends the thread and removes nothing: the Agent decides what happens to the backend.
+policy in effect read status that includes it); and every `refresh_s` in any case, the only publication
+that reads the backend's own health, counters and gauges (the sched_ext backend's gauges run a BPF count
+program: once a second, not at every change). Readers (status, gRPC, REST, metrics, the probe) read the
+feed, never the engine.
 """
 
 from __future__ import annotations
@@ -283,7 +285,7 @@ class Engine:
             self.reconciler.budget_s = self.slice_s
             self._stats.backend_state = self.reconciler.backend.health().state.value
             self.reconciler.before_settled = self._publish_changed
-            self._publish()  # status is there before start() returns
+            self._publish(read_backend=True)  # status is there before start() returns
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
@@ -328,8 +330,7 @@ class Engine:
             with self._lock:
                 periodic = list(self._periodic)
             publish_at = self._next_publish if r.revision != self._published_revision else self._refresh_due
-            due = min([next_rescan, next_health, r.next_retry_at(), publish_at, self._refresh_due,
-                       *(p.due for p in periodic)])
+            due = min([next_rescan, next_health, r.next_retry_at(), publish_at, *(p.due for p in periodic)])
             timeout_ms = 0 if not r.settled else max(0, int((due - now) * 1000) + 1)
             ready = poller.poll(timeout_ms)
             self._stats.loop_wakeups += 1
@@ -377,9 +378,9 @@ class Engine:
                         self._stats.hook_failures += 1
                         log.exception("periodic_hook_failed", hook=p.name, error=str(exc))
             now = time.monotonic()
-            if now >= self._refresh_due or (
-                r.revision != self._published_revision and now >= self._next_publish
-            ):
+            if now >= self._refresh_due:
+                self._publish(read_backend=True)
+            elif r.revision != self._published_revision and now >= self._next_publish:
                 self._publish()
 
     def _publish_changed(self) -> None:
@@ -387,29 +388,34 @@ class Engine:
         if self.reconciler.revision != self._published_revision:
             self._publish()
 
-    def _publish(self) -> None:
-        """Build the frame from the reconciler's produced figures and the backend's own, and publish it.
-        A backend whose figures cannot be read costs those figures only (as a metrics scrape did)."""
+    def _publish(self, read_backend: bool = False) -> None:
+        """Build the frame from the reconciler's produced figures and publish it; with `read_backend`,
+        the backend's health, counters and gauges are read again, else the last frame's stand. A backend
+        whose figures cannot be read costs those figures only (as a metrics scrape did)."""
         r = self.reconciler
-        backend = r.backend
-        try:
-            health = backend.health()
-            counters, gauges = dict(backend.counters()), dict(backend.gauges())
-        except Exception as exc:
-            log.warning("backend_figures_unreadable", backend=backend.name, error=str(exc))
-            health, counters, gauges = None, {}, {}
+        last = self.feed.latest()
+        health, counters, gauges = last.health, last.counters, last.gauges
+        if read_backend:
+            backend = r.backend
+            try:
+                health = backend.health()
+                counters = MappingProxyType(dict(backend.counters()))
+                gauges = MappingProxyType(dict(backend.gauges()))
+            except Exception as exc:
+                log.warning("backend_figures_unreadable", backend=backend.name, error=str(exc))
+                health, counters, gauges = None, MappingProxyType({}), MappingProxyType({})
         now = time.monotonic()
         try:
             frame = EngineFrame(
-                version=self.feed.latest().version + 1,
+                version=last.version + 1,
                 produced_at=now,
                 settled=r.settled,
                 reconciler=r.stats(),
                 intents=r.intent_figures(),
                 matches=tuple(r.matches()),
                 health=health,
-                counters=MappingProxyType(counters),
-                gauges=MappingProxyType(gauges),
+                counters=counters,
+                gauges=gauges,
             )
         except Exception as exc:  # a bug here must cost status, not the engine
             log.exception("status_publish_failed", error=str(exc))
@@ -417,7 +423,8 @@ class Engine:
         finally:
             self._published_revision = r.revision
             self._next_publish = now + self.publish_interval_s
-            self._refresh_due = now + self.refresh_s
+            if read_backend:
+                self._refresh_due = now + self.refresh_s
         self.feed.publish(frame)
 
     def _run_work(self) -> None:
