@@ -23,6 +23,7 @@ asks the engine thread for status.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -152,6 +153,8 @@ class Agent:
         self._kick = threading.Event()
         self._status_thread: threading.Thread | None = None
         self._matched_tasks = 0
+        self._refreshed_at = 0.0  # monotonic time of the last status refresh
+        self._frame_pending = False  # a frame came within STATUS_MIN_INTERVAL_S of that refresh
         self._policy_updates = 0
         self._policy_errors = 0
         self.store.subscribe(self._on_store_change)
@@ -280,8 +283,8 @@ class Agent:
         return self.engine.health() if self.engine is not None else Health(False, "not created")
 
     def _start_status(self) -> None:
-        if self.engine is not None:  # a published frame wakes the status thread (rate-limited there)
-            self.engine.feed.add_listener(lambda _frame: self._kick.set())
+        if self.engine is not None:
+            self.engine.feed.add_listener(self._on_frame)
         self._status_thread = threading.Thread(target=self._status_loop, name="intent-status", daemon=True)
         self._status_thread.start()
         self.refresh_status()
@@ -443,19 +446,26 @@ class Agent:
 
     # ---- status -------------------------------------------------------------------------------------
 
+    def _on_frame(self, _frame: EngineFrame) -> None:
+        """On the engine thread, after each publication: wake the status thread at once if it has not
+        refreshed for `STATUS_MIN_INTERVAL_S`, else leave it a note to refresh when that time is up (the
+        store, the policy in effect, readiness and stop wake it at once, always)."""
+        if time.monotonic() - self._refreshed_at >= STATUS_MIN_INTERVAL_S:
+            self._kick.set()
+        else:
+            self._frame_pending = True
+
     def _status_loop(self) -> None:
         while not self._stopped.is_set():
-            self._kick.wait(STATUS_INTERVAL_S)
+            self._kick.wait(STATUS_MIN_INTERVAL_S if self._frame_pending else STATUS_INTERVAL_S)
             self._kick.clear()
+            self._frame_pending = False
             if self._stopped.is_set():
                 return
             try:
                 self.refresh_status()
             except Exception:
                 log.exception("status_refresh_failed")
-            # kicks meanwhile (a frame, a store change) are served after this pause, together
-            if self._stopped.wait(STATUS_MIN_INTERVAL_S):
-                return
 
     def _frame(self) -> EngineFrame | None:
         """The engine's last published frame while it runs (its figures stand while it is busy: a busy
@@ -476,6 +486,7 @@ class Agent:
                 self._matched_tasks = len(frame.matches)
             statuses = self._compute(self.store.snapshot(), stats)
             self.board.publish(statuses, self._summary())
+            self._refreshed_at = time.monotonic()
 
     def _compute(
         self, sources: dict[str, SourceSet], stats: Mapping[str, IntentStats] | None
