@@ -434,8 +434,8 @@ class Agent:
         self._kick.set()
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
-        """Wait until earlier store changes are in effect (rematched and written), then recompute status
-        (best effort)."""
+        """Wait until earlier store changes are in effect (rematched and written), then rebuild status
+        from the frame the engine published as it settled (best effort)."""
         engine = self.engine
         if engine is not None and engine.running:
             try:
