@@ -226,6 +226,13 @@ class Reconciler:
         self._all_touched = True  # the policy changed: every intent's figures are built again
         self._figures: dict[str, IntentStats] = {}  # what `intent_figures` last returned
         self._live: set[str] = set()  # intents that had refused or unwritten entries then
+        # Task rows as `task_rows` last returned them, and what may have changed them since: threads
+        # matched again or removed, keys whose desired or applied entry changed (a row says which key
+        # carries its strategy and whether the backend holds it), or everything (a resync).
+        self._rows: dict[int, Match] = {}
+        self._row_tids: set[int] = set()
+        self._row_keys: set[EntryKey] = set()
+        self._rows_all = True
         # Grows whenever an input or a write may have changed what the tables say: the engine publishes
         # status (gthulhu_node/feed.py) when it moved since the last publication.
         self.revision = 0
@@ -394,6 +401,7 @@ class Reconciler:
         """Re-read what the backend holds (after a restart or reload) and write every difference."""
         self._stats.resyncs += 1
         self.revision += 1
+        self._rows_all = True
         try:
             self._applied = dict(self.backend.read_back())
         except BackendError as exc:
@@ -424,37 +432,55 @@ class Reconciler:
         return math.inf if self.hold_writes else self._outbox.next_retry_at()
 
     def matches(self) -> list[Match]:
-        """Every task some intent matched, with the one intent whose strategy it gets."""
-        out: list[Match] = []
-        desired, applied = self._desired, self._applied
-        for tid, th in self._threads.items():
-            w = th.winner
-            if w is None:
-                continue
-            task = th.task
-            proc = self._procs[task.tgid]
-            entry_key: EntryKey | None = None
-            tid_key = EntryKey(KeyKind.TID, tid)
-            if tid_key in desired:
-                entry_key = tid_key
-            elif proc.winner is not None and not proc.winner.is_noop:
-                entry_key = EntryKey(KeyKind.TGID, task.tgid)
-            ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
-            out.append(
-                Match(
-                    tid,
-                    task.tgid,
-                    task.comm,
-                    w.key,
-                    w.priority,
-                    w.slice_ns,
-                    w.scope.value,
-                    str(entry_key) if entry_key is not None else "",
-                    ok,
-                )
-            )
+        """Every task some intent matched, with the one intent whose strategy it gets (from scratch)."""
+        out = [row for tid in self._threads if (row := self._row(tid)) is not None]
         out.sort(key=lambda m: (m.tgid, m.tid))
         return out
+
+    def task_rows(self) -> Mapping[int, Match]:
+        """The rows of `matches` by TID, produced: only the rows of threads matched again or removed, or
+        whose entry's desired or applied value changed since the last call, are built anew; the others
+        are the last call's (frozen) rows. The engine publishes the result (gthulhu_node/feed.py)."""
+        if self._rows_all:
+            out: dict[int, Match] = {}
+            tids: Iterable[int] = self._threads
+        else:
+            out = dict(self._rows)
+            changed = set(self._row_tids)
+            procs = self._procs
+            for key in self._row_keys:
+                if key.kind is KeyKind.TID:
+                    changed.add(key.id)
+                elif (proc := procs.get(key.id)) is not None:
+                    changed.update(proc.tids)
+            tids = changed
+        for tid in tids:
+            row = self._row(tid)
+            if row is None:
+                out.pop(tid, None)
+            else:
+                out[tid] = row
+        self._rows = out
+        self._row_tids, self._row_keys, self._rows_all = set(), set(), False
+        return MappingProxyType(out)
+
+    def _row(self, tid: int) -> Match | None:
+        th = self._threads.get(tid)
+        w = th.winner if th is not None else None
+        if th is None or w is None:
+            return None
+        desired, applied = self._desired, self._applied
+        task = th.task
+        proc = self._procs[task.tgid]
+        entry_key: EntryKey | None = None
+        tid_key = EntryKey(KeyKind.TID, tid)
+        if tid_key in desired:
+            entry_key = tid_key
+        elif proc.winner is not None and not proc.winner.is_noop:
+            entry_key = EntryKey(KeyKind.TGID, task.tgid)
+        ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
+        return Match(tid, task.tgid, task.comm, w.key, w.priority, w.slice_ns, w.scope.value,
+                     str(entry_key) if entry_key is not None else "", ok)
 
     def intent_stats(self) -> dict[str, IntentStats]:
         """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
@@ -691,9 +717,11 @@ class Reconciler:
             if err is None:
                 applied[key] = entry
                 failed_keys.pop(key, None)
+                self._row_keys.add(key)
             elif isinstance(err, TaskGoneError):
                 st.tasks_gone += 1
                 self._desired.pop(key, None)
+                self._row_keys.add(key)
                 failed_keys.pop(key, None)
                 if key in applied:  # an older entry under that key: delete it at the next flush
                     outbox.mark(key, 0)
@@ -707,6 +735,7 @@ class Reconciler:
             if err is None or isinstance(err, TaskGoneError):
                 applied.pop(key, None)
                 failed_keys.pop(key, None)
+                self._row_keys.add(key)
             else:
                 st.write_failures += 1
                 self._record_failure(key, err, now)
@@ -771,6 +800,7 @@ class Reconciler:
                 return
             self._desired[key] = _Want(entry, owner)
         self._outbox.mark(key, ts)
+        self._row_keys.add(key)
 
     # ---- the task table -----------------------------------------------------------------------------
 
@@ -826,6 +856,7 @@ class Reconciler:
         if self._stale:
             self._fresh(task.tgid)
         self._uncount(th)
+        self._row_tids.add(tid)
         del self._threads[tid]
         self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
         proc = self._procs.get(task.tgid)
@@ -929,6 +960,7 @@ class Reconciler:
         prev = th.winner
         key = EntryKey(KeyKind.TID, tid)
         th.cands = frozenset(c.key for c in thread) if thread else frozenset()
+        self._row_tids.add(tid)
         if w is None:
             if prev is not None:
                 th.winner = None

@@ -8,10 +8,11 @@ believe the backend holds anything it does not. `Reconciler.check_invariants` as
 invariants after every step.
 
 Status is produced, not recomputed (gthulhu_node/feed.py): `Reconciler.intent_figures` builds per-intent
-figures from counts the reconciler keeps as tasks are matched and entries written. The `publish` rule (at
+figures from counts the reconciler keeps as tasks are matched and entries written, and
+`Reconciler.task_rows` rebuilds only the task rows that changed. The `publish` rule (at
 random gaps, as the engine publishes after some loop turns and not others) and, in
 `PublishedEveryStepModel`, an invariant after every step check that what it produces equals
-`intent_stats`, the same figures computed from scratch from the tables.
+`intent_stats` and `matches`, the same computed from scratch from the tables.
 """
 
 from __future__ import annotations
@@ -256,12 +257,14 @@ class ReconcilerModel(RuleBasedStateMachine):
     @rule()
     def publish(self) -> None:
         """What the engine publishes (after any number of steps since its last publication) is what a
-        pass over the tables gives, every field: counts, overlaps, failures, refused and unwritten."""
+        pass over the tables gives, every field: counts, overlaps, failures, refused and unwritten, and
+        every task row (its winner, the key carrying it, whether the backend holds it)."""
         self._check_produced()
 
     def _check_produced(self) -> None:
         produced = dict(self.r.intent_figures())
         assert produced == self.r.intent_stats()
+        assert dict(self.r.task_rows()) == {m.tid: m for m in self.r.matches()}
 
     # ---- checks ----------------------------------------------------------------------------------
 
