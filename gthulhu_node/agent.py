@@ -613,11 +613,9 @@ class Agent:
         frame = self._frame()
         if frame is None:
             return []
-        return [
-            MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope)
-            for m in frame.matches
-            if not intent or m.intent_key == intent
-        ]
+        found = sorted((m for m in frame.matches.values() if not intent or m.intent_key == intent),
+                       key=lambda m: (m.tgid, m.tid))
+        return [MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope) for m in found]
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: readiness, backend, intents by state and tasks matched."""

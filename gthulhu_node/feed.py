@@ -9,9 +9,9 @@ the one producer: it keeps the per-intent counts up to date as tasks are matched
 every `Engine.refresh_s` for the backend's own counters). Readers on any thread take `latest()` or wait
 for a newer version with `wait_newer`; none of them runs anything on the engine thread.
 
-A frame is immutable: its mappings are read-only views of dicts built for it alone, its rows are frozen,
-and the `IntentStats` records it holds are never changed after publication (the producer builds new
-ones for the intents whose figures changed and shares the others with the previous frame).
+A frame is immutable: its mappings are read-only views of dicts built for it alone, its task rows are
+frozen, and the `IntentStats` records it holds are never changed after publication (the producer builds
+new records and rows for what changed and shares the others with the previous frame).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class EngineFrame:
     settled: bool = False
     reconciler: ReconcilerStats = field(default_factory=ReconcilerStats)
     intents: Mapping[str, IntentStats] = field(default_factory=lambda: MappingProxyType({}))
-    matches: tuple[Match, ...] = ()
+    matches: Mapping[int, Match] = field(default_factory=lambda: MappingProxyType({}))  # by TID
     health: BackendHealth | None = None
     counters: Mapping[str, int] = field(default_factory=_empty)
     gauges: Mapping[str, int] = field(default_factory=_empty)

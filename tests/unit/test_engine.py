@@ -414,14 +414,14 @@ def test_status_is_published_by_the_engine_without_being_asked(proc: FakeProc, e
     submitted = engine.stats().submitted
     frame = engine.feed.latest()  # published before the settle was told: includes the policy
     assert frame.intents["local/vllm"].applied_tasks == 1
-    assert [(m.tid, m.intent_key, m.applied) for m in frame.matches] == [(100, "local/vllm", True)]
+    assert [(m.tid, m.intent_key, m.applied) for m in frame.matches.values()] == [(100, "local/vllm", True)]
     proc.add(100, 101, "EngineCore", 51)
     engine.request_rescan()
     while frame.intents["local/vllm"].applied_tasks < 2:
         newer = engine.feed.wait_newer(frame.version, DEADLINE_S)
         assert newer.version > frame.version, "no frame published after the rescan"
         frame = newer
-    assert {m.tid for m in frame.matches} == {100, 101}
+    assert set(frame.matches) == {100, 101} and all(m.applied for m in frame.matches.values())
     assert frame.reconciler.matched_tasks == 2
     assert engine.stats().submitted == submitted  # the reader ran nothing on the engine thread
 

@@ -172,7 +172,7 @@ class FakeEngine:
     def feed(self) -> StatusFeed:
         r, b = self.reconciler, self.reconciler.backend
         self._feed.publish(EngineFrame(self._feed.latest().version + 1, 0.0, True, r.stats(),
-                                       r.intent_stats(), (), b.health(), b.counters(), b.gauges()))
+                                       r.intent_stats(), {}, b.health(), b.counters(), b.gauges()))
         return self._feed
 
     def stats(self) -> EngineStats:
