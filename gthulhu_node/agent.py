@@ -13,14 +13,18 @@ the metrics endpoint and the probe (docs/design.md, "Start and stop").
 
 Other parts feed intents through `agent.store` (`IntentStore.apply(source, generation, intents,
 allow_reserved=True)` for the `manager` source): the agent listens to the store and hands every change to
-the reconciler (on the engine thread), then recomputes per-intent status. Status is also recomputed every
-`STATUS_INTERVAL_S`, so matched-task counts follow tasks that come and go.
+the reconciler (on the engine thread). Per-intent figures and task rows are produced by the engine
+(`Engine.feed`, gthulhu_node/feed.py); the agent turns its latest frame, the store and the policy in effect
+into status rows when a frame is published (at most every `STATUS_MIN_INTERVAL_S`), when the store or the
+policy in effect changes, and every `STATUS_INTERVAL_S` for what no frame carries (cgroup limits). It never
+asks the engine thread for status.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +36,7 @@ from gthulhu_node.backends.base import Backend, BackendState, SchedulerRefused
 from gthulhu_node.backends.select import fallback_after_ejections, fallback_after_refusal, select_backend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
+from gthulhu_node.feed import EngineFrame
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
 from gthulhu_node.intents.model import Intent, intent_key, pattern_warnings
@@ -62,6 +67,8 @@ if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token m
 log = structlog.get_logger(__name__)
 
 STATUS_INTERVAL_S = 1.0
+# Frames come up to 10 times a second under churn: status rows are rebuilt at most this often for them.
+STATUS_MIN_INTERVAL_S = 0.25
 ANY_USER_WARNING = (
     "{count} boosting intents name neither users nor a cgroup: any local user can get their priority by "
     "naming a thread to match (restrict them with users or cgroupRegex, or set "
@@ -146,7 +153,8 @@ class Agent:
         self._kick = threading.Event()
         self._status_thread: threading.Thread | None = None
         self._matched_tasks = 0
-        self._last_stats: dict[str, IntentStats] | None = None  # the engine's last answer, for a busy moment
+        self._refreshed_at = 0.0  # monotonic time of the last status refresh
+        self._frame_pending = False  # a frame came within STATUS_MIN_INTERVAL_S of that refresh
         self._policy_updates = 0
         self._policy_errors = 0
         self.store.subscribe(self._on_store_change)
@@ -275,6 +283,8 @@ class Agent:
         return self.engine.health() if self.engine is not None else Health(False, "not created")
 
     def _start_status(self) -> None:
+        if self.engine is not None:
+            self.engine.feed.add_listener(self._on_frame)
         self._status_thread = threading.Thread(target=self._status_loop, name="intent-status", daemon=True)
         self._status_thread.start()
         self.refresh_status()
@@ -424,8 +434,8 @@ class Agent:
         self._kick.set()
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
-        """Wait until earlier store changes are in effect (rematched and written), then recompute status
-        (best effort)."""
+        """Wait until earlier store changes are in effect (rematched and written), then rebuild status
+        from the frame the engine published as it settled (best effort)."""
         engine = self.engine
         if engine is not None and engine.running:
             try:
@@ -436,10 +446,20 @@ class Agent:
 
     # ---- status -------------------------------------------------------------------------------------
 
+    def _on_frame(self, _frame: EngineFrame) -> None:
+        """On the engine thread, after each publication: wake the status thread at once if it has not
+        refreshed for `STATUS_MIN_INTERVAL_S`, else leave it a note to refresh when that time is up (the
+        store, the policy in effect, readiness and stop wake it at once, always)."""
+        if time.monotonic() - self._refreshed_at >= STATUS_MIN_INTERVAL_S:
+            self._kick.set()
+        else:
+            self._frame_pending = True
+
     def _status_loop(self) -> None:
         while not self._stopped.is_set():
-            self._kick.wait(STATUS_INTERVAL_S)
+            self._kick.wait(STATUS_MIN_INTERVAL_S if self._frame_pending else STATUS_INTERVAL_S)
             self._kick.clear()
+            self._frame_pending = False
             if self._stopped.is_set():
                 return
             try:
@@ -447,27 +467,29 @@ class Agent:
             except Exception:
                 log.exception("status_refresh_failed")
 
+    def _frame(self) -> EngineFrame | None:
+        """The engine's last published frame while it runs (its figures stand while it is busy: a busy
+        engine has undone nothing)."""
+        engine = self.engine
+        if engine is None or not engine.running:
+            return None
+        frame = engine.feed.latest()
+        return frame if frame.version else None
+
     def refresh_status(self) -> None:
-        """Recompute every intent's status from the store and the reconciler; publish the changes."""
+        """Turn the engine's last frame, the store and the policy in effect into status rows; publish the
+        changes. Runs nothing on the engine thread."""
         with self._refresh_lock:
-            stats: dict[str, IntentStats] | None = None
-            engine = self.engine
-            if engine is not None and engine.running:
-                try:
-                    stats, self._matched_tasks = engine.call(
-                        lambda r: (r.intent_stats(), len(r.matches())), timeout=SYNC_TIMEOUT_S
-                    )
-                    self._last_stats = stats
-                except Exception as exc:
-                    # An engine too busy to answer in time has not undone anything: the last figures it
-                    # gave stand (turning every intent Pending would tell the operator a falsehood).
-                    log.warning("status_stats_unavailable", error=str(exc))
-                    stats = self._last_stats
+            frame = self._frame()
+            stats = frame.intents if frame is not None else None
+            if frame is not None:
+                self._matched_tasks = len(frame.matches)
             statuses = self._compute(self.store.snapshot(), stats)
             self.board.publish(statuses, self._summary())
+            self._refreshed_at = time.monotonic()
 
     def _compute(
-        self, sources: dict[str, SourceSet], stats: dict[str, IntentStats] | None
+        self, sources: dict[str, SourceSet], stats: Mapping[str, IntentStats] | None
     ) -> list[IntentStatus]:
         node = self.config.node
         with self._effect_lock:
@@ -586,16 +608,14 @@ class Agent:
         return StatusSnapshot(self._summary(), tuple(rows), tuple(intents))
 
     def matches(self, intent: str = "") -> list[MatchRow]:
-        """The tasks intents govern right now (of one `source/id`, or all)."""
-        engine = self.engine
-        if engine is None or not engine.running:
+        """The tasks intents govern (of one `source/id`, or all), as the engine last published them: at
+        most `Engine.publish_interval_s` old while tasks change, current after `sync`."""
+        frame = self._frame()
+        if frame is None:
             return []
-        found = engine.call(lambda r: r.matches(), timeout=SYNC_TIMEOUT_S)
-        return [
-            MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope)
-            for m in found
-            if not intent or m.intent_key == intent
-        ]
+        found = sorted((m for m in frame.matches.values() if not intent or m.intent_key == intent),
+                       key=lambda m: (m.tgid, m.tid))
+        return [MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope) for m in found]
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: readiness, backend, intents by state and tasks matched."""

@@ -12,6 +12,14 @@ Its loop waits (poll) on three things at once:
 
 Lost events (ENOBUFS) or a socket error: a fresh socket and a full rescan at once.
 `stop()` ends the thread and removes nothing: the Agent decides what happens to the backend.
+
+The engine is the one producer of status (gthulhu_node/feed.py): after a loop turn that changed the
+reconciler (`Reconciler.revision`) it publishes an `EngineFrame` on `feed`, at most every
+`publish_interval_s`; at once when the reconciler settles with someone waiting (so `Agent.sync` and a
+policy in effect read status that includes it); and every `refresh_s` in any case, the only publication
+that reads the backend's own health, counters and gauges (the sched_ext backend's gauges run a BPF count
+program: once a second, not at every change). Readers (status, gRPC, REST, metrics, the probe) read the
+feed, never the engine.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import structlog
@@ -39,6 +48,7 @@ from gthulhu_node.backends.base import (
     EntryKey,
 )
 from gthulhu_node.errors import Unavailable
+from gthulhu_node.feed import EngineFrame, StatusFeed
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
@@ -50,6 +60,10 @@ T = TypeVar("T")
 # A loop turn's share of a long job (a rematch after a policy change, 1,000 writes after a reload): small
 # against the 50 ms the engine may be away from events, the watchdog hook and its callers.
 SLICE_S = 0.005
+# Status is published at most this often while the reconciler keeps changing (events, a long write), and
+# refreshed this often when nothing changed (the backend's counters move on their own).
+PUBLISH_INTERVAL_S = 0.1
+REFRESH_S = 1.0
 
 
 class EngineStopped(Unavailable, RuntimeError):
@@ -96,6 +110,8 @@ class Engine:
         use_events: bool = True,
         events: ProcEventSource | None = None,
         slice_s: float = SLICE_S,
+        publish_interval_s: float = PUBLISH_INTERVAL_S,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         """`on_give_up(reason)` returns a started replacement backend once the backend was ejected
         `ejection_limit` times within `ejection_window_s`; without it the engine reloads forever.
@@ -130,6 +146,12 @@ class Engine:
         self._backoff_s = reload_backoff_initial_s
         self._next_reload = 0.0
         self._stats = EngineStats()
+        self.feed = StatusFeed()
+        self.publish_interval_s = publish_interval_s
+        self.refresh_s = refresh_s
+        self._published_revision = -1
+        self._next_publish = 0.0  # no publication for a change before this (monotonic)
+        self._refresh_due = 0.0  # a publication at this time even without a change
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -262,6 +284,8 @@ class Engine:
             self._rescan("start")  # whole, before start() returns; later work goes in slices
             self.reconciler.budget_s = self.slice_s
             self._stats.backend_state = self.reconciler.backend.health().state.value
+            self.reconciler.before_settled = self._publish_changed
+            self._publish(read_backend=True)  # status is there before start() returns
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
@@ -279,6 +303,7 @@ class Engine:
                 self._restore_backend()
             self._events.close()
             self._fail_pending()
+            self.feed.close()
 
     def _loop(self) -> None:
         poller = select.poll()
@@ -304,7 +329,8 @@ class Engine:
             now = time.monotonic()
             with self._lock:
                 periodic = list(self._periodic)
-            due = min([next_rescan, next_health, r.next_retry_at(), *(p.due for p in periodic)])
+            publish_at = self._next_publish if r.revision != self._published_revision else self._refresh_due
+            due = min([next_rescan, next_health, r.next_retry_at(), publish_at, *(p.due for p in periodic)])
             timeout_ms = 0 if not r.settled else max(0, int((due - now) * 1000) + 1)
             ready = poller.poll(timeout_ms)
             self._stats.loop_wakeups += 1
@@ -329,7 +355,12 @@ class Engine:
                 elif fd == self._wake_fd:
                     with contextlib.suppress(BlockingIOError):
                         os.eventfd_read(self._wake_fd)
-            self._run_work()
+            # A turn that publishes status during a long job does not also take a slice of it: the
+            # publication (a few ms at 1,000 intents and tasks after a rematch) gets a turn of its own
+            # instead of lengthening one that already spent its slices.
+            publishing = (not r.settled and r.revision != self._published_revision
+                          and time.monotonic() >= self._next_publish)
+            self._run_work(step=not publishing)
             with self._lock:
                 rescan_now, self._rescan_requested = self._rescan_requested, False
             now = time.monotonic()
@@ -351,8 +382,57 @@ class Engine:
                     except Exception as exc:
                         self._stats.hook_failures += 1
                         log.exception("periodic_hook_failed", hook=p.name, error=str(exc))
+            now = time.monotonic()
+            if now >= self._refresh_due:
+                self._publish(read_backend=True)
+            elif r.revision != self._published_revision and now >= self._next_publish:
+                self._publish()
 
-    def _run_work(self) -> None:
+    def _publish_changed(self) -> None:
+        """Before the reconciler's settled callbacks: publish what they wait for, unless published."""
+        if self.reconciler.revision != self._published_revision:
+            self._publish()
+
+    def _publish(self, read_backend: bool = False) -> None:
+        """Build the frame from the reconciler's produced figures and publish it; with `read_backend`,
+        the backend's health, counters and gauges are read again, else the last frame's stand. A backend
+        whose figures cannot be read costs those figures only (as a metrics scrape did)."""
+        r = self.reconciler
+        last = self.feed.latest()
+        health, counters, gauges = last.health, last.counters, last.gauges
+        if read_backend:
+            backend = r.backend
+            try:
+                health = backend.health()
+                counters = MappingProxyType(dict(backend.counters()))
+                gauges = MappingProxyType(dict(backend.gauges()))
+            except Exception as exc:
+                log.warning("backend_figures_unreadable", backend=backend.name, error=str(exc))
+                health, counters, gauges = None, MappingProxyType({}), MappingProxyType({})
+        now = time.monotonic()
+        try:
+            frame = EngineFrame(
+                version=last.version + 1,
+                produced_at=now,
+                settled=r.settled,
+                reconciler=r.stats(),
+                intents=r.intent_figures(),
+                matches=r.task_rows(),
+                health=health,
+                counters=counters,
+                gauges=gauges,
+            )
+        except Exception as exc:  # a bug here must cost status, not the engine
+            log.exception("status_publish_failed", error=str(exc))
+            return
+        finally:
+            self._published_revision = r.revision
+            self._next_publish = now + self.publish_interval_s
+            if read_backend:
+                self._refresh_due = now + self.refresh_s
+        self.feed.publish(frame)
+
+    def _run_work(self, step: bool = True) -> None:
         work = self._work
         r = self.reconciler
         while work:
@@ -366,7 +446,8 @@ class Engine:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
-        r.step()
+        if step:
+            r.step()
 
     def _fail_pending(self) -> None:
         while self._work:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import structlog
 
@@ -125,6 +126,20 @@ class ReconcilerStats:
 class _Thread:
     task: Task
     winner: CompiledIntent | None = None  # the one intent whose strategy it gets (noop included)
+    # the keys of the thread-scope intents it matched (eligible ones) when its winner was last computed
+    cands: frozenset[str] = frozenset()
+    # what this thread adds to the per-intent counts now: (every intent it matches, its winner's key)
+    counted: tuple[frozenset[str], str] | None = None
+
+
+@dataclass(slots=True)
+class _IntentCount:
+    """One intent's share of the task table, kept as threads are matched and unmatched."""
+
+    matched: int = 0
+    applied: int = 0
+    lost: int = 0
+    overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
 
 
 @dataclass(slots=True, eq=False)
@@ -173,6 +188,10 @@ class Reconciler:
     - `_outbox` (dirty keys, refused keys and their retry times): a key whose desired and applied values
       differ is dirty or refused; right after a flush, exactly the refused ones differ (`Outbox`).
     Per-intent failure counts (`_intent_failures`) and the counters in `_stats` are history, not state.
+    The per-intent counts (`_counts`) follow the task table: each thread with a winner adds what it
+    counts (`_Thread.counted`) and takes it back when matched again or removed, so status is produced as
+    the table changes (`intent_figures`), not recomputed from scratch for every reader (`intent_stats` is
+    that from-scratch reference; `check_invariants` asserts they agree).
 
     Latency listeners (`on_latency` and `add_latency_listener`) are called for every write caused by an
     event, with the time from the kernel's event timestamp (CLOCK_MONOTONIC, the moment of the prctl / fork /
@@ -201,6 +220,25 @@ class Reconciler:
         self._outbox = Outbox()
         self._intent_failures: dict[str, _IntentFailures] = {}
         self._stats = ReconcilerStats()
+        self._counts: dict[str, _IntentCount] = {}
+        self._matched = 0  # threads with a winner
+        self._touched: set[str] = set()  # intents whose counts or failures changed since `intent_figures`
+        self._all_touched = True  # the policy changed: every intent's figures are built again
+        self._figures: dict[str, IntentStats] = {}  # what `intent_figures` last returned
+        self._live: set[str] = set()  # intents that had refused or unwritten entries then
+        # Task rows as `task_rows` last returned them, and what may have changed them since: threads
+        # matched again or removed, keys whose desired or applied entry changed (a row says which key
+        # carries its strategy and whether the backend holds it), or everything (a resync).
+        self._rows: dict[int, Match] = {}
+        self._row_tids: set[int] = set()
+        self._row_keys: set[EntryKey] = set()
+        self._rows_all = True
+        # Grows whenever an input or a write may have changed what the tables say: the engine publishes
+        # status (gthulhu_node/feed.py) when it moved since the last publication.
+        self.revision = 0
+        # Called on this thread when the reconciler settles with callbacks waiting, before them: the
+        # engine publishes status there, so whoever waited for the settle reads status that includes it.
+        self.before_settled: Callable[[], None] | None = None
         # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
         # written; `resync` writes everything once the backend is back.
         self.hold_writes = False
@@ -230,6 +268,8 @@ class Reconciler:
         old = self._policy
         self._policy = policy
         self._stats.policy_updates += 1
+        self.revision += 1
+        self._all_touched = True
         for key in [k for k in self._intent_failures if k not in policy.by_key]:
             del self._intent_failures[key]
         stale = self._stale
@@ -270,12 +310,15 @@ class Reconciler:
                 return
             tgid = next(iter(stale))
             self._rematch_proc(procs[tgid])
+            self.revision += 1
             n += 1
         log.info("policy_applied", intents=len(self._policy), tasks=len(self._threads),
                  entries=len(self._desired))
 
     def _notify_settled(self) -> None:
         if self._on_settled and self.settled:
+            if self.before_settled is not None:
+                self.before_settled()
             callbacks, self._on_settled = self._on_settled, []
             for cb in callbacks:
                 try:
@@ -290,6 +333,7 @@ class Reconciler:
         """
         st = self._stats
         st.scans += 1
+        self.revision += 1
         st.scan_errors += snap.errors
         st.scan_duration_last_s = snap.duration_s
         st.scan_duration_total_s += snap.duration_s
@@ -316,6 +360,7 @@ class Reconciler:
         """Apply events in order, then write everything they changed as one batch."""
         counts = self._stats.events
         threads = self._threads
+        self.revision += 1
         for ev in events:
             kind = ev.kind
             counts[_EVENT_NAMES[kind]] += 1
@@ -346,13 +391,17 @@ class Reconciler:
     def note_events_lost(self) -> None:
         """The event source dropped events; the engine rescans at once."""
         self._stats.events_lost += 1
+        self.revision += 1
 
     def note_event_read_error(self) -> None:
         self._stats.event_read_errors += 1
+        self.revision += 1
 
     def resync(self) -> ApplyResult:
         """Re-read what the backend holds (after a restart or reload) and write every difference."""
         self._stats.resyncs += 1
+        self.revision += 1
+        self._rows_all = True
         try:
             self._applied = dict(self.backend.read_back())
         except BackendError as exc:
@@ -383,37 +432,55 @@ class Reconciler:
         return math.inf if self.hold_writes else self._outbox.next_retry_at()
 
     def matches(self) -> list[Match]:
-        """Every task some intent matched, with the one intent whose strategy it gets."""
-        out: list[Match] = []
-        desired, applied = self._desired, self._applied
-        for tid, th in self._threads.items():
-            w = th.winner
-            if w is None:
-                continue
-            task = th.task
-            proc = self._procs[task.tgid]
-            entry_key: EntryKey | None = None
-            tid_key = EntryKey(KeyKind.TID, tid)
-            if tid_key in desired:
-                entry_key = tid_key
-            elif proc.winner is not None and not proc.winner.is_noop:
-                entry_key = EntryKey(KeyKind.TGID, task.tgid)
-            ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
-            out.append(
-                Match(
-                    tid,
-                    task.tgid,
-                    task.comm,
-                    w.key,
-                    w.priority,
-                    w.slice_ns,
-                    w.scope.value,
-                    str(entry_key) if entry_key is not None else "",
-                    ok,
-                )
-            )
+        """Every task some intent matched, with the one intent whose strategy it gets (from scratch)."""
+        out = [row for tid in self._threads if (row := self._row(tid)) is not None]
         out.sort(key=lambda m: (m.tgid, m.tid))
         return out
+
+    def task_rows(self) -> Mapping[int, Match]:
+        """The rows of `matches` by TID, produced: only the rows of threads matched again or removed, or
+        whose entry's desired or applied value changed since the last call, are built anew; the others
+        are the last call's (frozen) rows. The engine publishes the result (gthulhu_node/feed.py)."""
+        if self._rows_all:
+            out: dict[int, Match] = {}
+            tids: Iterable[int] = self._threads
+        else:
+            out = dict(self._rows)
+            changed = set(self._row_tids)
+            procs = self._procs
+            for key in self._row_keys:
+                if key.kind is KeyKind.TID:
+                    changed.add(key.id)
+                elif (proc := procs.get(key.id)) is not None:
+                    changed.update(proc.tids)
+            tids = changed
+        for tid in tids:
+            row = self._row(tid)
+            if row is None:
+                out.pop(tid, None)
+            else:
+                out[tid] = row
+        self._rows = out
+        self._row_tids, self._row_keys, self._rows_all = set(), set(), False
+        return MappingProxyType(out)
+
+    def _row(self, tid: int) -> Match | None:
+        th = self._threads.get(tid)
+        w = th.winner if th is not None else None
+        if th is None or w is None:
+            return None
+        desired, applied = self._desired, self._applied
+        task = th.task
+        proc = self._procs[task.tgid]
+        entry_key: EntryKey | None = None
+        tid_key = EntryKey(KeyKind.TID, tid)
+        if tid_key in desired:
+            entry_key = tid_key
+        elif proc.winner is not None and not proc.winner.is_noop:
+            entry_key = EntryKey(KeyKind.TGID, task.tgid)
+        ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
+        return Match(tid, task.tgid, task.comm, w.key, w.priority, w.slice_ns, w.scope.value,
+                     str(entry_key) if entry_key is not None else "", ok)
 
     def intent_stats(self) -> dict[str, IntentStats]:
         """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
@@ -457,11 +524,61 @@ class Reconciler:
                 result[want.owner].unwritten += 1
         return result
 
+    def intent_figures(self) -> Mapping[str, IntentStats]:
+        """Per-intent figures equal to `intent_stats`'s, produced from the counts kept as tasks are
+        matched (no pass over the task table): only the intents whose counts or failures changed since
+        the last call, or that have refused or unwritten entries (a pass over the outbox, which is short
+        outside a long write), are built anew; the others are the previous call's records, shared. The
+        engine publishes the result (gthulhu_node/feed.py); no record is changed once returned."""
+        policy = self._policy
+        desired, applied, outbox = self._desired, self._applied, self._outbox
+        live: dict[str, tuple[list[int], dict[FailureReason, int]]] = {}
+        for failed_key, failure in outbox.failed.items():
+            want = desired.get(failed_key)
+            if want is not None:
+                counts, reasons = live.setdefault(want.owner, ([0, 0], {}))
+                counts[0] += 1
+                reasons[failure.reason] = reasons.get(failure.reason, 0) + 1
+        for dirty_key in outbox.dirty:
+            want = desired.get(dirty_key)
+            if want is not None and applied.get(dirty_key) != want.entry:
+                live.setdefault(want.owner, ([0, 0], {}))[0][1] += 1
+        if self._all_touched:
+            out: dict[str, IntentStats] = {}
+            rebuild: Iterable[str] = policy.by_key
+        else:
+            out = dict(self._figures)
+            rebuild = (self._touched | self._live | live.keys()) & policy.by_key.keys()
+        counts_of, failures = self._counts, self._intent_failures
+        for key in rebuild:
+            c = counts_of.get(key)
+            f = failures.get(key)
+            pending = live.get(key)
+            out[key] = IntentStats(
+                key,
+                noop=policy.by_key[key].is_noop,
+                matched_tasks=c.matched if c else 0,
+                applied_tasks=c.applied if c else 0,
+                lost_tasks=c.lost if c else 0,
+                overlaps=dict(c.overlaps) if c else {},
+                write_failures=f.count if f else 0,
+                pending_failures=pending[0][0] if pending else 0,
+                unwritten=pending[0][1] if pending else 0,
+                pending_reasons=dict(pending[1]) if pending else {},
+                last_error=f.last_message if f else "",
+                last_reason=f.last_reason if f else None,
+            )
+        self._figures = out
+        self._touched = set()
+        self._all_touched = False
+        self._live = set(live)
+        return MappingProxyType(out)
+
     def stats(self) -> ReconcilerStats:
         st = self._stats
         st.tasks = len(self._threads)
         st.processes = len(self._procs)
-        st.matched_tasks = sum(1 for th in self._threads.values() if th.winner is not None)
+        st.matched_tasks = self._matched
         st.entries_desired = len(self._desired)
         st.entries_applied = len(self._applied)
         copy = ReconcilerStats(**{f: getattr(st, f) for f in ReconcilerStats.__dataclass_fields__})
@@ -489,6 +606,15 @@ class Reconciler:
         assert differ <= outbox.dirty.keys() | outbox.failed.keys(), differ
         if not outbox.dirty and not self.hold_writes:
             assert differ == outbox.failed.keys(), (differ, set(outbox.failed))
+        # the counts kept as tasks are matched are what a pass over the task table gives
+        scratch = self.intent_stats()
+        kept = self._counts
+        for key, s in scratch.items():
+            c = kept.get(key, _IntentCount())
+            assert (c.matched, c.applied, c.lost, c.overlaps) == (
+                s.matched_tasks, s.applied_tasks, s.lost_tasks, s.overlaps), (key, c, s)
+        assert all(c.matched > 0 for c in kept.values()), kept
+        assert self._matched == sum(1 for th in threads.values() if th.winner is not None)
 
     # ---- writing ------------------------------------------------------------------------------------
 
@@ -568,6 +694,7 @@ class Reconciler:
         failed_keys = outbox.failed
         st = self._stats
         st.batches += 1
+        self.revision += 1
         try:
             result = self.backend.apply(upserts, deletes)
         except Exception as raised:
@@ -590,9 +717,11 @@ class Reconciler:
             if err is None:
                 applied[key] = entry
                 failed_keys.pop(key, None)
+                self._row_keys.add(key)
             elif isinstance(err, TaskGoneError):
                 st.tasks_gone += 1
                 self._desired.pop(key, None)
+                self._row_keys.add(key)
                 failed_keys.pop(key, None)
                 if key in applied:  # an older entry under that key: delete it at the next flush
                     outbox.mark(key, 0)
@@ -606,6 +735,7 @@ class Reconciler:
             if err is None or isinstance(err, TaskGoneError):
                 applied.pop(key, None)
                 failed_keys.pop(key, None)
+                self._row_keys.add(key)
             else:
                 st.write_failures += 1
                 self._record_failure(key, err, now)
@@ -643,6 +773,7 @@ class Reconciler:
         want = self._desired.get(key)
         if want is None:
             return
+        self._touched.add(want.owner)
         f = self._intent_failures.get(want.owner)
         first = f is None or f.last_message != message
         if f is None:
@@ -669,6 +800,7 @@ class Reconciler:
                 return
             self._desired[key] = _Want(entry, owner)
         self._outbox.mark(key, ts)
+        self._row_keys.add(key)
 
     # ---- the task table -----------------------------------------------------------------------------
 
@@ -713,6 +845,8 @@ class Reconciler:
             self._assign_all(proc, ts)
         else:
             self._assign(th, proc, ts)
+        if changed:  # every thread of the process matches the process-scope intents it matches
+            self._count_all(proc)
 
     def _remove_task(self, tid: int, ts: int) -> None:
         th = self._threads.get(tid)
@@ -721,6 +855,8 @@ class Reconciler:
         task = th.task
         if self._stale:
             self._fresh(task.tgid)
+        self._uncount(th)
+        self._row_tids.add(tid)
         del self._threads[tid]
         self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
         proc = self._procs.get(task.tgid)
@@ -731,8 +867,10 @@ class Reconciler:
             del self._procs[task.tgid]
             self._set_desired(EntryKey(KeyKind.TGID, task.tgid), None, "", ts)
             return
-        if self._count_process_matches(proc, task.comm, -1) and self._refresh_proc_winner(proc, ts):
-            self._assign_all(proc, ts)
+        if self._count_process_matches(proc, task.comm, -1):
+            if self._refresh_proc_winner(proc, ts):
+                self._assign_all(proc, ts)
+            self._count_all(proc)
 
     def _eligible(
         self, cands: tuple[CompiledIntent, ...], proc: _Proc, policy: PolicySet | None = None
@@ -821,14 +959,18 @@ class Reconciler:
         tid = task.tid
         prev = th.winner
         key = EntryKey(KeyKind.TID, tid)
+        th.cands = frozenset(c.key for c in thread) if thread else frozenset()
+        self._row_tids.add(tid)
         if w is None:
             if prev is not None:
                 th.winner = None
                 fields: dict[str, object] = {"intent_id": prev.key, "tid": tid, "tgid": task.tgid}
                 self._pending_logs.append(("task_unmatched", {**fields, "comm": task.comm}))
+            self._count(th, proc)
             self._set_desired(key, None, "", ts)
             return
         th.winner = w
+        self._count(th, proc)
         if prev is not w:
             self._pending_logs.append(
                 ("task_matched", {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
@@ -862,6 +1004,55 @@ class Reconciler:
             if proc.pmatch:
                 self._refresh_proc_winner(proc, 0)
         self._assign_all(proc, 0)
+
+    def _count(self, th: _Thread, proc: _Proc) -> None:
+        """Make the per-intent counts hold what this thread counts now: every intent it matches (its own
+        thread-scope matches and its process's process-scope ones) counts it as matched, its winner as
+        applied, the others as lost to the winner. Called wherever a winner, a thread's matches or a
+        process's process-scope matches change; a no-op when nothing did."""
+        w = th.winner
+        new = None if w is None else (th.cands.union(proc.pmatch), w.key)
+        old = th.counted
+        if new == old:
+            return
+        if old is not None:
+            self._tally(old, -1)
+        if new is not None:
+            self._tally(new, +1)
+        self._matched += (new is not None) - (old is not None)
+        th.counted = new
+
+    def _uncount(self, th: _Thread) -> None:
+        if th.counted is not None:
+            self._tally(th.counted, -1)
+            self._matched -= 1
+            th.counted = None
+
+    def _count_all(self, proc: _Proc) -> None:
+        threads = self._threads
+        for tid in proc.tids:
+            self._count(threads[tid], proc)
+
+    def _tally(self, counted: tuple[frozenset[str], str], delta: int) -> None:
+        cands, winner = counted
+        counts, touched = self._counts, self._touched
+        for key in cands:
+            c = counts.get(key)
+            if c is None:
+                c = counts[key] = _IntentCount()
+            c.matched += delta
+            if key == winner:
+                c.applied += delta
+            else:
+                c.lost += delta
+                n = c.overlaps.get(winner, 0) + delta
+                if n:
+                    c.overlaps[winner] = n
+                else:
+                    del c.overlaps[winner]
+            if not c.matched:
+                del counts[key]
+            touched.add(key)
 
     def _fresh(self, tgid: int) -> None:
         """Rematch a stale process before anything changes it: its counts and winners must be the

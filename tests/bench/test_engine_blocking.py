@@ -8,7 +8,9 @@ holding 1,000 threads named `bench-held` and the host's own tasks, while, at onc
   EEVDF backend has 1,000 threads to write);
 - the backend is reloaded (reported ejected once: the engine stops and starts it, then writes every entry
   again, until settled);
-- metrics are scraped (what the metrics collector reads through `engine.call`) every 100 ms.
+- metrics are scraped every 100 ms: what the metrics collector reads, the engine's published frame
+  (gthulhu_node/feed.py; before issue 21 item 1, per-intent figures recomputed through `engine.call`),
+  while the engine publishes a frame after changes (at most every 100 ms) and every second.
 Two independent watchers: a periodic engine hook every 2 ms (the way the systemd watchdog is fed) records
 the longest gap between its runs, and a thread timing `engine.call` round trips every 5 ms. Printed per
 backend: each round's longest gap, their median and range over `BLOCKING_ROUNDS` (default 3) rounds; the
@@ -148,17 +150,12 @@ def one_round(make: Callable[[], Backend], salt: int) -> dict[str, float]:
         scraping = threading.Event()
 
         def scrape() -> None:
+            """What `metrics.read_engine` reads: the engine's stats and its last frame, nothing run on the
+            engine thread."""
             while not scraping.wait(0.1):
-                engine.call(
-                    lambda r: (
-                        r.stats(),
-                        r.intent_stats(),
-                        r.backend.health(),
-                        r.backend.counters(),
-                        r.backend.gauges(),
-                    ),
-                    timeout=60,
-                )
+                frame = engine.feed.latest()
+                engine.stats()
+                assert frame.version > 0 and frame.reconciler is not None
 
         scraper = threading.Thread(target=scrape, daemon=True)
         scraper.start()
@@ -195,10 +192,32 @@ def one_round(make: Callable[[], Backend], salt: int) -> dict[str, float]:
         figures["apply_gap_ms"] = watch.worst_gap_ms(t, t_applied)
         figures["reload_gap_ms"] = watch.worst_gap_ms(t_reload, t_reloaded)
         figures["entries"] = float(len(engine.call(lambda r: r.desired())))
+        (figures["scratch_ms"], figures["produced_ms"], figures["rows_ms"],
+         figures["rows_produced_ms"]) = engine.call(produce_costs)
         return figures
     finally:
         engine.close()
         backend.stop()
+
+
+def produce_costs(r: Reconciler) -> tuple[float, float, float, float]:
+    """On the engine thread, at 1,000 intents and the held threads, in ms: per-intent figures from scratch
+    (what every scrape and status refresh cost before), as produced now when every intent's figures are
+    built again (a policy change: the worst case; after a task event only the touched intents are), the
+    task rows from scratch (what every matches() reader cost before, and a frame after a resync), and
+    the task rows as produced when nothing changed since the last frame (what a publication costs at
+    least: a copy of the previous frame's rows)."""
+    t0 = time.perf_counter()
+    r.intent_stats()
+    t1 = time.perf_counter()
+    r._all_touched = True
+    r.intent_figures()
+    t2 = time.perf_counter()
+    r.matches()
+    t3 = time.perf_counter()
+    r.task_rows()
+    t4 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3
 
 
 def test_engine_worst_blocking_time() -> None:
@@ -235,5 +254,12 @@ def test_engine_worst_blocking_time() -> None:
             f"           worst gap during the intent apply {worst['apply_gap_ms']:7.1f} ms (the policy build "
             f"{statistics.median(r['build_s'] for r in runs) * 1e3:.1f} ms of it), during the backend reload "
             f"{worst['reload_gap_ms']:7.1f} ms"
+        )
+        print(
+            f"           per-intent figures from scratch "
+            f"{statistics.median(r['scratch_ms'] for r in runs):.1f} ms, produced (every intent rebuilt) "
+            f"{statistics.median(r['produced_ms'] for r in runs):.1f} ms; task rows from scratch "
+            f"{statistics.median(r['rows_ms'] for r in runs):.1f} ms, produced (none changed) "
+            f"{statistics.median(r['rows_produced_ms'] for r in runs):.2f} ms (medians, on the engine thread)"
         )
         assert worst["entries"] >= HELD  # the held threads were matched and written

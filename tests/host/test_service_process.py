@@ -114,11 +114,13 @@ def test_run_under_a_notify_socket(base: Path) -> None:
         t0.rename("gn-other")  # an event after READY: its map write is observed in the histogram
         wait_for(lambda: metric("gthulhu_node_reaction_latency_seconds_count") > before,
                  timeout=10, what="the reaction latency to be observed")
-        got = scrape("127.0.0.1", port)
-        assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/svc"),)] == 1
-        # the per-intent status is recomputed every second by the agent
+        # the engine publishes the write with the reconciler's figures (at most 0.1 s after it, the
+        # latency being observed during the write), the agent's status follows the published frames
+        wait_for(lambda: metric("gthulhu_node_intent_applied_tasks", ("intent", "local/svc")) == 1,
+                 timeout=10, what="the published figures to show 1 task")
         wait_for(lambda: metric("gthulhu_node_matched_tasks", ("intent", "local/svc")) == 1,
                  timeout=10, what="the intent status to show 1 task")
+        got = scrape("127.0.0.1", port)
         assert got["gthulhu_node_backend_writes_total"][(("op", "delete"),)] >= 1
 
         proc.send_signal(signal.SIGHUP)

@@ -381,16 +381,58 @@ def test_a_long_policy_write_leaves_the_engine_free_between_slices(
 def test_status_reads_pending_while_entries_are_being_written(
     proc: FakeProc, engines: list[Engine]
 ) -> None:
-    """An intent whose entries are not all written yet is not reported as in effect: its figures say how
-    many are unwritten, until the last is written."""
+    """An intent whose entries are not all written yet is not reported as in effect: its published figures
+    say how many are unwritten, until the last is written."""
     for tid in range(100, 160):
         proc.add(tid, tid, "EngineCore", tid)
-    engine = make_engine(proc, SlowBackend(0.002), slice_s=0.005)
+    engine = make_engine(proc, SlowBackend(0.002), slice_s=0.005, publish_interval_s=0.0)
     engines.append(engine)
     engine.start()
     engine.submit(lambda r: r.set_policy(vllm()))
-    st = engine.call(lambda r: r.intent_stats())["local/vllm"]
-    assert 0 < st.unwritten <= 60
+    frame = engine.feed.latest()
+    while not (frame.intents.get("local/vllm") and frame.intents["local/vllm"].unwritten):
+        newer = engine.feed.wait_newer(frame.version, DEADLINE_S)
+        assert newer.version > frame.version, "no frame showed the write under way"
+        frame = newer
+    assert 0 < frame.intents["local/vllm"].unwritten <= 60 and not frame.settled
     engine.when_settled().result(DEADLINE_S)
-    st = engine.call(lambda r: r.intent_stats())["local/vllm"]
+    st = engine.feed.latest().intents["local/vllm"]
     assert st.unwritten == 0 and st.applied_tasks == 60
+    assert engine.feed.latest().settled
+
+
+def test_status_is_published_by_the_engine_without_being_asked(proc: FakeProc, engines: list[Engine]) -> None:
+    """The engine produces status as it changes (gthulhu_node/feed.py): a new task found by a rescan and
+    a policy in effect show in the feed with nothing run on the engine thread for the reader."""
+    proc.add(100, 100, "EngineCore", 50)
+    engine = make_engine(proc, DryRunBackend(), publish_interval_s=0.01)
+    engines.append(engine)
+    engine.start()
+    assert engine.feed.latest().version >= 1  # published before start() returned
+    engine.submit(lambda r: r.set_policy(vllm()))
+    engine.when_settled().result(DEADLINE_S)
+    submitted = engine.stats().submitted
+    frame = engine.feed.latest()  # published before the settle was told: includes the policy
+    assert frame.intents["local/vllm"].applied_tasks == 1
+    assert [(m.tid, m.intent_key, m.applied) for m in frame.matches.values()] == [(100, "local/vllm", True)]
+    proc.add(100, 101, "EngineCore", 51)
+    engine.request_rescan()
+    while frame.intents["local/vllm"].applied_tasks < 2:
+        newer = engine.feed.wait_newer(frame.version, DEADLINE_S)
+        assert newer.version > frame.version, "no frame published after the rescan"
+        frame = newer
+    assert set(frame.matches) == {100, 101} and all(m.applied for m in frame.matches.values())
+    assert frame.reconciler.matched_tasks == 2
+    assert engine.stats().submitted == submitted  # the reader ran nothing on the engine thread
+
+
+def test_the_feed_refreshes_backend_figures_without_changes(proc: FakeProc, engines: list[Engine]) -> None:
+    """Nothing changes in the tables, yet the backend's counters move: a frame follows every refresh_s."""
+    engine = make_engine(proc, DryRunBackend(), refresh_s=0.05)
+    engines.append(engine)
+    engine.start()
+    first = engine.feed.latest()
+    later = engine.feed.wait_newer(first.version + 2, DEADLINE_S)
+    assert later.version > first.version + 2 and later.health is not None
+    engine.close()
+    assert engine.feed.wait_newer(later.version + 1000, DEADLINE_S).version < later.version + 1000

@@ -20,24 +20,27 @@ EDGES = _modules("api", "rest", "probe")
 # package prefix -> what it must never import
 RULES: dict[str, tuple[str, ...]] = {
     "gthulhu_node.tasks": COMPOSITION + EDGES + _modules(
-        "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine"),
+        "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine"),
     "gthulhu_node.errors": COMPOSITION + EDGES + _modules(
-        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine", "limits"),
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine",
+        "limits"),
     "gthulhu_node.lifecycle": COMPOSITION + EDGES + _modules(
-        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine", "limits",
-        "errors"),
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine",
+        "limits", "errors"),
     "gthulhu_node.limits": COMPOSITION + EDGES + _modules(
-        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "engine"),
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine"),
     "gthulhu_node.backends": COMPOSITION + EDGES + _modules(
-        "intents", "matching", "reconciler", "outbox", "engine"),
+        "intents", "matching", "reconciler", "outbox", "feed", "engine"),
     "gthulhu_node.scheduler": COMPOSITION + EDGES + _modules(
-        "intents", "matching", "reconciler", "outbox", "engine"),
+        "intents", "matching", "reconciler", "outbox", "feed", "engine"),
     "gthulhu_node.intents": COMPOSITION + EDGES + _modules(
-        "backends", "scheduler", "reconciler", "outbox", "engine", "tasks"),
+        "backends", "scheduler", "reconciler", "outbox", "feed", "engine", "tasks"),
     "gthulhu_node.matching": COMPOSITION + EDGES + _modules(
-        "backends", "scheduler", "reconciler", "outbox", "engine"),
-    "gthulhu_node.outbox": COMPOSITION + EDGES + _modules("intents", "matching", "reconciler", "engine"),
-    "gthulhu_node.reconciler": COMPOSITION + EDGES + _modules("engine"),
+        "backends", "scheduler", "reconciler", "outbox", "feed", "engine"),
+    "gthulhu_node.outbox": COMPOSITION + EDGES + _modules(
+        "intents", "matching", "reconciler", "feed", "engine"),
+    "gthulhu_node.reconciler": COMPOSITION + EDGES + _modules("feed", "engine"),
+    "gthulhu_node.feed": COMPOSITION + EDGES + _modules("engine"),
     "gthulhu_node.engine": COMPOSITION + EDGES,
 }
 # composition inside a lower package: choosing a backend reads the configuration's kind

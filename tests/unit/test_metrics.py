@@ -18,6 +18,7 @@ from gthulhu_node.api.server import ApiStats
 from gthulhu_node.backends.base import BackendHealth, BackendState, Entry, EntryKey, KeyKind
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.engine import EngineStats
+from gthulhu_node.feed import EngineFrame, StatusFeed
 from gthulhu_node.intents.localfiles import LocalFilesStats
 from gthulhu_node.intents.store import StoreStats
 from gthulhu_node.logs import LogStats
@@ -158,13 +159,21 @@ class FakeReconciler:
 
 
 class FakeEngine:
-    """Runs `call` inline; the real engine runs it on its thread (what the collector relies on)."""
+    """Publishes a frame of its reconciler's and backend's figures when its feed is read, as the real
+    engine publishes one when they change (gthulhu_node/feed.py); collectors read only the feed."""
 
     running = True
     reconciler = FakeReconciler()
 
-    def call(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
-        return fn(self.reconciler)
+    def __init__(self) -> None:
+        self._feed = StatusFeed()
+
+    @property
+    def feed(self) -> StatusFeed:
+        r, b = self.reconciler, self.reconciler.backend
+        self._feed.publish(EngineFrame(self._feed.latest().version + 1, 0.0, True, r.stats(),
+                                       r.intent_stats(), {}, b.health(), b.counters(), b.gauges()))
+        return self._feed
 
     def stats(self) -> EngineStats:
         return EngineStats(events_available=True, backend_ejections=1, backend_state="running")
@@ -390,6 +399,48 @@ def test_every_family_from_a_real_agent_has_samples(tmp_path: Path) -> None:
             "gthulhu_node_log_records"} <= set(families)
     codes = {s.labels["code"] for s in families["gthulhu_node_api_errors"].samples}
     assert codes == {"NOT_FOUND"}
+
+
+def test_status_metrics_and_matches_run_nothing_on_the_engine_thread(tmp_path: Path) -> None:
+    """Status is produced by the engine (gthulhu_node/feed.py), not pulled from it: a metrics scrape, the
+    status rows, the matches and the systemd summary of a real agent submit no work to its engine (each
+    used to recompute per-intent figures or task rows there, 8 ms a scrape at 1,000 intents), and still
+    show the intent governing this thread."""
+    from gthulhu_node.agent import Agent
+    from gthulhu_node.config import AgentConfig
+    from gthulhu_node.intents.parse import parse_intent
+
+    cfg = AgentConfig.model_validate({
+        "state": {"directory": str(tmp_path / "state")},
+        "policies": {"directory": str(tmp_path / "policies")},
+        "api": {"socket": str(tmp_path / "api.sock")},
+        "watch": {"cgroup_root": str(tree(tmp_path / "cgroup"))},
+    })
+    agent = Agent(cfg, backend=DryRunBackend())
+    agent.start()
+    try:
+        me = threading.get_native_id()
+        comm = Path(f"/proc/self/task/{me}/comm").read_text().strip()
+        agent.store.apply("test", 1, [parse_intent({"id": "me", "commandRegex": f"^{comm}$", "priority": 5})])
+        agent.sync()
+        assert agent.engine is not None
+        submitted = agent.engine.stats().submitted
+        metrics = Metrics()
+        metrics.attach(agent)
+        families = {f.name: f for f in metrics.registry.collect()}
+        agent.refresh_status()
+        snapshot = agent.status()
+        rows = agent.matches("test/me")
+        summary = agent.summary()
+        assert agent.engine.stats().submitted == submitted
+    finally:
+        agent.stop()
+    applied = {s.labels["intent"]: s.value for s in families["gthulhu_node_intent_applied_tasks"].samples}
+    assert applied["test/me"] >= 1
+    [status] = [s for s in snapshot.intents if s.key == "test/me"]
+    assert status.state.value == "applied" and status.matched_tasks >= 1
+    assert me in {r.tid for r in rows}
+    assert "1 applied" in summary
 
 
 def test_p50_and_p99_are_read_from_the_reaction_histogram() -> None:

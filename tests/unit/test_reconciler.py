@@ -633,3 +633,23 @@ def test_a_refused_delete_is_kept_until_the_backend_takes_it(proc: FakeProc, the
     clock.now += 60
     r.flush()
     assert b.table == {} and r.applied() == {} and r.failures() == {}
+
+
+def test_produced_counts_follow_a_process_scope_intent_that_a_thread_exit_leaves(proc: FakeProc) -> None:
+    """A thread's exit that leaves a process-scope intent unmatched in its process, while the process's
+    winner stays: the other threads no longer count as matched by (and lost to) that intent. The produced
+    figures (kept as tasks change) must say so, as a pass over the tables does."""
+    proc.add(100, 100, "worker", 50)
+    proc.add(100, 101, "python3", 51)
+    r, _ = make(proc)
+    r.set_policy(policy(("local/p-worker", {"commandRegex": "^worker", "priority": 10, "scope": "process"}),
+                        ("local/p-python", {"commandRegex": "^python", "priority": 5, "scope": "process"})))
+    r.rescan()
+    assert r.intent_figures()["local/p-python"].matched_tasks == 2
+    proc.remove(100, 101)
+    r.handle_events([ev(EventKind.EXIT, 101, 100)])
+    r.check_invariants()
+    figures = r.intent_figures()
+    assert dict(figures) == r.intent_stats()
+    assert figures["local/p-python"].matched_tasks == 0
+    assert figures["local/p-worker"].applied_tasks == 1

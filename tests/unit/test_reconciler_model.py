@@ -6,6 +6,13 @@ scratch with matching.py's precedence (no incremental bookkeeping); the reconcil
 whenever it has seen every change (events delivered, or a full rescan after lost ones), and must never
 believe the backend holds anything it does not. `Reconciler.check_invariants` asserts its own structures'
 invariants after every step.
+
+Status is produced, not recomputed (gthulhu_node/feed.py): `Reconciler.intent_figures` builds per-intent
+figures from counts the reconciler keeps as tasks are matched and entries written, and
+`Reconciler.task_rows` rebuilds only the task rows that changed. The `publish` rule (at
+random gaps, as the engine publishes after some loop turns and not others) and, in
+`PublishedEveryStepModel`, an invariant after every step check that what it produces equals
+`intent_stats` and `matches`, the same computed from scratch from the tables.
 """
 
 from __future__ import annotations
@@ -247,6 +254,18 @@ class ReconcilerModel(RuleBasedStateMachine):
         assert self.r.failures() == {}
         assert self.backend.table == self.r.applied() == self.r.desired()
 
+    @rule()
+    def publish(self) -> None:
+        """What the engine publishes (after any number of steps since its last publication) is what a
+        pass over the tables gives, every field: counts, overlaps, failures, refused and unwritten, and
+        every task row (its winner, the key carrying it, whether the backend holds it)."""
+        self._check_produced()
+
+    def _check_produced(self) -> None:
+        produced = dict(self.r.intent_figures())
+        assert produced == self.r.intent_stats()
+        assert dict(self.r.task_rows()) == {m.tid: m for m in self.r.matches()}
+
     # ---- checks ----------------------------------------------------------------------------------
 
     @invariant()
@@ -347,6 +366,14 @@ class SlicedReconcilerModel(ReconcilerModel):
             super().agrees_with_the_model_once_caught_up()
 
 
+class PublishedEveryStepModel(SlicedReconcilerModel):
+    """The sliced world with status produced after every step, mid-rematch and mid-write included."""
+
+    @invariant()
+    def produced_status_is_status_from_scratch(self) -> None:
+        self._check_produced()
+
+
 ReconcilerModel.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -354,3 +381,5 @@ ReconcilerModel.TestCase.settings = settings(
 test_reconciler_against_the_model = ReconcilerModel.TestCase
 SlicedReconcilerModel.TestCase.settings = ReconcilerModel.TestCase.settings
 test_sliced_reconciler_against_the_model = SlicedReconcilerModel.TestCase
+PublishedEveryStepModel.TestCase.settings = ReconcilerModel.TestCase.settings
+test_status_produced_every_step_against_scratch = PublishedEveryStepModel.TestCase
