@@ -154,7 +154,7 @@ class Agent:
         self._status_thread: threading.Thread | None = None
         self._matched_tasks = 0
         self._refreshed_at = 0.0  # monotonic time of the last status refresh
-        self._frame_pending = False  # a frame came within STATUS_MIN_INTERVAL_S of that refresh
+        self._urgent = False  # the store, the policy in effect, readiness or stop woke the status thread
         self._policy_updates = 0
         self._policy_errors = 0
         self.store.subscribe(self._on_store_change)
@@ -291,7 +291,7 @@ class Agent:
 
     def _stop_status(self) -> None:
         self._stopped.set()
-        self._kick.set()
+        self._wake_now()
         if self._status_thread is not None:
             self._status_thread.join(timeout=5)
 
@@ -313,14 +313,14 @@ class Agent:
         self._ready.set()
         if self.api is not None:
             self.api.set_ready(True)
-        self._kick.set()
+        self._wake_now()
         log.info("agent_ready", summary=self.summary())
 
     def _mark_stopping(self) -> None:
         """First at stop: not ready, and the status board closed so watch streams end before the API."""
         self._ready.clear()
         self._stopped.set()
-        self._kick.set()
+        self._wake_now()
         self.board.close()
 
     def _apply_runtime_config(self) -> None:
@@ -431,7 +431,7 @@ class Agent:
         with self._effect_lock:
             self._effect = effect
             self._policy_updates += 1
-        self._kick.set()
+        self._wake_now()
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
         """Wait until earlier store changes are in effect (rematched and written), then rebuild status
@@ -447,19 +447,27 @@ class Agent:
     # ---- status -------------------------------------------------------------------------------------
 
     def _on_frame(self, _frame: EngineFrame) -> None:
-        """On the engine thread, after each publication: wake the status thread at once if it has not
-        refreshed for `STATUS_MIN_INTERVAL_S`, else leave it a note to refresh when that time is up (the
-        store, the policy in effect, readiness and stop wake it at once, always)."""
-        if time.monotonic() - self._refreshed_at >= STATUS_MIN_INTERVAL_S:
-            self._kick.set()
-        else:
-            self._frame_pending = True
+        """On the engine thread, after each publication: wake the status thread, which refreshes at once
+        or when `STATUS_MIN_INTERVAL_S` since its last refresh is up, whichever is later."""
+        self._kick.set()
+
+    def _wake_now(self) -> None:
+        """The store, the policy in effect, readiness or stop changed: refresh at once, whatever the rate."""
+        self._urgent = True
+        self._kick.set()
 
     def _status_loop(self) -> None:
         while not self._stopped.is_set():
-            self._kick.wait(STATUS_MIN_INTERVAL_S if self._frame_pending else STATUS_INTERVAL_S)
+            self._kick.wait(STATUS_INTERVAL_S)
             self._kick.clear()
-            self._frame_pending = False
+            # Frames wait out the rate (more frames meanwhile change nothing); an urgent wake ends the wait.
+            while not self._urgent and not self._stopped.is_set():
+                early = self._refreshed_at + STATUS_MIN_INTERVAL_S - time.monotonic()
+                if early <= 0:
+                    break
+                self._kick.wait(early)
+                self._kick.clear()
+            self._urgent = False
             if self._stopped.is_set():
                 return
             try:
