@@ -479,6 +479,7 @@ class Engine:
             if health.state is not BackendState.EJECTED:
                 return
             self._ejected = True
+            self._refresh_due = 0.0
             r.hold_writes = True
             self._stats.backend_ejections += 1
             self._stats.last_ejection_reason = health.reason
@@ -515,6 +516,7 @@ class Engine:
             self._wake()
 
         self.reconciler.backend = _Reloading(backend, self._stats.last_ejection_reason)
+        self._refresh_due = 0.0  # the frame reads the stand-in from now on
         self._reload_outcome = outcome
         self._reloading = threading.Thread(target=reload, name="gthulhu-backend-reload", daemon=True)
         self._reloading.start()
@@ -539,6 +541,7 @@ class Engine:
             return
         backend = self._restore_backend()
         self._ejected = False
+        self._refresh_due = 0.0  # the backend's own figures again, without waiting for refresh_s
         r.hold_writes = False
         self._stats.backend_reloads += 1
         self._stats.backend_state = backend.health().state.value
@@ -572,6 +575,7 @@ class Engine:
             self._on_give_up = None
             return
         r.backend = replacement
+        self._refresh_due = 0.0
         if replacement.process_fallback != backend.process_fallback:
             r.set_policy(r.policy)  # process scope becomes TID entries, or TGID entries again
         self._ejected = False

@@ -314,6 +314,34 @@ def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
 
 
+def wait_health(e: Engine, state: BackendState) -> BackendHealth:
+    """The first published frame whose backend health is in `state` (fails if none comes in time)."""
+    frame = e.feed.latest()
+    while frame.health is None or frame.health.state is not state:
+        newer = e.feed.wait_newer(frame.version, DEADLINE_S)
+        assert newer.version > frame.version, f"still {frame.health}, never {state.value}"
+        frame = newer
+    return frame.health
+
+
+def test_frames_show_the_backend_ejected_then_running_at_once_not_at_the_next_refresh(
+    proc: FakeProc, engines: list[Engine]
+) -> None:
+    """Backend figures go into frames every refresh_s, and also whenever the engine swaps the backend
+    (ejection, reload, give-up). Before, metrics could say running for up to refresh_s after an ejection
+    and ejected for as long after a reload (found by review). With refresh_s an hour, the old engine never
+    shows the ejection."""
+    b = SlowToReload()
+    e = make_engine(proc, b, health_interval_s=0.02, reload_backoff_initial_s=0.01, refresh_s=3600)
+    engines.append(e)
+    e.start()
+    b.eject("disabled by sysrq-S")
+    assert b.in_start.wait(DEADLINE_S)
+    assert wait_health(e, BackendState.EJECTED).reason == "disabled by sysrq-S"
+    b.go.set()
+    wait_health(e, BackendState.RUNNING)
+
+
 class RefuseOnce(DryRunBackend):
     """Refuses the first upsert of every key as a full map (room frees up at once after)."""
 
