@@ -42,10 +42,11 @@ ROLES: dict[str, tuple[str, int]] = {
     "tokenizer": ("^tokenizer-[0-9]+$", 10),
 }
 
+# (names hold no comma: --cases is a comma-separated list)
 CASES: dict[str, dict[str, Any]] = {
     # the app alone: its own background pool is its only contention; the goal's "uncontended" run
     "no contention": {"hogs": False},
-    "no contention, no bg pool": {"hogs": False, "bg": 0},
+    "no contention (no bg pool)": {"hogs": False, "bg": 0},
     "EEVDF": {"hogs": True},
     "ours no policy": {"hogs": True, "sched": True},
     "ours role policy": {"hogs": True, "sched": True, "roles": True},
