@@ -96,27 +96,32 @@ N_CASES = len([c for c in CASES.split(",") if c]) or 16
 BUDGET_S = ROUNDS * N_CASES * (SECONDS + 300) + 300
 
 
-@pytest.mark.timeout(BUDGET_S + 120)
-def test_engine_step_under_gthulhu(lab: Lab) -> None:
-    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
-    progress = lab.scratch_host / "engine_step_progress.jsonl"
+def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, *args: str) -> dict[str, Any]:
+    """Run a guest bench (tests/vm/engine_step_bench.py's `interleave`) and return its JSON. What ended
+    before a timeout or a kill is still printed: each result is also written to a progress file as it
+    comes (the full JSON comes only at the end)."""
+    progress = lab.scratch_host / progress_name
     progress.unlink(missing_ok=True)
     try:
-        r = lab.python(
-            "tests/vm/engine_step_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS),
-            "--peers-dir", str(peers_dir), *(["--cases", CASES] if CASES else []),
-            "--progress", str(lab.scratch_guest / progress.name), timeout=BUDGET_S,
-        )
+        r = lab.python(script, "--seconds", str(SECONDS), "--rounds", str(ROUNDS), *args,
+                       "--progress", str(lab.scratch_guest / progress.name), timeout=budget_s)
     finally:
-        # what ended before a timeout or a kill is still printed (the full JSON comes only at the end)
         partial: dict[str, list[dict[str, float]]] = {}
         for line in progress.read_text().splitlines() if progress.exists() else []:
             row = json.loads(line)
             partial.setdefault(row["case"], []).append(row["result"])
         print("\nresults so far: " + json.dumps(partial))
     assert r.returncode == 0, r.stderr[-4000:]
-    data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    data: dict[str, Any] = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     data["tcg_thread"] = lab.tcg_thread
+    return data
+
+
+@pytest.mark.timeout(BUDGET_S + 120)
+def test_engine_step_under_gthulhu(lab: Lab) -> None:
+    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
+    data = run_interleaved(lab, "tests/vm/engine_step_bench.py", "engine_step_progress.jsonl", BUDGET_S,
+                           "--peers-dir", str(peers_dir), *(["--cases", CASES] if CASES else []))
     print_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     # the scheduler stayed loaded through every run of ours
@@ -224,24 +229,9 @@ def test_request_pipeline_under_gthulhu(lab: Lab) -> None:
 
     peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
     pipeline_bench.build(lab.scratch_host)
-    progress = lab.scratch_host / "pipeline_progress.jsonl"
-    progress.unlink(missing_ok=True)
-    try:
-        r = lab.python(
-            "tests/vm/pipeline_bench.py", "--seconds", str(SECONDS), "--rounds", str(ROUNDS),
-            "--peers-dir", str(peers_dir), "--binary", str(lab.scratch_guest / "gth-pipeline"),
-            *(["--cases", PIPELINE_CASES] if PIPELINE_CASES else []),
-            "--progress", str(lab.scratch_guest / progress.name), timeout=PIPELINE_BUDGET_S,
-        )
-    finally:
-        partial: dict[str, list[dict[str, float]]] = {}
-        for line in progress.read_text().splitlines() if progress.exists() else []:
-            row = json.loads(line)
-            partial.setdefault(row["case"], []).append(row["result"])
-        print("\nresults so far: " + json.dumps(partial))
-    assert r.returncode == 0, r.stderr[-4000:]
-    data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
-    data["tcg_thread"] = lab.tcg_thread
+    data = run_interleaved(lab, "tests/vm/pipeline_bench.py", "pipeline_progress.jsonl", PIPELINE_BUDGET_S,
+                           "--peers-dir", str(peers_dir), "--binary", str(lab.scratch_guest / "gth-pipeline"),
+                           *(["--cases", PIPELINE_CASES] if PIPELINE_CASES else []))
     print_pipeline_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     assert all(x.get("health_ok") == 1.0 for case in runs if case.startswith("ours") for x in runs[case])

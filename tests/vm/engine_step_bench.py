@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -325,17 +325,24 @@ def main() -> int:
         engine(args.engine)
         return 0
     names = [n for n in args.cases.split(",") if n]
-    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    for _ in range(args.rounds):
-        for name in names:
-            runs[name].append(run_case(name, args.seconds))
-            print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-            if args.progress is not None:
-                with args.progress.open("a") as f:
-                    f.write(json.dumps({"case": name, "result": runs[name][-1]}) + "\n")
-    print(json.dumps({"seconds": args.seconds, "rounds": args.rounds, "kernel": os.uname().release,
-                      "cpus": os.cpu_count(), "runs": runs}))
+    interleave(names, args.rounds, lambda name: run_case(name, args.seconds), args.progress, args.seconds)
     return 0
+
+
+def interleave(names: list[str], rounds: int, run_one: Callable[[str], dict[str, Any]],
+               progress: Path | None, seconds: float) -> None:
+    """Every case once per round, round after round (load drifts under TCG: interleaved rounds share it);
+    each result to stderr and to the `progress` file as it comes, all of them as one JSON line at the end."""
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for _ in range(rounds):
+        for name in names:
+            runs[name].append(run_one(name))
+            print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+            if progress is not None:
+                with progress.open("a") as f:
+                    f.write(json.dumps({"case": name, "result": runs[name][-1]}) + "\n")
+    print(json.dumps({"seconds": seconds, "rounds": rounds, "kernel": os.uname().release,
+                      "cpus": os.cpu_count(), "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -151,16 +150,8 @@ def main() -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for _ in range(args.rounds):
-        for name in names:
-            runs[name].append(run_case(name, args.seconds, binary))
-            print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-            if args.progress is not None:
-                with args.progress.open("a") as f:
-                    f.write(json.dumps({"case": name, "result": runs[name][-1]}) + "\n")
-    print(json.dumps({"seconds": args.seconds, "rounds": args.rounds, "kernel": os.uname().release,
-                      "cpus": os.cpu_count(), "runs": runs}))
+    esb.interleave(names, args.rounds, lambda name: run_case(name, args.seconds, binary),
+                   args.progress, args.seconds)
     return 0
 
 
