@@ -20,7 +20,7 @@ import platform
 import re
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -221,24 +221,25 @@ class _Lock:
             os.close(fd)
 
 
-def wait_state(want: str, timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
+def _wait(done: Callable[[str, str], bool], timeout: float, root: Path) -> tuple[str, str]:
+    """Poll sched_ext's (state, ops) until `done(state, ops)` or `timeout`; the last reading."""
     deadline = time.monotonic() + timeout
     while True:
         state, ops = sched_ext_state(root)
-        if state == want or time.monotonic() > deadline:
+        if done(state, ops) or time.monotonic() > deadline:
             return state, ops
         time.sleep(0.05)
+
+
+def wait_state(want: str, timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
+    return _wait(lambda state, _ops: state == want, timeout, root)
 
 
 def wait_gone(timeout: float, root: Path = SCHED_EXT) -> tuple[str, str]:
     """Wait until no scheduler of ours holds sched_ext: disabled, or another scheduler enabled (one that
     took the slot after ours was ejected; waiting for "disabled" then lasted the whole timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state, ops = sched_ext_state(root)
-        if state == "disabled" or (state == "enabled" and not _is_ours(ops)) or time.monotonic() > deadline:
-            return state, ops
-        time.sleep(0.05)
+    return _wait(lambda state, ops: state == "disabled" or (state == "enabled" and not _is_ours(ops)),
+                 timeout, root)
 
 
 def detach_stale(root: Path = SCHED_EXT) -> int:
