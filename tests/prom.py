@@ -21,3 +21,10 @@ def parse_samples(text: str) -> Samples:
 def scrape(host: str, port: int) -> Samples:
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
         return parse_samples(resp.read().decode())
+
+
+def sample_lines(samples: Samples, name: str, prefix: bool = False) -> list[str]:
+    """The samples of metric `name` (or of every metric whose name starts with it) as `name value` lines,
+    labels left out: what a guest script prints for the test to read."""
+    return [f"{n} {value!r}" for n, series in samples.items()
+            if (n.startswith(name) if prefix else n == name) for value in series.values()]

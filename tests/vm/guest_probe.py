@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gthulhu_node import capabilities
-from tests.prom import scrape
+from tests.prom import sample_lines, scrape
 from tests.vm import warm
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -262,12 +262,6 @@ AGENT_METRICS_PORT = 9814
 HEATMAP_METRIC = "gthulhu_node_runqueue_wait_latency_seconds_bucket"
 
 
-def _metric_lines(name: str) -> list[str]:
-    """The agent's samples of metric `name`, as `name value` lines (labels left out)."""
-    series = scrape("127.0.0.1", AGENT_METRICS_PORT).get(name, {})
-    return [f"{name} {value!r}" for value in series.values()]
-
-
 def _cap_sys_admin_held(pid: int) -> bool:
     """Whether any thread of `pid` holds CAP_SYS_ADMIN in its effective set."""
     sets = capabilities.threads(Path(f"/proc/{pid}/task")).values()
@@ -294,7 +288,7 @@ def agent_probe(hogs: int) -> None:
         deadline = time.monotonic() + 600
         up: list[str] = []
         while time.monotonic() < deadline and procs[0].poll() is None:
-            up = _metric_lines("gthulhu_node_probe_up")
+            up = sample_lines(scrape("127.0.0.1", AGENT_METRICS_PORT), "gthulhu_node_probe_up")
             if up != ["gthulhu_node_probe_up 0.0"]:
                 break  # up, or no such metric: either way the test reads it
             if "probe_unavailable" in (AGENT_DIR / "agent.log").read_text(errors="replace"):

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.prom import scrape
+from tests.prom import sample_lines, scrape
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT_DIR = Path("/etc/systemd/system")
@@ -114,8 +114,7 @@ def wait_probe(timeout: float = 600.0) -> int:
             samples = scrape("127.0.0.1", 9812)
         except OSError:
             samples = {}
-        lines = [f"{name} {value!r}" for name, series in samples.items()
-                 if name.startswith("gthulhu_node_probe_") for value in series.values()]
+        lines = sample_lines(samples, "gthulhu_node_probe_", prefix=True)
         if "gthulhu_node_probe_up 1.0" in lines:
             break
         if time.monotonic() >= next_journal:
