@@ -135,7 +135,10 @@ def test_compare_against_the_real_agent_and_probe(lab_session: Lab) -> None:
     on, off = doc["sides"]["on"], doc["sides"]["off"]
     assert on["threads"] == off["threads"] == 1, doc
     assert on["waits"] > 50 and off["waits"] > 50, doc
-    assert on["p99_us"] < off["p99_us"] and on["mean_us"] < off["mean_us"], doc
+    # p90 and mean, not p99: 8 s a side hold about 900 waits, so a side's p99 is its ten longest, and under
+    # TCG those are the emulator's stalls of 3-12 ms on either side (CI of 1844f1d: p99 6.66 ms on against
+    # 6.54 off, while p90 was 0.24 against 0.95 ms and the mean 0.29 against 0.47).
+    assert on["p90_us"] < off["p90_us"] and on["mean_us"] < off["mean_us"], doc
 
 
 
