@@ -38,6 +38,7 @@ lint: build
 # the 6.12 LTS kernel from Debian's source (docs/lab.md has the time); later runs find all in the cache.
 # Also arm64's 7.3 and the BTF of every offered cloud kernel of both architectures, which the host tests
 # are parametrized by: fetched at collection, in every pytest worker at once, they raced on an empty cache.
+# Last, the arm64 guest's Debian root (tests/vm/rootfs.py: about 12 minutes the first time, then cached).
 lab-kernels: deps
 	@$(PY) -m tests.vm.kernel --kernel 7.3 >/dev/null
 	@$(PY) -m tests.vm.kernel --kernel 6.12 >/dev/null
@@ -45,6 +46,7 @@ lab-kernels: deps
 	@$(PY) -m tests.vm.kernel --kernel 7.3 --arch arm64 >/dev/null
 	@$(PY) -m tests.vm.kernel --other-btfs >/dev/null
 	@$(PY) -m tests.vm.kernel --other-btfs --arch arm64 >/dev/null
+	@$(PY) -m tests.vm.rootfs >/dev/null
 
 test: build lint lab-kernels
 	$(PYTEST) -n $(LANES) --dist loadgroup --durations=40 -m "not bench" tests

@@ -15,6 +15,9 @@ The harness (tests/vm/lab.py) passes its settings as lab.* words on the kernel c
   lab.kroot=PATH     the unpacked lab kernel in the host's cache, kept visible across the /var/cache tmpfs;
                      /lib/modules/$(uname -r)/{build,source} link to its header trees (for BCC)
   lab.rows=N lab.cols=N lab.term=T   the terminal of `python -m tests.vm.lab shell`
+  lab.console=DEV    that terminal's device (ttyS0 on x86, ttyAMA0 on arm64)
+  lab.python=PATH    the arm64 guest: the repository's .venv is this machine's (x86) and cannot run there,
+                     so a tmpfs over it holds a venv on the guest's own python instead (guest_venv)
 """
 
 from __future__ import annotations
@@ -140,6 +143,8 @@ def setup(conf: dict[str, str]) -> None:
 
     if conf.get("repo"):
         try_mount("repo", conf["repo"], "virtiofs", MS_RDONLY)
+        if conf.get("python"):
+            guest_venv(conf["repo"], conf["python"])
     if conf.get("scratch"):
         try_mount("scratch", conf["scratch"], "virtiofs")
 
@@ -150,6 +155,31 @@ def setup(conf: dict[str, str]) -> None:
     # it ejected a scheduler, and the harness keeps the console.
     with open("/proc/sys/kernel/printk", "w") as f:
         f.write("7")  # console_loglevel 7: levels 0-6 (KERN_INFO included) reach the console
+
+
+def guest_venv(repo: str, python: str) -> None:
+    """`{repo}/.venv` as the x86 guest has it, on the guest's own interpreter: bin/python (what every lab
+    script and the zygote run), the console script, and a .pth making the repository importable as the
+    editable install does. The agent's dependencies are in the root's system site-packages."""
+    venv = f"{repo}/.venv"
+    if not os.path.isdir(venv):  # a mount point is needed, and the share is read-only
+        raise RuntimeError(f"{venv} is missing: run `make build` in the repository first")
+    mount("tmpfs", venv, "tmpfs", 0, "mode=0755")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    site = f"{venv}/lib/python{version}/site-packages"
+    os.makedirs(f"{venv}/bin")
+    os.makedirs(site)
+    with open(f"{venv}/pyvenv.cfg", "w") as f:
+        f.write(f"home = {os.path.dirname(python)}\ninclude-system-site-packages = true\n"
+                f"version = {version}\n")
+    os.symlink(python, f"{venv}/bin/python")
+    os.symlink("python", f"{venv}/bin/python3")
+    with open(f"{site}/gthulhu-node-repo.pth", "w") as f:
+        f.write(repo + "\n")
+    script = f"{venv}/bin/gthulhu-node"
+    with open(script, "w") as f:
+        f.write(f"#!{venv}/bin/python\nimport sys\nfrom gthulhu_node.cli import main\nsys.exit(main())\n")
+    os.chmod(script, 0o755)
 
 
 def prepare_systemd(repo: str) -> None:
@@ -211,7 +241,8 @@ def run_agent(repo: str) -> None:
 
 def run_shell(conf: dict[str, str]) -> None:
     os.setsid()
-    fd = os.open("/dev/ttyS0", os.O_RDWR)  # the session's first tty becomes its controlling terminal
+    # the session's first tty becomes its controlling terminal
+    fd = os.open(f"/dev/{conf.get('console', 'ttyS0')}", os.O_RDWR)
     fcntl.ioctl(fd, termios.TIOCSCTTY, 0)
     if conf.get("rows") and conf.get("cols"):
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", int(conf["rows"]), int(conf["cols"]), 0, 0))

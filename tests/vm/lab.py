@@ -44,8 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tests.vm import devicetree
 from tests.vm.guest_agent import HEADER, take_frames
 from tests.vm.kernel import LabKernel, obtain
+from tests.vm.rootfs import install_init, mountpoint_for, obtain_rootfs
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME = Path(os.environ.get("GTHULHU_LAB_RUNTIME", "/var/tmp/gthulhu-node-lab"))
@@ -61,6 +63,11 @@ KEEP_LOGS = 200  # console logs kept (a few KB each), across everyone using this
 TCG_THREAD = "single"
 
 Init = Literal["plain", "systemd"]
+Arch = Literal["x86_64", "aarch64"]
+# The arm64 guest: qemu's virt machine with GICv3 (more than 8 CPUs), a CPU whose pointer authentication
+# uses qemu's own cheap hash instead of QARMA (the architected one costs TCG a large share of its time).
+AARCH64_QEMU = os.environ.get("GTHULHU_LAB_QEMU_AARCH64", "qemu-system-aarch64")
+AARCH64_MACHINE = ["-machine", "virt,gic-version=3", "-cpu", "max,pauth-impdef=on"]
 
 
 class LabError(RuntimeError):
@@ -275,11 +282,21 @@ class Lab:
         boot_timeout: float | None = None,
         console_keep: int = 256 * 1024,
         append: Sequence[str] = (),
+        arch: Arch = "x86_64",
+        capacities: Sequence[int] | None = None,
     ) -> None:
         if init not in ("plain", "systemd"):
             raise ValueError(f"init must be 'plain' or 'systemd', not {init!r}")
         self.init: Init = init
-        self.kernel = kernel or obtain()
+        if arch not in ("x86_64", "aarch64"):
+            raise ValueError(f"arch must be 'x86_64' or 'aarch64', not {arch!r}")
+        self.arch: Arch = arch
+        if capacities is not None and (arch != "aarch64" or len(capacities) != cpus):
+            raise ValueError("capacities: one per CPU, on the aarch64 guest only (a device tree property)")
+        self.capacities = list(capacities) if capacities is not None else None
+        self.kernel = kernel or obtain(arch="arm64" if arch == "aarch64" else "amd64")
+        # The x86 guest runs this machine's own userland; the arm64 one a Debian root of its own.
+        self.root = obtain_rootfs() if arch == "aarch64" else Path("/")
         self.repo = repo.resolve()
         if cpus < 1 or numa_nodes < 1 or cpus % numa_nodes or (max_cpus is not None and max_cpus < cpus):
             raise ValueError(f"bad shape: {cpus} CPUs over {numa_nodes} NUMA nodes, max {max_cpus}")
@@ -292,7 +309,7 @@ class Lab:
         self.tcg_thread = tcg_thread or os.environ.get("GTHULHU_LAB_TCG_THREAD", TCG_THREAD)
         if self.tcg_thread not in ("single", "multi"):
             raise ValueError(f"tcg_thread must be 'single' or 'multi', not {self.tcg_thread!r}")
-        default_timeout = 420.0 if init == "systemd" else 180.0
+        default_timeout = (420.0 if init == "systemd" else 180.0) * (3 if arch == "aarch64" else 1)
         self.boot_timeout = boot_timeout or float(os.environ.get("GTHULHU_LAB_BOOT_TIMEOUT", default_timeout))
         self.console_keep = console_keep
         self.append = list(append)
@@ -510,8 +527,11 @@ class Lab:
         a lab runs: cache=auto (attributes rechecked after 1 s, file data re-read at open). The scratch
         folder is written from both sides: cache=none."""
         scratch = run_dir / "scratch"
+        if self.root != Path("/"):
+            for where in (self.repo, scratch):
+                mountpoint_for(self.root, where)
         shares = [
-            ("rootfs", Path("/"), True, "always"),
+            ("rootfs", self.root, True, "always"),
             ("repo", self.repo, True, "auto"),
             ("scratch", scratch, False, "none"),
         ]
@@ -549,11 +569,21 @@ class Lab:
             time.sleep(0.02)
 
     def _cmdline(self, run_dir: Path, mode: str) -> str:
+        console = "ttyAMA0" if self.arch == "aarch64" else "ttyS0"
+        init = self.repo / GUEST_INIT
+        if self.root != Path("/"):
+            init = install_init(self.root, init)
         words = [
-            "console=ttyS0", "rootfstype=virtiofs", "root=rootfs", "ro", f"init={self.repo / GUEST_INIT}",
+            f"console={console}", "rootfstype=virtiofs", "root=rootfs", "ro", f"init={init}",
             "panic=-1", "quiet", f"lab.mode={mode}", f"lab.repo={self.repo}",
-            f"lab.scratch={run_dir / 'scratch'}", f"lab.kroot={self.kernel.root}",
+            f"lab.scratch={run_dir / 'scratch'}", f"lab.console={console}",
         ]
+        if self.arch == "aarch64":
+            # No host kernel tree in that root (nothing there runs BCC); the repository's x86 venv is
+            # replaced in the guest by one on the guest's own python (tests/vm/guest_init.py).
+            words.append("lab.python=/usr/bin/python3")
+        else:
+            words.append(f"lab.kroot={self.kernel.root}")
         if mode == "systemd":
             words += ["systemd.unit=multi-user.target", "fstab=no", "systemd.getty_auto=0",
                       "systemd.show_status=error"]
@@ -562,11 +592,13 @@ class Lab:
     def _qemu_argv(self, run_dir: Path, cmdline: str, *, serial: str = "stdio") -> list[str]:
         mem = f"{self.memory_mb}M"
         smp = str(self.cpus) if self.max_cpus == self.cpus else f"{self.cpus},maxcpus={self.max_cpus}"
+        qemu = AARCH64_QEMU if self.arch == "aarch64" else QEMU
+        machine = AARCH64_MACHINE if self.arch == "aarch64" else ["-cpu", "max"]
         # A qemu unpacked elsewhere (…/usr/bin/qemu-system-x86_64) brings its firmware in …/usr/share/qemu.
-        firmware = Path(QEMU).resolve().parents[1] / "share" / "qemu" if "/" in QEMU else None
+        firmware = Path(qemu).resolve().parents[1] / "share" / "qemu" if "/" in qemu else None
         argv = [
-            QEMU, *(["-L", str(firmware)] if firmware and firmware.is_dir() else []),
-            "-accel", f"tcg,thread={self.tcg_thread}", "-cpu", "max", "-smp", smp, "-m", mem,
+            qemu, *(["-L", str(firmware)] if firmware and firmware.is_dir() else []),
+            "-accel", f"tcg,thread={self.tcg_thread}", *machine, "-smp", smp, "-m", mem,
             "-nodefaults", "-nographic", "-no-reboot", "-serial", serial,
             "-kernel", str(self.kernel.vmlinuz), "-append", cmdline,
         ]
@@ -587,6 +619,8 @@ class Lab:
         for i, tag in enumerate(("rootfs", "repo", "scratch")):
             argv += ["-chardev", f"socket,id=fs{i},path={run_dir / (tag + '.sock')}",
                      "-device", f"vhost-user-fs-pci,chardev=fs{i},tag={tag}"]
+        if self.capacities is not None:
+            argv += ["-dtb", str(devicetree.with_capacities(argv, self.capacities, run_dir))]
         return argv
 
     def _connect(self, path: Path, timeout: float = 20) -> None:
@@ -791,13 +825,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--timeout", type=float, default=600)
     rn.add_argument("--console", action="store_true", help="print the kernel console afterwards (stderr)")
     rn.add_argument("cmd", nargs=argparse.REMAINDER)
+    for p in (sh, rn):
+        p.add_argument("--arch", choices=["x86_64", "aarch64"], default="x86_64",
+                       help="aarch64: the arm64 guest (its own Debian root, tests/vm/rootfs.py)")
     args = parser.parse_args(argv)
     if args.what == "shell":
-        return Lab().interactive_shell()
+        return Lab(arch=args.arch).interactive_shell()
     cmd: list[str] = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("run needs a command: run -- CMD [ARGS...]")
-    with Lab(args.init) as lab:
+    with Lab(args.init, arch=args.arch) as lab:
         try:
             result = lab.run(cmd[0] if len(cmd) == 1 else cmd, timeout=args.timeout)
         except LabDied as exc:
