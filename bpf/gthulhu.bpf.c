@@ -24,6 +24,10 @@
  *    unboosted.
  *  - a boosted task that used more than boost_share_percent of a CPU in its window runs unboosted until
  *    the window ends.
+ *  - CPUs of different capacity (big.LITTLE: settings.asym_capacity, capacities in cpu_capacity): a waking
+ *    boosted task goes to the most capable CPU it may use that is idle or runs something less important,
+ *    and one requeued on a less capable CPU moves to such a CPU if one is more capable. Unboosted tasks
+ *    are placed as on any host: nothing keeps the big CPUs free for boosted work that is not there.
  *  - cpu.max (6.17+ object only, from ops.cgroup_set_bandwidth): each cgroup with a quota has a budget per
  *    period, charged at every tick and stop to it and to every ancestor with a quota. A task whose cgroup or
  *    an ancestor has no budget left is parked in THROTTLED_DSQ, boosted or not (the operator's limit wins),
@@ -81,6 +85,9 @@ void scx_bpf_kick_cpu(s32 cpu, u64 flags) __ksym;
 bool bpf_cpumask_test_cpu(u32 cpu, const struct cpumask *cpumask) __ksym;
 u64 bpf_map_sum_elem_count(const struct bpf_map *map) __ksym;
 const struct cpumask *scx_bpf_get_online_cpumask(void) __ksym;
+const struct cpumask *scx_bpf_get_idle_cpumask(void) __ksym;
+void scx_bpf_put_idle_cpumask(const struct cpumask *cpumask) __ksym;
+bool scx_bpf_test_and_clear_cpu_idle(s32 cpu) __ksym;
 void scx_bpf_put_cpumask(const struct cpumask *cpumask) __ksym;
 int bpf_iter_scx_dsq_new(struct bpf_iter_scx_dsq *it, u64 dsq_id, u64 flags) __ksym;
 struct task_struct *bpf_iter_scx_dsq_next(struct bpf_iter_scx_dsq *it) __ksym;
@@ -426,6 +433,70 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 	bpf_iter_num_destroy(&it);
 	scx_bpf_put_cpumask(online);
 	return found;
+}
+
+/* Each CPU's capacity as the kernel reports it (1024 for the most capable), written by the agent before
+ * attach; max_entries is set to nr_cpu_ids at load. Only read when settings.asym_capacity is set. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, u32);
+} cpu_capacity SEC(".maps");
+
+static __always_inline u32 capacity_of(s32 cpu)
+{
+	u32 key = cpu, *cap = bpf_map_lookup_elem(&cpu_capacity, &key);
+
+	return cap ? *cap : 0;
+}
+
+/* The BPF program that runs holds migration disabled for the current task: that one is not the task's. */
+static __always_inline bool migration_disabled(struct task_struct *p)
+{
+	return p->migration_disabled > (p == bpf_get_current_task_btf() ? 1 : 0);
+}
+
+/*
+ * The most capable CPU the task may use that is idle or runs something less important than prio on a
+ * CPU whose boost share is not spent, if more capable than `floor`: at equal capacity an idle one wins,
+ * then the first from `from` (its cache). An idle one is claimed (*idle set); -1 if none.
+ */
+static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bool *idle)
+{
+	const struct cpumask *idle_cpus = scx_bpf_get_idle_cpumask();
+	u32 n = settings.nr_cpus, best_cap = floor, cap;
+	u64 now = bpf_ktime_get_ns();
+	bool best_idle = false, free;
+	struct bpf_iter_num it;
+	struct cpu_ctx *c;
+	s32 best = -1, cpu;
+	int *i;
+
+	bpf_iter_num_new(&it, 0, n);
+	while ((i = bpf_iter_num_next(&it))) {
+		cpu = ((u32)from + (u32)*i) % n;
+		cap = capacity_of(cpu);
+		if (cap < best_cap || (cap == best_cap && (best < 0 || best_idle)) ||
+		    !bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
+			continue;
+		free = bpf_cpumask_test_cpu(cpu, idle_cpus);
+		c = cpu_ctx_of(cpu);
+		if (!free && (!c || c->prio >= prio || cpu_throttled(c, now)))
+			continue;
+		if (cap == best_cap && !free)
+			continue;
+		best = cpu;
+		best_cap = cap;
+		best_idle = free;
+	}
+	bpf_iter_num_destroy(&it);
+	scx_bpf_put_idle_cpumask(idle_cpus);
+	/* Another waker may have claimed it since: then it is a victim if it runs something less important. */
+	*idle = best >= 0 && best_idle && scx_bpf_test_and_clear_cpu_idle(best);
+	if (best >= 0 && !*idle && prio_on(best) >= prio)
+		return -1;
+	return best;
 }
 
 /* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
@@ -832,10 +903,17 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	u32 prio;
 	u64 now;
 
-	cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
 	lookup_strategy(p, &s);
 	now = bpf_ktime_get_ns();
 	prio = tctx ? effective_prio(tctx, s.prio, now) : 0;
+	cpu = -1;
+	if (settings.asym_capacity && prio && p->nr_cpus_allowed > 1 && !bw_held(tctx, now)) {
+		cpu = find_capable(p, prev_cpu, prio, 0, &idle);
+		if (cpu >= 0)
+			count(&bss.stats.capacity_placements);
+	}
+	if (cpu < 0)
+		cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
 	/* Over its cgroup's cpu.max: enqueue parks it; the idle CPU claimed for it is woken to idle again. */
 	if (idle && bw_held(tctx, now)) {
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
@@ -863,6 +941,32 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	return victim >= 0 ? victim : cpu;
 }
 
+/*
+ * A boosted task requeued (its slice ended) on a CPU less capable than another it may use that is idle or
+ * runs something less important: straight to that CPU's local DSQ, preempting, instead of BOOST_DSQ, from
+ * which the CPU that just ran it would take it back. The next CPU to pick it is then a big one.
+ */
+static bool move_to_capable(struct task_struct *p, struct strategy *s, u32 prio, s32 cpu, u64 enq_flags)
+{
+	bool idle = false;
+	s32 to;
+
+	if (p->nr_cpus_allowed == 1 || migration_disabled(p))
+		return false;
+	to = find_capable(p, cpu, prio, capacity_of(cpu), &idle);
+	if (to < 0)
+		return false;
+	if (idle) {
+		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags);
+		scx_bpf_kick_cpu(to, KICK_IDLE);
+	} else {
+		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
+		count(&bss.stats.preemptions);
+	}
+	count(&bss.stats.capacity_placements);
+	return true;
+}
+
 static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio, u64 enq_flags, u64 now)
 {
 	s32 cpu = scx_bpf_task_cpu(p);
@@ -882,6 +986,8 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 		count(&bss.stats.preemptions);
 		return;
 	}
+	if (settings.asym_capacity && !(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
+		return;
 	/* Earliest deadline first: priority buys a head start, waiting catches up with it. */
 	dsq_insert_vtime(p, BOOST_DSQ, s->slice, boost_deadline(prio, now), enq_flags);
 	kick_idle(p);

@@ -33,7 +33,7 @@ struct gthulhu_settings {
 	u32 boost_share_percent; /* of one CPU per task, and of all CPUs for all boosted tasks together */
 	u32 agent_tgid;          /* the agent's own process: boosted above every intent (0: off) */
 	u32 nr_cpus;             /* possible CPUs (nr_cpu_ids): the per-CPU array has this many entries */
-	u32 pad;
+	u32 asym_capacity;       /* CPUs differ in capacity (cpu_capacity map): boosted tasks seek the big ones */
 };
 
 /* Counters (.bss), monotonic except live_* (refreshed by the count_entries program and on each tick). */
@@ -60,6 +60,7 @@ struct gthulhu_stats {
 	u64 bw_released;        /* parked tasks moved back to their queue */
 	u64 bw_stops;           /* runs ended by the stop timer when their cgroup's budget ran out */
 	u64 bw_stops_stale;     /* stop timers that fired after their run had ended (nothing done) */
+	u64 capacity_placements; /* boosted tasks sent to a more capable CPU (heterogeneous CPUs only) */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */

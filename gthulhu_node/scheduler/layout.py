@@ -28,7 +28,7 @@ class GthulhuSettings(ctypes.Structure):
         ("boost_share_percent", ctypes.c_uint32),
         ("agent_tgid", ctypes.c_uint32),
         ("nr_cpus", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
+        ("asym_capacity", ctypes.c_uint32),
     ]
 
 
@@ -55,6 +55,7 @@ STAT_NAMES = (
     "bw_released",
     "bw_stops",
     "bw_stops_stale",
+    "capacity_placements",
 )
 #: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

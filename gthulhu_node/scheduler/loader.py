@@ -150,6 +150,33 @@ def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
     return int(last) + 1
 
 
+def cpu_capacities(nr_cpus: int, root: Path = Path("/sys/devices/system/cpu")) -> list[int]:
+    """Each CPU's capacity as the kernel sees it (`cpuN/cpu_capacity`, 1024 for the most capable; arm64,
+    arm and riscv report it, from the device tree's capacity-dmips-mhz or ACPI's CPPC). Where a host reports
+    none (x86) every CPU is 1024; a possible CPU with no file (not present yet) counts as the most capable
+    reported, so it is never avoided by mistake once hot-added."""
+    found: dict[int, int] = {}
+    for cpu in range(nr_cpus):
+        try:
+            found[cpu] = int((root / f"cpu{cpu}" / "cpu_capacity").read_text().strip())
+        except (OSError, ValueError):
+            continue
+    top = max(found.values(), default=1024)
+    return [found.get(cpu, top) for cpu in range(nr_cpus)]
+
+
+def _runs(capacities: list[int]) -> str:
+    """'0-3:1024,4-7:512' for the log: a 20-CPU GB10's ten and ten, not twenty numbers."""
+    parts: list[str] = []
+    start = 0
+    for cpu in range(1, len(capacities) + 1):
+        if cpu == len(capacities) or capacities[cpu] != capacities[start]:
+            span = f"{start}" if cpu - 1 == start else f"{start}-{cpu - 1}"
+            parts.append(f"{span}:{capacities[start]}")
+            start = cpu
+    return ",".join(parts)
+
+
 def elf_section(elf: bytes, name: str) -> tuple[int, int]:
     """(file offset, size) of an ELF64 little-endian section."""
     shoff = struct.unpack_from("<Q", elf, 0x28)[0]
@@ -376,6 +403,8 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             obj.map(name).set_max_entries(settings.map_capacity)
         nr_cpus = possible_cpus()
         obj.map("cpu_ctxs").set_max_entries(nr_cpus)
+        obj.map("cpu_capacity").set_max_entries(nr_cpus)
+        capacities = cpu_capacities(nr_cpus)
         rodata = _internal_map(obj, ".rodata")
         if len(rodata.initial_value()) != ctypes.sizeof(GthulhuSettings):
             raise BackendUnavailable(".rodata of the BPF object does not match struct gthulhu_settings")
@@ -387,6 +416,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             boost_share_percent=settings.boost_share_percent,
             agent_tgid=settings.agent_tgid,
             nr_cpus=nr_cpus,
+            asym_capacity=int(len(set(capacities)) > 1),
         )
         rodata.set_initial_value(bytes(values))
         for prog in SLEEPABLE_PROGRAMS:
@@ -399,6 +429,9 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
                 obj.load()
             except OSError as exc:
                 raise _refused(f"the kernel refused the scheduler ({path.name}): {exc}", messages) from exc
+            caps_fd = obj.map("cpu_capacity").fd
+            for cpu, capacity in enumerate(capacities):
+                libbpf.map_update(caps_fd, ctypes.c_uint32(cpu), ctypes.c_uint32(capacity))
             try:
                 link = obj.map(OPS_MAP).attach_struct_ops()
             except OSError as exc:
@@ -423,6 +456,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         object=str(path),
         capacity=settings.map_capacity,
         cpus=nr_cpus,
+        capacities=_runs(capacities) if len(set(capacities)) > 1 else "uniform",
         timeout_ms=settings.watchdog_timeout_ms,
     )
     return loaded

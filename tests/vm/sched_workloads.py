@@ -1092,6 +1092,77 @@ def ejection(_: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _capacities() -> dict[int, int]:
+    return {cpu: int(Path(f"/sys/devices/system/cpu/cpu{cpu}/cpu_capacity").read_text())
+            for cpu in sorted(os.sched_getaffinity(0))}
+
+
+def _placement(pids: dict[str, int], big: set[int], seconds: float) -> dict[str, float]:
+    """Fraction of each task's run time spent on a CPU of `big`: every 20 ms, the run time a task gained
+    since the last look is put on the CPU it was last seen on (field 39 of /proc/<pid>/stat)."""
+    on_big = dict.fromkeys(pids, 0)
+    total = dict.fromkeys(pids, 0)
+    last = {name: run_ns(pid) for name, pid in pids.items()}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        for name, pid in pids.items():
+            ran = run_ns(pid)
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cpu = int(stat[stat.rindex(")") + 2:].split()[36])
+            total[name] += ran - last[name]
+            on_big[name] += (ran - last[name]) if cpu in big else 0
+            last[name] = ran
+    return {name: round(on_big[name] / total[name], 3) if total[name] else 0.0 for name in pids}
+
+
+def _busy(cpus: set[int], seconds: float) -> dict[int, float]:
+    """Fraction of wall time each CPU was not idle, from /proc/stat."""
+    def read() -> dict[int, tuple[int, int]]:
+        out = {}
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                values = [int(v) for v in fields]
+                out[int(name[3:])] = (sum(values), values[3] + values[4])  # idle + iowait
+        return out
+
+    before = read()
+    time.sleep(seconds)
+    after = read()
+    return {cpu: round(1 - (after[cpu][1] - before[cpu][1]) / max(1, after[cpu][0] - before[cpu][0]), 3)
+            for cpu in sorted(cpus)}
+
+
+def capacity(args: argparse.Namespace) -> dict[str, Any]:
+    """Big and little CPUs (the arm64 guest's device tree): where boosted engines run, and whether the big
+    CPUs still serve unboosted work when nothing boosted needs them. Engines are 60 % busy (6 ms of CPU,
+    4 ms asleep: an engine's step loop, below the per-task guard), among one CPU hog per CPU."""
+    caps = _capacities()
+    big = {cpu for cpu, cap in caps.items() if cap == max(caps.values())}
+    out: dict[str, Any] = {"capacities": caps, "big": sorted(big)}
+    ncpu = len(caps)
+    with scheduler() as backend, workers() as pids:
+        for i in range(ncpu):
+            pids.append(fork_worker(spin, f"hog{i}"))
+        engines = {f"engine{i}": fork_worker(busy_fraction(6, 4), f"engine{i}") for i in range(len(big))}
+        pids += engines.values()
+        time.sleep(0.5)
+        out["off"] = _placement(engines, big, args.seconds)
+        before = backend.counters()
+        keys = dict(key_for(KeyKind.TID, pid) for pid in engines.values())
+        res = backend.apply({k: Entry(10, 0, start) for k, start in keys.items()}, [])
+        out["apply_failed"] = {str(k): str(e) for k, e in res.failed.items()}
+        out["on"] = _placement(engines, big, args.seconds)
+        out["capacity_placements"] = backend.counters()["capacity_placements"] - before["capacity_placements"]
+        backend.apply({}, list(keys))
+        for pid in engines.values():
+            os.kill(pid, signal.SIGKILL)
+        out["hogs_only_busy"] = _busy(set(caps), args.seconds)
+        out["health"] = backend.health().state.value
+    return out
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "lifecycle": lifecycle,
     "verifier": verifier,
@@ -1111,6 +1182,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "hierarchy": hierarchy,
     "bad-input": bad_input,
     "ejection": ejection,
+    "capacity": capacity,
 }
 
 
