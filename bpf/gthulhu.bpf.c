@@ -451,25 +451,45 @@ static __always_inline u32 capacity_of(s32 cpu)
 	return cap ? *cap : 0;
 }
 
-/* The BPF program that runs holds migration disabled for the current task: that one is not the task's. */
+/* Heterogeneous CPUs: the tasks that look for the most capable CPU (boosted ones; not the agent's own,
+ * whose short bursts would otherwise preempt engines on the big CPUs while a little one idles). */
+static __always_inline bool seeks_capacity(struct task_struct *p, u32 prio)
+{
+	return settings.asym_capacity && prio && p->nr_cpus_allowed > 1 &&
+	       !(settings.agent_tgid && p->tgid == settings.agent_tgid);
+}
+
+/*
+ * The BPF program that runs holds migration disabled for the current task: that one is not the task's.
+ * (Kernels that stopped doing so, 6.18+ without PREEMPT_RCU, make a migration-disabled current task read
+ * as movable; the kernel then queues it on the global DSQ instead of the remote CPU, which is safe.)
+ */
 static __always_inline bool migration_disabled(struct task_struct *p)
 {
 	return p->migration_disabled > (p == bpf_get_current_task_btf() ? 1 : 0);
 }
 
+/* Whether a CPU runs something less important than prio and its boost share is not spent. */
+static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	return c && c->prio < prio && !cpu_throttled(c, now);
+}
+
 /*
- * The most capable CPU the task may use that is idle or runs something less important than prio on a
- * CPU whose boost share is not spent, if more capable than `floor`: at equal capacity an idle one wins,
- * then the first from `from` (its cache). An idle one is claimed (*idle set); -1 if none.
+ * The most capable online CPU the task may use that is idle or preemptible_for it, if more capable than
+ * `floor`: at equal capacity an idle one wins, then the first from `from` (its cache). An idle one is
+ * claimed (*idle set); -1 if none.
  */
 static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bool *idle)
 {
 	const struct cpumask *idle_cpus = scx_bpf_get_idle_cpumask();
+	const struct cpumask *online = scx_bpf_get_online_cpumask();
 	u32 n = settings.nr_cpus, best_cap = floor, cap;
 	u64 now = bpf_ktime_get_ns();
 	bool best_idle = false, free;
 	struct bpf_iter_num it;
-	struct cpu_ctx *c;
 	s32 best = -1, cpu;
 	int *i;
 
@@ -477,12 +497,12 @@ static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bo
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
 		cap = capacity_of(cpu);
+		/* An offline CPU can stay in the idle mask: its last switch was to its idle task. */
 		if (cap < best_cap || (cap == best_cap && (best < 0 || best_idle)) ||
-		    !bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
+		    !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) || !bpf_cpumask_test_cpu(cpu, online))
 			continue;
 		free = bpf_cpumask_test_cpu(cpu, idle_cpus);
-		c = cpu_ctx_of(cpu);
-		if (!free && (!c || c->prio >= prio || cpu_throttled(c, now)))
+		if (!free && !preemptible_for(cpu, prio, now))
 			continue;
 		if (cap == best_cap && !free)
 			continue;
@@ -491,10 +511,11 @@ static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bo
 		best_idle = free;
 	}
 	bpf_iter_num_destroy(&it);
+	scx_bpf_put_cpumask(online);
 	scx_bpf_put_idle_cpumask(idle_cpus);
-	/* Another waker may have claimed it since: then it is a victim if it runs something less important. */
+	/* Another waker may have claimed it since: then it is a target only if preemptible_for us. */
 	*idle = best >= 0 && best_idle && scx_bpf_test_and_clear_cpu_idle(best);
-	if (best >= 0 && !*idle && prio_on(best) >= prio)
+	if (best >= 0 && !*idle && !preemptible_for(best, prio, now))
 		return -1;
 	return best;
 }
@@ -907,9 +928,9 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	now = bpf_ktime_get_ns();
 	prio = tctx ? effective_prio(tctx, s.prio, now) : 0;
 	cpu = -1;
-	if (settings.asym_capacity && prio && p->nr_cpus_allowed > 1 && !bw_held(tctx, now)) {
+	if (seeks_capacity(p, prio) && !bw_held(tctx, now)) {
 		cpu = find_capable(p, prev_cpu, prio, 0, &idle);
-		if (cpu >= 0)
+		if (cpu >= 0 && capacity_of(cpu) > capacity_of(prev_cpu))
 			count(&bss.stats.capacity_placements);
 	}
 	if (cpu < 0)
@@ -944,14 +965,16 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 /*
  * A boosted task requeued (its slice ended) on a CPU less capable than another it may use that is idle or
  * runs something less important: straight to that CPU's local DSQ, preempting, instead of BOOST_DSQ, from
- * which the CPU that just ran it would take it back. The next CPU to pick it is then a big one.
+ * which the CPU that just ran it would take it back. Only while no boosted task waits in BOOST_DSQ (their
+ * deadlines come first) and, for a busy target, while nothing waits in its local DSQ (a waker handed to
+ * it is not overtaken).
  */
 static bool move_to_capable(struct task_struct *p, struct strategy *s, u32 prio, s32 cpu, u64 enq_flags)
 {
 	bool idle = false;
 	s32 to;
 
-	if (p->nr_cpus_allowed == 1 || migration_disabled(p))
+	if (!seeks_capacity(p, prio) || migration_disabled(p) || scx_bpf_dsq_nr_queued(BOOST_DSQ))
 		return false;
 	to = find_capable(p, cpu, prio, capacity_of(cpu), &idle);
 	if (to < 0)
@@ -959,9 +982,11 @@ static bool move_to_capable(struct task_struct *p, struct strategy *s, u32 prio,
 	if (idle) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags);
 		scx_bpf_kick_cpu(to, KICK_IDLE);
-	} else {
+	} else if (!scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | to)) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
 		count(&bss.stats.preemptions);
+	} else {
+		return false;
 	}
 	count(&bss.stats.capacity_placements);
 	return true;
@@ -986,7 +1011,7 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 		count(&bss.stats.preemptions);
 		return;
 	}
-	if (settings.asym_capacity && !(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
+	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
 		return;
 	/* Earliest deadline first: priority buys a head start, waiting catches up with it. */
 	dsq_insert_vtime(p, BOOST_DSQ, s->slice, boost_deadline(prio, now), enq_flags);

@@ -429,9 +429,10 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
                 obj.load()
             except OSError as exc:
                 raise _refused(f"the kernel refused the scheduler ({path.name}): {exc}", messages) from exc
-            caps_fd = obj.map("cpu_capacity").fd
-            for cpu, capacity in enumerate(capacities):
-                libbpf.map_update(caps_fd, ctypes.c_uint32(cpu), ctypes.c_uint32(capacity))
+            if values.asym_capacity:  # read only then: a symmetric host's map stays zeroes
+                caps_fd = obj.map("cpu_capacity").fd
+                for cpu, capacity in enumerate(capacities):
+                    libbpf.map_update(caps_fd, ctypes.c_uint32(cpu), ctypes.c_uint32(capacity))
             try:
                 link = obj.map(OPS_MAP).attach_struct_ops()
             except OSError as exc:

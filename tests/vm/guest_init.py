@@ -141,10 +141,11 @@ def setup(conf: dict[str, str]) -> None:
                 if os.path.isdir(target):
                     os.symlink(target, f"/usr/lib/modules/{release}/{link}")
 
-    if conf.get("repo"):
-        try_mount("repo", conf["repo"], "virtiofs", MS_RDONLY)
-        if conf.get("python"):
-            guest_venv(conf["repo"], conf["python"])
+    # Without the repository the guest agent cannot start: the harness then reports the boot failed, with
+    # this console's mount error in its message.
+    repo_mounted = bool(conf.get("repo")) and try_mount("repo", conf["repo"], "virtiofs", MS_RDONLY)
+    if repo_mounted and conf.get("python"):
+        guest_venv(conf["repo"], conf["python"])
     if conf.get("scratch"):
         try_mount("scratch", conf["scratch"], "virtiofs")
 

@@ -145,13 +145,15 @@ def mountpoint_for(root: Path, guest_path: Path) -> None:
 
 def install_init(root: Path, script: Path) -> Path:
     """The guest's PID 1 (tests/vm/guest_init.py) as the guest sees it: the kernel runs init before anything
-    is mounted, so it must be in the root itself, not in the repository share. Copied at every boot (a
-    rename: two lanes may boot at once), so the cached root never holds a stale one."""
-    target = root / "usr/local/lib/gthulhu-lab" / script.name
+    is mounted, so it must be in the root itself, not in the repository share. Named by its content and
+    never overwritten: two checkouts sharing the cached root, or two lanes booting at once, each boot the
+    script of their own checkout (written under a temporary name, then renamed)."""
     data = script.read_bytes()
-    if not target.exists() or target.read_bytes() != data:
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    target = root / "usr/local/lib/gthulhu-lab" / f"{script.stem}-{digest}{script.suffix}"
+    if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        fresh = target.with_name(f".{script.name}.{os.getpid()}")
+        fresh = target.with_name(f".{target.name}.{os.getpid()}")
         fresh.write_bytes(data)
         fresh.chmod(0o755)
         fresh.rename(target)
