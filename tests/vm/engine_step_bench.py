@@ -284,7 +284,8 @@ def run_case(name: str, seconds: float) -> dict[str, float]:
             if sched is not None:
                 after = sched.counters()
                 for key in ("preemptions", "boosted_dispatches", "demotions", "throttled_windows",
-                            "fair_preemptions", "fair_dispatches"):
+                            "fair_preemptions", "fair_dispatches", "direct_dispatches",
+                            "capacity_placements"):
                     out[key] = after[key] - counters_before[key]
                 out["health_ok"] = float(sched.health().state.value == "running")
             for proc in procs:
