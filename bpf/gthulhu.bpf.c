@@ -28,9 +28,10 @@
  *    boosted task goes to the most capable CPU it may use that is idle or runs something less important,
  *    and one requeued on a less capable CPU moves to such a CPU if one is more capable. Unboosted tasks
  *    are placed as on any host: nothing keeps the big CPUs free for boosted work that is not there.
- *  - cpu.max (6.17+ object only, from ops.cgroup_set_bandwidth): each cgroup with a quota has a budget per
- *    period, charged at every tick and stop to it and to every ancestor with a quota. A task whose cgroup or
- *    an ancestor has no budget left is parked in THROTTLED_DSQ, boosted or not (the operator's limit wins),
+ *  - cpu.max (from ops.cgroup_set_bandwidth on 6.17+; before, read from the cgroup's task_group, where the
+ *    kernel keeps it for the fair class): each cgroup with a quota has a budget per period, charged at every
+ *    tick and stop to it and to every ancestor with a quota. A task whose cgroup or an ancestor has no
+ *    budget left is parked in THROTTLED_DSQ, boosted or not (the operator's limit wins),
  *    and a running one is preempted when the budget it started with runs out (a timer per CPU; the kernel
  *    ends slices only at ticks); a timer wakes a CPU when a period ends and its dispatch moves the tasks
  *    whose budget is back to their queue. No task stays parked longer than BW_MAX_PARK_NS: one that would
@@ -56,25 +57,30 @@ void scx_bpf_dispatch_vtime(struct task_struct *p, u64 dsq_id, u64 slice, u64 vt
 bool scx_bpf_consume(u64 dsq_id) __ksym;
 bool scx_bpf_dispatch_from_dsq(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
 			       u64 enq_flags) __ksym;
+void scx_bpf_dispatch_from_dsq_set_vtime(struct bpf_iter_scx_dsq *it__iter, u64 vtime) __ksym;
+bool scx_bpf_dispatch_vtime_from_dsq(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
+				     u64 enq_flags) __ksym;
 #define dsq_insert scx_bpf_dispatch
 #define dsq_insert_vtime scx_bpf_dispatch_vtime
 #define dsq_move_to_local scx_bpf_consume
 #define dsq_move scx_bpf_dispatch_from_dsq
+#define dsq_move_set_vtime scx_bpf_dispatch_from_dsq_set_vtime
+#define dsq_move_vtime scx_bpf_dispatch_vtime_from_dsq
 #else
 void scx_bpf_dsq_insert(struct task_struct *p, u64 dsq_id, u64 slice, u64 enq_flags) __ksym;
 void scx_bpf_dsq_insert_vtime(struct task_struct *p, u64 dsq_id, u64 slice, u64 vtime, u64 enq_flags) __ksym;
 bool scx_bpf_dsq_move_to_local(u64 dsq_id) __ksym;
 bool scx_bpf_dsq_move(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
 		      u64 enq_flags) __ksym;
+void scx_bpf_dsq_move_set_vtime(struct bpf_iter_scx_dsq *it__iter, u64 vtime) __ksym;
+bool scx_bpf_dsq_move_vtime(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
+			    u64 enq_flags) __ksym;
 #define dsq_insert scx_bpf_dsq_insert
 #define dsq_insert_vtime scx_bpf_dsq_insert_vtime
 #define dsq_move_to_local scx_bpf_dsq_move_to_local
 #define dsq_move scx_bpf_dsq_move
-#endif
-#ifdef GTHULHU_CGROUP_BW
-void scx_bpf_dsq_move_set_vtime(struct bpf_iter_scx_dsq *it__iter, u64 vtime) __ksym;
-bool scx_bpf_dsq_move_vtime(struct bpf_iter_scx_dsq *it__iter, struct task_struct *p, u64 dsq_id,
-			    u64 enq_flags) __ksym;
+#define dsq_move_set_vtime scx_bpf_dsq_move_set_vtime
+#define dsq_move_vtime scx_bpf_dsq_move_vtime
 #endif
 s32 scx_bpf_create_dsq(u64 dsq_id, s32 node) __ksym;
 s32 scx_bpf_select_cpu_dfl(struct task_struct *p, s32 prev_cpu, u64 wake_flags, bool *is_idle) __ksym;
@@ -225,12 +231,16 @@ struct cgroup_ctx {
 	u32 contrib; /* what it adds to its parent's load: its weight while it has runnable work, else 0 */
 	s64 load;    /* runnable weight directly in it: its tasks' and its active children's */
 	u64 parent;  /* the parent's id, 0 for a top-level cgroup (a child of the root) */
-	/* cpu.max and cpu.max.burst (6.17+ object only): quota_ns 0 is "max", no limit */
+	/* cpu.max and cpu.max.burst: quota_ns 0 is "max", no limit */
 	u64 period_ns;
 	u64 quota_ns;
 	u64 burst_ns;
 	u64 period_end; /* the current period ends here */
 	s64 budget;     /* run time left in it: quota per period, up to quota + burst carried, debt down to -quota */
+	u64 cgrp;       /* before 6.17: the cgroup, to find its task_group from (bw_reread) */
+	u64 tg;         /* before 6.17: its task_group, where the kernel keeps cpu.max; 0 until found */
+	u64 bw_read_at; /* when tg's cpu.max was last read */
+	u64 tg_misses;  /* walks that found no task_group yet */
 };
 
 struct {
@@ -248,16 +258,12 @@ struct cpu_ctx {
 	u64 window_start; /* this CPU's boost accounting window */
 	u64 boost_used;   /* boosted run time on this CPU inside it */
 	u32 prio;         /* what it runs now: 0 unboosted or idle, else the boosted priority */
-#ifdef GTHULHU_CGROUP_BW
 	u32 bw_stop_ready; /* bw_stop initialised */
 	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
 	u32 pad;
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
-#else
-	u32 pad;
-#endif
 };
 
 /* One entry per possible CPU: the loader sets max_entries to nr_cpu_ids, so no CPU is left out. */
@@ -534,7 +540,6 @@ static __always_inline u64 boost_deadline(u32 prio, u64 now)
 	return now + (u64)(AGENT_PRIORITY - prio) * BOOST_STEP_NS;
 }
 
-#ifdef GTHULHU_CGROUP_BW
 /* cpu.max "max", the kernel's RUNTIME_INF: no limit. */
 #define BW_UNLIMITED (~0ULL)
 /*
@@ -564,18 +569,114 @@ struct {
 	__type(value, struct bw_timer);
 } bw_timers SEC(".maps");
 
-/* A new limit starts a full period now, as writing cpu.max does in the fair class. */
-static __always_inline void bw_set(struct cgroup_ctx *cg, u64 period_us, u64 quota_us, u64 burst_us, u64 now)
+/* A new limit (quota_ns 0: none) starts a full period now, as writing cpu.max does in the fair class. */
+static __always_inline void bw_set(struct cgroup_ctx *cg, u64 period_ns, u64 quota_ns, u64 burst_ns, u64 now)
 {
-	if (quota_us == BW_UNLIMITED || !quota_us || !period_us) {
+	if (!quota_ns || !period_ns) {
 		cg->quota_ns = 0;
 		return;
 	}
-	cg->period_ns = period_us * 1000;
-	cg->quota_ns = quota_us * 1000;
-	cg->burst_ns = burst_us == BW_UNLIMITED ? 0 : burst_us * 1000;
-	cg->budget = cg->quota_ns;
-	cg->period_end = now + cg->period_ns;
+	cg->period_ns = period_ns;
+	cg->quota_ns = quota_ns;
+	cg->burst_ns = burst_ns;
+	cg->budget = quota_ns;
+	cg->period_end = now + period_ns;
+}
+
+#ifdef GTHULHU_CGROUP_BW
+/* 6.17+: the kernel passes microseconds, BW_UNLIMITED for "max". */
+static __always_inline void bw_set_us(struct cgroup_ctx *cg, u64 period_us, u64 quota_us, u64 burst_us, u64 now)
+{
+	bw_set(cg, period_us * 1000, quota_us == BW_UNLIMITED ? 0 : quota_us * 1000,
+	       burst_us == BW_UNLIMITED ? 0 : burst_us * 1000, now);
+}
+#else
+/*
+ * Before 6.17 the kernel does not pass cpu.max to a BPF scheduler, but it still keeps it where the fair
+ * class reads it: the cgroup's task_group, tg->cfs_bandwidth (CONFIG_CFS_BANDWIDTH). Read it from there at
+ * cgroup_init, and again when a walk passes the cgroup BW_REREAD_NS after the last read: a change holds
+ * within that, where 6.17's callback makes it hold at once.
+ */
+#define BW_REREAD_NS 10000000ULL
+/* Reads (BW_REREAD_NS apart, so a second at least) that find no task_group before the cgroup is counted
+ * in cgroups_untracked: its css should be linked moments after its cgroup_init. */
+#define BW_TG_MISSES 100
+
+/*
+ * The cgroup's task_group (its cpu controller's css), 0 if not there yet: the kernel links the css into
+ * cgrp->subsys[] only after its css_online, which is what calls our cgroup_init for a new cgroup.
+ */
+static __always_inline u64 bw_tg_of(u64 cgrp)
+{
+	u32 cpu_id = bpf_core_enum_value(enum cgroup_subsys_id, cpu_cgrp_id);
+	u64 css = 0;
+
+	if ((cpu_id + 1) * sizeof(css) > bpf_core_field_size(struct cgroup, subsys))
+		return 0;
+	bpf_probe_read_kernel(&css, sizeof(css), (void *)(cgrp + bpf_core_field_offset(struct cgroup, subsys) +
+							    cpu_id * sizeof(css)));
+	return css ? css - bpf_core_field_offset(struct task_group, css) : 0;
+}
+
+/* A cpu.max as the kernel keeps it, in ns; quota 0 is "max". */
+struct bw_limit {
+	u64 period;
+	u64 quota;
+	u64 burst;
+};
+
+/*
+ * The kernel writes period, quota and burst under a lock we cannot take: a read racing a write may see
+ * a mix of old and new, which the next read corrects.
+ */
+static __always_inline void bw_tg_limit(u64 tg_addr, struct bw_limit *l)
+{
+	struct task_group *tg = (void *)tg_addr;
+
+	l->period = BPF_CORE_READ(tg, cfs_bandwidth.period);
+	l->quota = BPF_CORE_READ(tg, cfs_bandwidth.quota);
+	l->burst = BPF_CORE_READ(tg, cfs_bandwidth.burst);
+	if (l->quota == BW_UNLIMITED)
+		l->quota = 0;
+}
+
+static __always_inline bool bw_differs(struct cgroup_ctx *cg, struct bw_limit *l)
+{
+	return l->quota != cg->quota_ns || (l->quota && (l->period != cg->period_ns || l->burst != cg->burst_ns));
+}
+#endif
+
+/*
+ * Before 6.17: read the cgroup's cpu.max again if BW_REREAD_NS have passed. A changed limit makes a
+ * release pass due: one raised or removed frees the parked tasks at once.
+ */
+static __always_inline void bw_reread(struct cgroup_ctx *cg, u64 now)
+{
+#ifndef GTHULHU_CGROUP_BW
+	struct bw_limit l;
+	bool changed;
+
+	if (!cg->cgrp || before(now, cg->bw_read_at + BW_REREAD_NS))
+		return;
+	cg->bw_read_at = now;
+	if (!cg->tg) {
+		cg->tg = bw_tg_of(cg->cgrp);
+		if (!cg->tg) {
+			if (++cg->tg_misses == BW_TG_MISSES)
+				count(&bss.stats.cgroups_untracked);
+			return;
+		}
+	}
+	bw_tg_limit(cg->tg, &l);
+	bpf_spin_lock(&cg->lock);
+	changed = bw_differs(cg, &l);
+	if (changed)
+		bw_set(cg, l.period, l.quota, l.burst, now);
+	bpf_spin_unlock(&cg->lock);
+	/* the timer polls while tasks are parked: a release pass due now runs within BW_POLL_NS */
+	if (changed)
+		bw_release_at = now;
+#endif
 }
 
 /*
@@ -619,6 +720,7 @@ __attribute__((noinline)) u64 bw_walk(u64 id, u64 used, u64 now, u32 what)
 		cg = bpf_map_lookup_elem(&cgroups, &id);
 		if (!cg)
 			break;
+		bw_reread(cg, now);
 		if (cg->quota_ns) {
 			bpf_spin_lock(&cg->lock);
 			if (cg->quota_ns) {
@@ -827,11 +929,11 @@ static void bw_release(u64 now)
 			continue;
 		}
 		if (tctx && tctx->prio) {
-			scx_bpf_dsq_move_set_vtime(&it, boost_deadline(tctx->prio, now));
-			scx_bpf_dsq_move_vtime(&it, p, BOOST_DSQ, 0);
+			dsq_move_set_vtime(&it, boost_deadline(tctx->prio, now));
+			dsq_move_vtime(&it, p, BOOST_DSQ, 0);
 		} else {
-			scx_bpf_dsq_move_set_vtime(&it, tctx ? fair_vtime(tctx) : vtime_now);
-			scx_bpf_dsq_move_vtime(&it, p, FAIR_DSQ, 0);
+			dsq_move_set_vtime(&it, tctx ? fair_vtime(tctx) : vtime_now);
+			dsq_move_vtime(&it, p, FAIR_DSQ, 0);
 		}
 		/* as an enqueue does: the CPUs the timer woke may have gone idle again before this pass */
 		kick_idle(p);
@@ -870,46 +972,6 @@ static s32 bw_init(void)
 	bpf_timer_set_callback(&t->timer, bw_timer_fired);
 	return 0;
 }
-#else
-/* Kernels before 6.17 do not pass cpu.max to a BPF scheduler: nothing is enforced (docs/scheduler.md). */
-static __always_inline bool bw_held(struct task_ctx *tctx, u64 now)
-{
-	return false;
-}
-
-static __always_inline bool bw_park(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags,
-				    u64 now)
-{
-	return false;
-}
-
-static __always_inline bool bw_charge(struct task_ctx *tctx, u64 now)
-{
-	return false;
-}
-
-static __always_inline void bw_release_due(u64 now)
-{
-}
-
-static __always_inline void bw_limit_run(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
-{
-}
-
-static __always_inline bool bw_keep(struct task_ctx *tctx, struct cpu_ctx *c, u64 slice, u64 now)
-{
-	return true;
-}
-
-static __always_inline void bw_run_ended(struct cpu_ctx *c)
-{
-}
-
-static __always_inline s32 bw_init(void)
-{
-	return 0;
-}
-#endif
 
 /*
  * Boosted wakers go straight to a CPU that runs something less important (prefer the one the default
@@ -1613,9 +1675,26 @@ s32 OP(gthulhu_cgroup_init, struct cgroup *cgrp, struct scx_cgroup_init_args *ar
 	if (BPF_CORE_READ(cgrp, level) > 1)
 		cg.parent = cgroup_key(BPF_CORE_READ(cgrp, self.parent, cgroup));
 #ifdef GTHULHU_CGROUP_BW
-	bw_set(&cg, args->bw_period_us, args->bw_quota_us, args->bw_burst_us, bpf_ktime_get_ns());
+	bw_set_us(&cg, args->bw_period_us, args->bw_quota_us, args->bw_burst_us, bpf_ktime_get_ns());
+#else
+	if (bpf_core_field_exists(struct task_group, cfs_bandwidth)) {
+		/* a cgroup there at load has its task_group linked; a new one gets it at its first walk */
+		cg.cgrp = (u64)cgrp;
+		cg.tg = bw_tg_of(cg.cgrp);
+		if (cg.tg) {
+			struct bw_limit l;
+
+			cg.bw_read_at = bpf_ktime_get_ns();
+			bw_tg_limit(cg.tg, &l);
+			bw_set(&cg, l.period, l.quota, l.burst, cg.bw_read_at);
+		}
+	} else {
+		/* no CFS bandwidth in this kernel: the agent reports cpu.max as not enforced */
+		count(&bss.stats.cgroups_untracked);
+	}
 #endif
-	bpf_map_update_elem(&cgroups, &id, &cg, BPF_ANY);
+	if (bpf_map_update_elem(&cgroups, &id, &cg, BPF_ANY))
+		count(&bss.stats.cgroups_untracked);
 	return 0;
 }
 
@@ -1666,7 +1745,7 @@ void OP(gthulhu_cgroup_set_bandwidth, struct cgroup *cgrp, u64 period_us, u64 qu
 	if (!cg)
 		return;
 	bpf_spin_lock(&cg->lock);
-	bw_set(cg, period_us, quota_us, burst_us, now);
+	bw_set_us(cg, period_us, quota_us, burst_us, now);
 	bpf_spin_unlock(&cg->lock);
 	bw_arm(now, now);
 }
@@ -1741,15 +1820,13 @@ int gthulhu_count_entries(void *ctx)
  * old kfunc names exist, which is 6.12 alone, so only it sets the flag.
  */
 /*
- * The 6.17+ object sets SCX_OPS_ENQ_LAST (1 << 1 on every kernel): a task the kernel would otherwise keep
- * on an otherwise idle CPU is enqueued instead, so one over its cpu.max can be parked.
+ * Every object sets SCX_OPS_ENQ_LAST (1 << 1 on every kernel): a task the kernel would otherwise keep on
+ * an otherwise idle CPU is enqueued instead, so one over its cpu.max can be parked.
  */
 #ifdef GTHULHU_KFUNCS_6_12
-#define OPS_FLAGS (1ULL << 16)
-#elif defined(GTHULHU_CGROUP_BW)
-#define OPS_FLAGS (1ULL << 1)
+#define OPS_FLAGS ((1ULL << 16) | (1ULL << 1))
 #else
-#define OPS_FLAGS 0
+#define OPS_FLAGS (1ULL << 1)
 #endif
 
 struct sched_ext_ops {

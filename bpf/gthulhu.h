@@ -56,11 +56,12 @@ struct gthulhu_stats {
 	u64 live_tgid_entries;  /* entries in tgid_map */
 	u64 reserve_boosted;    /* boosted tasks that were served a CPU's reserve turn (behind the fair pool) */
 	u64 hotplug_events;     /* CPUs that went online or offline while the scheduler ran */
-	u64 bw_parked;          /* tasks held back: their cgroup or an ancestor used its cpu.max quota (6.17+) */
+	u64 bw_parked;          /* tasks held back: their cgroup or an ancestor used its cpu.max quota */
 	u64 bw_released;        /* parked tasks moved back to their queue */
 	u64 bw_stops;           /* runs ended by the stop timer when their cgroup's budget ran out */
 	u64 bw_stops_stale;     /* stop timers that fired after their run had ended (nothing done) */
 	u64 capacity_placements; /* boosted tasks sent to a more capable CPU (heterogeneous CPUs only) */
+	u64 cgroups_untracked;  /* cgroups not tracked (map full) or whose cpu.max is not found */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */

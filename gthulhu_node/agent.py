@@ -237,9 +237,10 @@ class Agent:
             self._fall_back(exc)
 
     def cpu_max_enforced(self) -> bool:
-        """False while our sched_ext scheduler runs on a kernel before 6.17: the kernel's CFS bandwidth
-        control (cgroup cpu.max) does not apply to its tasks, and those kernels do not pass cpu.max to it
-        (from 6.17 it enforces it itself). True for the other backends, and while the scheduler is ejected."""
+        """Whether cgroup cpu.max holds now. While our sched_ext scheduler runs, the kernel's CFS bandwidth
+        control does not apply to its tasks and the scheduler enforces cpu.max itself, unless it could not
+        track every cgroup (`SchedExtBackend.enforces_cpu_max`). True for the other backends, and while the
+        scheduler is ejected."""
         backend = self.backend
         if backend is None or backend.name != SCHED_EXT:
             return True
@@ -248,11 +249,13 @@ class Agent:
     def _scheduler_running(self) -> bool:
         return self._backend_state()[0] in (BackendState.RUNNING.value, "starting")
 
-    def cpu_max_by_scheduler(self) -> bool:
-        """Whether our own scheduler is what holds cpu.max now (the 6.17 object, running)."""
+    def cpu_max_by_scheduler(self) -> str:
+        """Where our own scheduler takes cpu.max from when it is what holds it now; "" when it is not."""
         backend = self.backend
-        return (backend is not None and backend.name == SCHED_EXT and backend.enforces_cpu_max
-                and self._scheduler_running())
+        if (backend is not None and backend.name == SCHED_EXT and backend.enforces_cpu_max
+                and self._scheduler_running()):
+            return backend.cpu_max_source
+        return ""
 
     def _stop_backend(self) -> None:
         if self.backend is not None:

@@ -535,8 +535,8 @@ class CgroupLimitsCollector(StatsCollector["CgroupLimitsStats"]):
             limited.add_metric([], float(stats.limited))
         yield limited
         yield _gauge("cgroup_cpu_max_enforced", "1 when the running backend leaves cgroup cpu.max to the "
-                     "kernel or enforces it itself (sched_ext on 6.17+); 0 while the sched_ext scheduler "
-                     "runs on an older kernel (limits not enforced).",
+                     "kernel or enforces it itself (sched_ext); 0 while the sched_ext scheduler runs but "
+                     "could not track every cgroup (cgroups_untracked: limits may not hold).",
                      1.0 if stats.enforced else 0.0)
         yield _gauge("cgroup_scan_capped", "1 when the last cgroup scan stopped at its cap (the count is a "
                      "lower bound).", 1.0 if stats.capped else 0.0)

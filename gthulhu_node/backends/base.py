@@ -133,8 +133,13 @@ class Backend(abc.ABC):
     @property
     def enforces_cpu_max(self) -> bool:
         """Whether cgroup cpu.max holds for the tasks this backend schedules while it runs: the kernel's
-        own scheduler enforces it; the sched_ext scheduler only where the kernel passes it the limits."""
+        own scheduler enforces it; the sched_ext scheduler's objects do too (`cpu_max_source`)."""
         return True
+
+    @property
+    def cpu_max_source(self) -> str:
+        """Where a backend that enforces cpu.max itself takes the limits from; "" when the kernel does."""
+        return ""
 
     def health(self) -> BackendHealth:
         """Whether the backend still works; a real scheduler can be ejected by the kernel."""

@@ -40,6 +40,7 @@ from gthulhu_node.scheduler.loader import (
     SCHED_NAME,
     LoadedScheduler,
     LoadSettings,
+    cpu_max_source,
     enforces_cpu_max,
     load,
     sched_ext_state,
@@ -113,8 +114,17 @@ class SchedExtBackend(Backend):
 
     @property
     def enforces_cpu_max(self) -> bool:
-        """Only the 6.17+ object enforces cpu.max: older kernels do not pass it to a BPF scheduler."""
-        return self._sched is not None and enforces_cpu_max(self._sched.flavour)
+        """Whether the loaded object enforces cpu.max (every one does; `cpu_max_source` says from where) for
+        every cgroup: not once one could not be tracked (the cgroup map was full) or its task_group, where
+        kernels before 6.17 keep cpu.max, was not found (CONFIG_CFS_BANDWIDTH off)."""
+        if self._sched is None or not enforces_cpu_max(self._sched.flavour):
+            return False
+        return self.counters().get("cgroups_untracked", 0) == 0
+
+    @property
+    def cpu_max_source(self) -> str:
+        """Where the loaded object takes cpu.max from (status): the kernel's callback or task_group."""
+        return cpu_max_source(self._sched.cpu_max_passed) if self._sched is not None else ""
 
     def start(self) -> None:
         if self._sched is not None:

@@ -56,6 +56,7 @@ STAT_NAMES = (
     "bw_stops",
     "bw_stops_stale",
     "capacity_placements",
+    "cgroups_untracked",
 )
 #: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

@@ -109,9 +109,27 @@ def ops_members(btf: Path = KERNEL_BTF) -> set[str]:
         return {name for name, _, _ in kernel.struct_members("sched_ext_ops")}
 
 
+def _sets_bandwidth_op(path: Path, flavour: str) -> bool:
+    """Whether the object's ops table has cgroup_set_bandwidth: by its BTF, since an override
+    (scheduler.bpf_object) need not be the object its flavour names."""
+    try:
+        return BANDWIDTH_OP in ops_members(path)
+    except libbpf.LibbpfError:
+        return flavour == "6.17"
+
+
 def enforces_cpu_max(flavour: str) -> bool:
-    """Whether the object of this flavour enforces cpu.max (only kernels that pass it to us: 6.17+)."""
-    return flavour == "6.17"
+    """Whether the object of this flavour enforces cpu.max: every one does, the 6.17 object from what the
+    kernel passes it (ops.cgroup_set_bandwidth), the older ones from the cgroup's task_group, where those
+    kernels keep cpu.max for the fair class (read every 10 ms; docs/scheduler.md, "cpu.max")."""
+    return flavour in OBJECT_STEMS
+
+
+def cpu_max_source(passed_by_kernel: bool) -> str:
+    """Where an object takes cpu.max from, for status: the 6.17 object from ops.cgroup_set_bandwidth."""
+    if passed_by_kernel:
+        return "passed by the kernel, 6.17 or later"
+    return "read from the kernel's task_group every 10 ms, kernel before 6.17"
 
 
 _OBJECT_NAME = re.compile(r"gthulhu(?:-6\.1[27])?\.(\w+)\.bpf\.o")
@@ -286,9 +304,12 @@ def detach_stale(root: Path = SCHED_EXT) -> int:
 class LoadedScheduler:
     """The scheduler while it is loaded: its maps and the handle that detaches it."""
 
-    def __init__(self, obj: libbpf.BpfObject, link: libbpf.Link, lock: _Lock, flavour: str) -> None:
+    def __init__(self, obj: libbpf.BpfObject, link: libbpf.Link, lock: _Lock, flavour: str,
+                 cpu_max_passed: bool = False) -> None:
         self.obj = obj
         self.flavour = flavour
+        #: the object takes cpu.max from ops.cgroup_set_bandwidth (else from the cgroup's task_group)
+        self.cpu_max_passed = cpu_max_passed
         self._link = link
         self._lock = lock
         self.tid_map_fd = obj.map("tid_map").fd
@@ -438,7 +459,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             except OSError as exc:
                 raise _refused(f"attaching the scheduler failed: {exc}", messages) from exc
         state, ops = wait_state("enabled", ATTACH_TIMEOUT_S, root)
-        loaded = LoadedScheduler(obj, link, lock, flavour)
+        loaded = LoadedScheduler(obj, link, lock, flavour, _sets_bandwidth_op(path, flavour))
         loaded.verifier_insns = {p.name: p.verified_insns() for p in recorded}
         if state != "enabled" or ops != SCHED_NAME:
             info = loaded.bss(refresh_counts=False).exit_info

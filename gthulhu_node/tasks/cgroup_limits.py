@@ -1,11 +1,12 @@
 """Which cgroups on this node have a CPU limit (cgroup v2 `cpu.max`), and telling the operator whether it
 holds.
 
-Why: while our sched_ext scheduler runs, the kernel's CFS bandwidth control does not apply. From Linux 6.17
-the kernel passes each cgroup's `cpu.max` to the scheduler, which enforces it; before 6.17 a cgroup's
-`cpu.max` (every Kubernetes CPU limit, every `docker run --cpus`) is not enforced (docs/scheduler.md). The
-agent cannot fix that there; it counts the limited cgroups so status, metrics and the log say so before an
-operator relies on a limit.
+Why: while our sched_ext scheduler runs, the kernel's CFS bandwidth control does not apply, so the
+scheduler enforces `cpu.max` itself (every Kubernetes CPU limit, every `docker run --cpus`): from Linux 6.17
+as the kernel passes it, before from the cgroup's task_group, where the kernel keeps it
+(docs/scheduler.md, "cpu.max"). It can miss a cgroup: its cgroup map full, or a kernel that keeps no
+`cpu.max` there. The agent counts the limited cgroups so status, metrics and the log say whether the limits
+hold before an operator relies on one.
 
 The walk is bounded (`max_cgroups`) and tolerates cgroups that vanish while it runs (ENOENT, ENODEV). A
 cgroup without `cpu.max` (the cpu controller not enabled for it, the root) has no limit. Anything else that
@@ -109,10 +110,11 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False  # gone between listing and looking
 
 
-def describe(scan: CpuMaxScan | None, enforced: bool, backend: str, by_scheduler: bool = False) -> str:
+def describe(scan: CpuMaxScan | None, enforced: bool, backend: str, by_scheduler: str = "") -> str:
     """The status line: how many cgroups are limited and whether the limit holds with this backend, and
-    who holds it: our scheduler (`by_scheduler`, the 6.17 object running) or the kernel (any other backend,
-    or the sched_ext backend while its scheduler is not running)."""
+    who holds it: our scheduler (`by_scheduler` says where it takes cpu.max from, "" when it is not what
+    holds it) or the kernel (any other backend, or the sched_ext backend while its scheduler is not
+    running)."""
     if scan is None:
         return "not scanned yet"
     if scan.limited is None:
@@ -120,14 +122,15 @@ def describe(scan: CpuMaxScan | None, enforced: bool, backend: str, by_scheduler
     count = f"at least {scan.limited}" if scan.capped else str(scan.limited)
     text = f"{count} cgroups limited"
     if enforced and by_scheduler:
-        text += "; enforced by the sched_ext scheduler (kernel 6.17 or later)"
+        text += f"; enforced by the sched_ext scheduler (cpu.max {by_scheduler})"
     elif enforced and backend == "sched_ext":
         text += "; enforced by the kernel while the sched_ext scheduler is not running"
     elif enforced:
         text += f"; enforced by the kernel ({backend} backend)"
     else:
         text += f"; {'NOT' if scan.limited else 'a cpu.max set now would NOT be'} enforced while the " \
-                "sched_ext scheduler runs on this kernel (before 6.17; docs/scheduler.md)"
+                "sched_ext scheduler runs (cgroups_untracked > 0: the cgroup map was full or the kernel " \
+                "keeps no cpu.max where the scheduler reads it; docs/scheduler.md)"
     if scan.capped:
         text += f"; walk stopped at {scan.visited} cgroups"
     if scan.errors:
@@ -228,6 +231,7 @@ class CpuMaxWatch:
             self._warned = True
             log.warning("cgroup_cpu_max_not_enforced", limited=result.limited, examples=list(result.examples),
                         capped=result.capped, scan_s=round(time.monotonic() - started, 3),
-                        action="the sched_ext scheduler does not enforce cgroup cpu.max (CPU limits of "
-                               "containers) on kernels before 6.17; see docs/scheduler.md")
+                        action="the sched_ext scheduler could not track every cgroup (its counter "
+                               "cgroups_untracked): cgroup cpu.max (CPU limits of containers) may not hold; "
+                               "see docs/scheduler.md")
         return result

@@ -21,7 +21,8 @@ DATA = Path(__file__).resolve().parents[2] / "gthulhu_node" / "data"
 ARM_NEW, ARM_OLD = DATA / "gthulhu.aarch64.bpf.o", DATA / "gthulhu-6.12.aarch64.bpf.o"
 ARM_BW = DATA / "gthulhu-6.17.aarch64.bpf.o"
 # The kfuncs only the 6.12 object calls: renamed in 6.13, the old names gone in 6.17.
-NAMES_6_12 = {"scx_bpf_dispatch", "scx_bpf_dispatch_vtime", "scx_bpf_consume", "scx_bpf_dispatch_from_dsq"}
+NAMES_6_12 = {"scx_bpf_dispatch", "scx_bpf_dispatch_vtime", "scx_bpf_consume", "scx_bpf_dispatch_from_dsq",
+              "scx_bpf_dispatch_from_dsq_set_vtime", "scx_bpf_dispatch_vtime_from_dsq"}
 # platform.machine()'s name -> Debian's
 DEBIAN_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 

@@ -11,6 +11,7 @@ import pytest
 import structlog
 
 from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.scheduler.loader import cpu_max_source
 from gthulhu_node.tasks.cgroup_limits import CpuMaxScan, CpuMaxWatch, describe, parse_cpu_max, scan_cpu_max
 from tests.fakecgroup import cgroup, tree
 
@@ -98,11 +99,15 @@ def test_the_walk_stops_at_its_cap_and_says_so(tmp_path: Path) -> None:
 def test_status_line() -> None:
     scan = CpuMaxScan(12, 40)
     assert describe(scan, False, "sched_ext") == (
-        "12 cgroups limited; NOT enforced while the sched_ext scheduler runs on this kernel (before 6.17; "
-        "docs/scheduler.md)")
-    assert describe(scan, True, "sched_ext", by_scheduler=True) == (
-        "12 cgroups limited; enforced by the sched_ext scheduler (kernel 6.17 or later)")
-    # ejected on a kernel before 6.17: the kernel's CFS holds the limit, not our scheduler (it said ours)
+        "12 cgroups limited; NOT enforced while the sched_ext scheduler runs (cgroups_untracked > 0: the "
+        "cgroup map was full or the kernel keeps no cpu.max where the scheduler reads it; docs/scheduler.md)")
+    assert describe(scan, True, "sched_ext", by_scheduler=cpu_max_source(True)) == (
+        "12 cgroups limited; enforced by the sched_ext scheduler (cpu.max passed by the kernel, 6.17 or "
+        "later)")
+    assert describe(scan, True, "sched_ext", by_scheduler=cpu_max_source(False)) == (
+        "12 cgroups limited; enforced by the sched_ext scheduler (cpu.max read from the kernel's task_group "
+        "every 10 ms, kernel before 6.17)")
+    # ejected: the kernel's CFS holds the limit, not our scheduler (it once said ours)
     assert describe(scan, True, "sched_ext") == (
         "12 cgroups limited; enforced by the kernel while the sched_ext scheduler is not running")
     assert describe(scan, True, "eevdf") == "12 cgroups limited; enforced by the kernel (eevdf backend)"
@@ -170,8 +175,8 @@ def test_rescans_on_its_own_thread(tmp_path: Path) -> None:
 
 
 class SchedExtStandIn(DryRunBackend):
-    """A dry run under the sched_ext backend's name, as on a kernel before 6.17: what the agent decides
-    from, without loading BPF."""
+    """A dry run under the sched_ext backend's name, as when its scheduler could not track a cgroup
+    (cgroups_untracked > 0): what the agent decides from, without loading BPF."""
 
     name = "sched_ext"
 
@@ -181,23 +186,28 @@ class SchedExtStandIn(DryRunBackend):
 
 
 class SchedExt617StandIn(DryRunBackend):
-    """The sched_ext backend on 6.17+: its object enforces cpu.max."""
+    """The sched_ext backend on 6.17+: its object enforces cpu.max as the kernel passes it."""
 
     name = "sched_ext"
+
+    @property
+    def cpu_max_source(self) -> str:
+        return cpu_max_source(True)
 
 
 @pytest.mark.parametrize("backend, line, enforced", [
     (DryRunBackend, "2 cgroups limited; enforced by the kernel (dry-run backend)", 1.0),
-    (SchedExtStandIn, "2 cgroups limited; NOT enforced while the sched_ext scheduler runs on this kernel "
-     "(before 6.17; docs/scheduler.md)", 0.0),
-    (SchedExt617StandIn, "2 cgroups limited; enforced by the sched_ext scheduler (kernel 6.17 or later)",
-     1.0),
+    (SchedExtStandIn, "2 cgroups limited; NOT enforced while the sched_ext scheduler runs (cgroups_untracked "
+     "> 0: the cgroup map was full or the kernel keeps no cpu.max where the scheduler reads it; "
+     "docs/scheduler.md)", 0.0),
+    (SchedExt617StandIn, "2 cgroups limited; enforced by the sched_ext scheduler (cpu.max passed by the "
+     "kernel, 6.17 or later)", 1.0),
 ])
 def test_status_metrics_and_log_of_a_real_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 backend: type[DryRunBackend], line: str,
                                                 enforced: float) -> None:
     """What an operator sees: the `gthulhu-node status` line, the two gauges, and (sched_ext before 6.17
-    only) one warning at start."""
+    when it cannot track every cgroup only) one warning at start."""
     from gthulhu_node import cli
     from gthulhu_node.agent import Agent
     from gthulhu_node.config import AgentConfig

@@ -660,9 +660,9 @@ class WorkCounter:
         return self.rate(seconds) / self.full_rate
 
 
-def _bandwidth_checks(seconds: float, backend: SchedExtBackend | None, full: bool) -> dict[str, Any]:
+def _bandwidth_checks(seconds: float, backend: SchedExtBackend | None) -> dict[str, Any]:
     """CPU hogs under cpu.max, each check measured over `seconds` (fractions of one CPU). With `backend`
-    (ours), the capped hog is also boosted to the top priority partway. Not `full`: the first check only."""
+    (ours), the capped hog is also boosted to the top priority partway."""
     out: dict[str, Any] = {}
     cg = _cgroup_at("gthulhu-bw", {"cpu.max": "20000 100000"})
     work = WorkCounter()
@@ -670,11 +670,9 @@ def _bandwidth_checks(seconds: float, backend: SchedExtBackend | None, full: boo
         hog = _hogs_in(cg, "capped", 1, pids, work.body)
         time.sleep(0.3)
         out["capped"] = cpu_shares(hog, seconds)["capped0"]
-        if full:
-            out.update(_changed_limits(cg, hog, seconds, backend, work))
+        out.update(_changed_limits(cg, hog, seconds, backend, work))
     _remove_cgroups(cg)
-    if full:
-        out.update(_parent_and_many(seconds))
+    out.update(_parent_and_many(seconds))
     return out
 
 
@@ -717,8 +715,8 @@ def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
     return out
 
 
-def _parent_and_many(seconds: float) -> dict[str, Any]:
-    """A parent's limit binding two hogs in a child without one; 50 limited cgroups at once."""
+def _parent_and_many(seconds: float, many: bool = True) -> dict[str, Any]:
+    """A parent's limit binding two hogs in a child without one; (`many`) 50 limited cgroups at once."""
     out: dict[str, Any] = {}
     parent = _cgroup_at("gthulhu-bw-parent", {"cpu.max": "30000 100000"})
     child = _cgroup_at("gthulhu-bw-parent/child", {})
@@ -727,6 +725,8 @@ def _parent_and_many(seconds: float) -> dict[str, Any]:
         time.sleep(0.3)
         out["child_hogs"] = sum(cpu_shares(hogs, seconds).values())
     _remove_cgroups(child, parent)
+    if not many:
+        return out
     # 3 % each: 1.5 CPUs of the 2 in all
     many = [_cgroup_at(f"gthulhu-bw-{i}", {"cpu.max": "3000 100000"}) for i in range(50)]
     with workers() as pids:
@@ -754,22 +754,49 @@ def _long_period() -> float:
     return share
 
 
+def _reread_checks(seconds: float) -> dict[str, Any]:
+    """cpu.max as the objects for kernels before 6.17 take it, from the cgroup's task_group, where 7.3 keeps
+    it too: the 6.13 object loaded on 7.3, a hog capped, the cap raised while it runs, a parent's cap
+    binding a child's hogs."""
+    out: dict[str, Any] = {}
+    with scheduler(bpf_object=loader.object_path("6.13")) as backend:
+        cg = _cgroup_at("gthulhu-bw-reread", {"cpu.max": "20000 100000"})
+        with workers() as pids:
+            hog = _hogs_in(cg, "reread", 1, pids)
+            time.sleep(0.3)
+            out["capped"] = cpu_shares(hog, seconds)["reread0"]
+            (cg / "cpu.max").write_text("50000 100000")
+            time.sleep(BW_PERIOD_S)
+            out["raised"] = cpu_shares(hog, seconds)["reread0"]
+        _remove_cgroups(cg)
+        out["child_hogs"] = _parent_and_many(seconds, many=False)["child_hogs"]
+        out["counters"] = {n: v for n, v in backend.counters().items() if n.startswith(("bw_", "cgroups_"))}
+        out["enforced"] = backend.enforces_cpu_max
+        out["source"] = backend.cpu_max_source
+        out["health"] = backend.health().state.value
+    return out
+
+
 def cpu_max(args: argparse.Namespace) -> dict[str, Any]:
-    """cpu.max under EEVDF and then under ours in the same boot, and whether ours enforces it on this kernel
-    (the 6.17+ object does; elsewhere one check shows it does not). No ejection throughout."""
-    enforced = loader.enforces_cpu_max(loader.kfunc_flavour())
-    out: dict[str, Any] = {"enforced": enforced, "eevdf": _bandwidth_checks(args.seconds, None, enforced)}
-    if enforced:
-        out["eevdf"]["long_period"] = _long_period()
-        # the shortest watchdog the agent accepts (1 s) against the longest period: nobody is ejected
-        with scheduler(watchdog_timeout_ms=1000) as backend:
-            out["ours_long_period"] = _long_period()
-            out["health_long_period"] = backend.health().state.value
+    """cpu.max under EEVDF and then under ours in the same boot (every object enforces it: 6.17's as the
+    kernel passes it, the older ones from the cgroup's task_group). On 6.17+ also the older objects' way,
+    by loading the 6.13 object. No ejection throughout."""
+    flavour = loader.kfunc_flavour()
+    out: dict[str, Any] = {"eevdf": _bandwidth_checks(args.seconds, None)}
+    out["eevdf"]["long_period"] = _long_period()
+    # the shortest watchdog the agent accepts (1 s) against the longest period: nobody is ejected
+    with scheduler(watchdog_timeout_ms=1000) as backend:
+        out["ours_long_period"] = _long_period()
+        out["health_long_period"] = backend.health().state.value
     with scheduler() as backend:
-        out["ours"] = _bandwidth_checks(args.seconds, backend, enforced)
+        out["ours"] = _bandwidth_checks(args.seconds, backend)
         out["counters"] = backend.counters()
+        out["enforced"] = backend.enforces_cpu_max
+        out["source"] = backend.cpu_max_source
         out["health"] = backend.health().state.value
         out["state"] = state()
+    if flavour == "6.17":
+        out["reread"] = _reread_checks(args.seconds)
     return out
 
 
