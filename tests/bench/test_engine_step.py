@@ -129,6 +129,52 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
     assert all(x["steps_per_s"] > 0 for results in runs.values() for x in results)
 
 
+# Issue 14, item 6: this revision's scheduler against an earlier one (the one before the safety rework by
+# default), the same engine program on both sides (scripts/bench-earlier-scheduler copies it in), in one
+# boot, rounds interleaved and the order of the two sides swapped every round.
+EARLIER = os.environ.get("GTHULHU_BENCH_EARLIER", "")
+BOTH_SIDES = ("ours boosted (agent)", "4 engines ours boosted")
+BASELINES = ("no contention", "4 engines no contention", "EEVDF", "4 engines EEVDF")
+EARLIER_BUDGET_S = ROUNDS * (len(BOTH_SIDES) * 2 + len(BASELINES)) * (SECONDS + 300) + 300
+
+
+@pytest.mark.timeout(EARLIER_BUDGET_S + 120)
+def test_engine_step_against_an_earlier_scheduler(lab: Lab) -> None:
+    if not EARLIER:
+        pytest.skip("GTHULHU_BENCH_EARLIER unset: `GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler)`")
+    earlier_script = f"{EARLIER}/tests/vm/engine_step_bench.py"
+    runs: dict[str, list[dict[str, float]]] = {}
+    kernel = cpus = ""
+    for rnd in range(ROUNDS):
+        sides = [("", "tests/vm/engine_step_bench.py", (*BASELINES, *BOTH_SIDES)),
+                 ("earlier: ", earlier_script, BOTH_SIDES)]
+        for label, script, cases in sides if rnd % 2 == 0 else reversed(sides):
+            # both through env, so both start as fresh interpreters: the guest's warm Python
+            # (tests/vm/zygote.py) has this revision's gthulhu_node imported, and would run the earlier
+            # script with it
+            r = lab.run(["env", lab.venv_python, script, "--seconds", str(SECONDS), "--rounds", "1",
+                         "--cases", ",".join(cases)], timeout=len(cases) * (SECONDS + 300))
+            assert r.returncode == 0, r.stderr[-4000:]
+            data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+            kernel, cpus = data["kernel"], data["cpus"]
+            for case, results in data["runs"].items():
+                runs.setdefault(label + case, []).extend(results)
+            print(f"round {rnd + 1}, {label or 'this revision: '}{json.dumps(data['runs'])}", flush=True)
+    print_table({"runs": runs, "kernel": kernel, "cpus": cpus, "rounds": ROUNDS, "seconds": SECONDS,
+                 "tcg_thread": lab.tcg_thread})
+
+    def med(case: str) -> float:
+        return statistics.median(x["steps_per_s"] for x in runs[case])
+
+    for case in BOTH_SIDES:
+        for label in ("", "earlier: "):
+            rows = runs[label + case]
+            print(f"{label or 'this revision: '}{case}: {_med([x['steps_per_s'] for x in rows])} steps/s, "
+                  f"p99 {_med([x['p99_ms'] for x in rows], '.2f')} ms")
+        print(f"  steps/s ratio this / earlier: {med(case) / med('earlier: ' + case):.2f}")
+    assert all(x.get("health_ok") == 1.0 for case in runs if "ours" in case for x in runs[case])
+
+
 # The arm64 guest (4 vCPUs, 2 big + 2 little): the cases that need no x86 peer binary. No goals: every
 # instruction is emulated from another ISA (issue 23, docs/arm64.md has the figures).
 ARM64_CASES = ("no contention", "EEVDF", "ours no policy", "ours boosted (agent)", "nice -n -20",

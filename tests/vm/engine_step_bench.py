@@ -40,7 +40,6 @@ from gthulhu_node.intents.model import Intent
 from gthulhu_node.matching import PolicySet
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.scheduler.backend import SchedExtBackend
-from tests.vm import peers
 
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
@@ -174,7 +173,7 @@ def peer(name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    proc = subprocess.Popen([str(PEERS_DIR / name)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(peers_dir() / name)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while _sched_ext() != ("enabled", name.removeprefix("scx_")):
@@ -192,8 +191,18 @@ def peer(name: str | None) -> Iterator[None]:
 
 
 # Where the peers' binaries are in the guest: the host copies them into the scratch folder (the guest
-# has a tmpfs over /var/cache, where tests/vm/peers.py caches them). --peers-dir sets it.
-PEERS_DIR = peers.peers_dir()
+# has a tmpfs over /var/cache, where tests/vm/peers.py caches them). --peers-dir sets it; without it,
+# tests/vm/peers.py's folder (imported only then: a copy of this script run from an earlier checkout,
+# which has no peers module, needs none; scripts/bench-earlier-scheduler).
+PEERS_DIR: Path | None = None
+
+
+def peers_dir() -> Path:
+    if PEERS_DIR is not None:
+        return PEERS_DIR
+    from tests.vm import peers
+
+    return peers.peers_dir()
 ENGINE_CGROUP = Path("/sys/fs/cgroup/gthulhu-bench-engine")
 
 
@@ -286,7 +295,8 @@ def run_case(name: str, seconds: float) -> dict[str, float]:
                 for key in ("preemptions", "boosted_dispatches", "demotions", "throttled_windows",
                             "fair_preemptions", "fair_dispatches", "direct_dispatches",
                             "capacity_placements"):
-                    out[key] = after[key] - counters_before[key]
+                    # an earlier scheduler may lack a counter (scripts/bench-earlier-scheduler)
+                    out[key] = after.get(key, 0) - counters_before.get(key, 0)
                 out["health_ok"] = float(sched.health().state.value == "running")
             for proc in procs:
                 proc.wait(timeout=30)
