@@ -239,12 +239,17 @@ class Agent:
     def cpu_max_enforced(self) -> bool:
         """Whether cgroup cpu.max holds now. While our sched_ext scheduler runs, the kernel's CFS bandwidth
         control does not apply to its tasks and the scheduler enforces cpu.max itself, unless it could not
-        track every cgroup (`SchedExtBackend.enforces_cpu_max`). True for the other backends, and while the
-        scheduler is ejected."""
+        track every cgroup (its counter `cgroups_untracked`, from the engine's latest frame). True for the
+        other backends, and while the scheduler is ejected."""
         backend = self.backend
         if backend is None or backend.name != SCHED_EXT:
             return True
-        return not self._scheduler_running() or backend.enforces_cpu_max
+        return not self._scheduler_running() or (backend.enforces_cpu_max and not self._cgroups_untracked())
+
+    def _cgroups_untracked(self) -> int:
+        if self.engine is None:
+            return 0
+        return self.engine.feed.latest().counters.get("cgroups_untracked", 0)
 
     def _scheduler_running(self) -> bool:
         return self._backend_state()[0] in (BackendState.RUNNING.value, "starting")
@@ -252,8 +257,8 @@ class Agent:
     def cpu_max_by_scheduler(self) -> str:
         """Where our own scheduler takes cpu.max from when it is what holds it now; "" when it is not."""
         backend = self.backend
-        if (backend is not None and backend.name == SCHED_EXT and backend.enforces_cpu_max
-                and self._scheduler_running()):
+        if (backend is not None and backend.name == SCHED_EXT and self._scheduler_running()
+                and self.cpu_max_enforced()):
             return backend.cpu_max_source
         return ""
 

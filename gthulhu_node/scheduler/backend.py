@@ -114,12 +114,11 @@ class SchedExtBackend(Backend):
 
     @property
     def enforces_cpu_max(self) -> bool:
-        """Whether the loaded object enforces cpu.max (every one does; `cpu_max_source` says from where) for
-        every cgroup: not once one could not be tracked (the cgroup map was full) or its task_group, where
-        kernels before 6.17 keep cpu.max, was not found (CONFIG_CFS_BANDWIDTH off)."""
-        if self._sched is None or not enforces_cpu_max(self._sched.flavour):
-            return False
-        return self.counters().get("cgroups_untracked", 0) == 0
+        """Whether the loaded object enforces cpu.max (every one does; `cpu_max_source` says from where).
+        For every cgroup only while its counter `cgroups_untracked` is 0, which the Agent reads from the
+        engine's frame: this property is read on any thread, and reading the scheduler's maps here could
+        race the engine thread's detach."""
+        return self._sched is not None and enforces_cpu_max(self._sched.flavour)
 
     @property
     def cpu_max_source(self) -> str:

@@ -185,6 +185,20 @@ class SchedExtStandIn(DryRunBackend):
         return False
 
 
+class SchedExtUntrackedStandIn(DryRunBackend):
+    """The sched_ext backend whose scheduler counted a cgroup it could not track: the agent reads the
+    counter from the engine's frame, as it does the real scheduler's."""
+
+    name = "sched_ext"
+
+    @property
+    def cpu_max_source(self) -> str:
+        return cpu_max_source(False)
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "cgroups_untracked": 1}
+
+
 class SchedExt617StandIn(DryRunBackend):
     """The sched_ext backend on 6.17+: its object enforces cpu.max as the kernel passes it."""
 
@@ -202,6 +216,9 @@ class SchedExt617StandIn(DryRunBackend):
      "docs/scheduler.md)", 0.0),
     (SchedExt617StandIn, "2 cgroups limited; enforced by the sched_ext scheduler (cpu.max passed by the "
      "kernel, 6.17 or later)", 1.0),
+    (SchedExtUntrackedStandIn, "2 cgroups limited; NOT enforced while the sched_ext scheduler runs "
+     "(cgroups_untracked > 0: the cgroup map was full or the kernel keeps no cpu.max where the scheduler "
+     "reads it; docs/scheduler.md)", 0.0),
 ])
 def test_status_metrics_and_log_of_a_real_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 backend: type[DryRunBackend], line: str,
