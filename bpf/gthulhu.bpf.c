@@ -598,6 +598,13 @@ static __always_inline void bw_set_us(struct cgroup_ctx *cg, u64 period_us, u64 
  * within that, where 6.17's callback makes it hold at once.
  */
 #define BW_REREAD_NS 10000000ULL
+/*
+ * task_group always has cfs_bandwidth; its fields exist only with CONFIG_CFS_BANDWIDTH. A CO-RE constant,
+ * so on a kernel without them the reads below are dead code the verifier never walks.
+ */
+#define BW_IN_KERNEL (bpf_core_field_exists(struct cfs_bandwidth, period) && \
+		      bpf_core_field_exists(struct cfs_bandwidth, quota) && \
+		      bpf_core_field_exists(struct cfs_bandwidth, burst))
 /* Reads (BW_REREAD_NS apart, so a second at least) that find no task_group before the cgroup is counted
  * in cgroups_untracked: its css should be linked moments after its cgroup_init. */
 #define BW_TG_MISSES 100
@@ -633,6 +640,10 @@ static __always_inline void bw_tg_limit(u64 tg_addr, struct bw_limit *l)
 {
 	struct task_group *tg = (void *)tg_addr;
 
+	if (!BW_IN_KERNEL) {
+		l->period = l->quota = l->burst = 0;
+		return;
+	}
 	l->period = BPF_CORE_READ(tg, cfs_bandwidth.period);
 	l->quota = BPF_CORE_READ(tg, cfs_bandwidth.quota);
 	l->burst = BPF_CORE_READ(tg, cfs_bandwidth.burst);
@@ -645,6 +656,8 @@ static __always_inline bool bw_differs(struct cgroup_ctx *cg, struct bw_limit *l
 	return l->quota != cg->quota_ns || (l->quota && (l->period != cg->period_ns || l->burst != cg->burst_ns));
 }
 #endif
+
+static void bw_arm(u64 at, u64 now);
 
 /*
  * Before 6.17: read the cgroup's cpu.max again if BW_REREAD_NS have passed. A changed limit makes a
@@ -673,9 +686,9 @@ static __always_inline void bw_reread(struct cgroup_ctx *cg, u64 now)
 	if (changed)
 		bw_set(cg, l.period, l.quota, l.burst, now);
 	bpf_spin_unlock(&cg->lock);
-	/* the timer polls while tasks are parked: a release pass due now runs within BW_POLL_NS */
+	/* as the 6.17 callback does: a raised or removed limit frees the parked tasks at once */
 	if (changed)
-		bw_release_at = now;
+		bw_arm(now, now);
 #endif
 }
 
@@ -1025,6 +1038,17 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 }
 
 /*
+ * ENQ_LAST comes from put_prev after the CPU has picked what runs next (idle): a task inserted into its
+ * local DSQ then waits for the next scheduling event there, and the kernel leaves that event to the BPF
+ * scheduler. The kick lands once the CPU is idle and makes it pick the task again.
+ */
+static __always_inline void insert_last(struct task_struct *p, u64 slice, u64 enq_flags)
+{
+	dsq_insert(p, DSQ_LOCAL, slice, enq_flags);
+	scx_bpf_kick_cpu(scx_bpf_task_cpu(p), KICK_IDLE);
+}
+
+/*
  * A boosted task requeued (its slice ended) on a CPU less capable than another it may use that is idle or
  * runs something less important: straight to that CPU's local DSQ, preempting, instead of BOOST_DSQ, from
  * which the CPU that just ran it would take it back. Only while no boosted task waits in BOOST_DSQ (their
@@ -1100,9 +1124,12 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 		count(&bss.stats.fair_dispatches);
 		return;
 	}
-	/* ENQ_LAST (6.17+ object): nothing else is queued for this CPU, so it keeps the task. */
+	/* ENQ_LAST: nothing else is queued for this CPU, so it keeps the task. */
 	if (!tctx) {
-		dsq_insert(p, (enq_flags & ENQ_LAST) ? DSQ_LOCAL : FAIR_DSQ, s.slice, enq_flags);
+		if (enq_flags & ENQ_LAST)
+			insert_last(p, s.slice, enq_flags);
+		else
+			dsq_insert(p, FAIR_DSQ, s.slice, enq_flags);
 		return;
 	}
 	prio = effective_prio(tctx, s.prio, now);
@@ -1112,7 +1139,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if (bw_park(p, tctx, s.slice, enq_flags, now))
 		return;
 	if (enq_flags & ENQ_LAST) {
-		dsq_insert(p, DSQ_LOCAL, s.slice, enq_flags);
+		insert_last(p, s.slice, enq_flags);
 		return;
 	}
 	if (prio) {
@@ -1677,7 +1704,7 @@ s32 OP(gthulhu_cgroup_init, struct cgroup *cgrp, struct scx_cgroup_init_args *ar
 #ifdef GTHULHU_CGROUP_BW
 	bw_set_us(&cg, args->bw_period_us, args->bw_quota_us, args->bw_burst_us, bpf_ktime_get_ns());
 #else
-	if (bpf_core_field_exists(struct task_group, cfs_bandwidth)) {
+	if (BW_IN_KERNEL) {
 		/* a cgroup there at load has its task_group linked; a new one gets it at its first walk */
 		cg.cgrp = (u64)cgrp;
 		cg.tg = bw_tg_of(cg.cgrp);

@@ -118,12 +118,14 @@ class SchedExtBackend(Backend):
         For every cgroup only while its counter `cgroups_untracked` is 0, which the Agent reads from the
         engine's frame: this property is read on any thread, and reading the scheduler's maps here could
         race the engine thread's detach."""
-        return self._sched is not None and enforces_cpu_max(self._sched.flavour)
+        sched = self._sched  # once: the engine thread may drop it meanwhile
+        return sched is not None and enforces_cpu_max(sched.flavour)
 
     @property
     def cpu_max_source(self) -> str:
         """Where the loaded object takes cpu.max from (status): the kernel's callback or task_group."""
-        return cpu_max_source(self._sched.cpu_max_passed) if self._sched is not None else ""
+        sched = self._sched
+        return cpu_max_source(sched.cpu_max_passed) if sched is not None else ""
 
     def start(self) -> None:
         if self._sched is not None:

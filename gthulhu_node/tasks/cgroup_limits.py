@@ -128,7 +128,7 @@ def describe(scan: CpuMaxScan | None, enforced: bool, backend: str, by_scheduler
     elif enforced:
         text += f"; enforced by the kernel ({backend} backend)"
     else:
-        text += f"; {'NOT' if scan.limited else 'a cpu.max set now would NOT be'} enforced while the " \
+        text += f"; {'may NOT be' if scan.limited else 'a cpu.max set now may NOT be'} enforced while the " \
                 "sched_ext scheduler runs (cgroups_untracked > 0: the cgroup map was full or the kernel " \
                 "keeps no cpu.max where the scheduler reads it; docs/scheduler.md)"
     if scan.capped:

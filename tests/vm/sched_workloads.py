@@ -771,10 +771,24 @@ def _reread_checks(seconds: float) -> dict[str, Any]:
         _remove_cgroups(cg)
         out["child_hogs"] = _parent_and_many(seconds, many=False)["child_hogs"]
         out["counters"] = {n: v for n, v in backend.counters().items() if n.startswith(("bw_", "cgroups_"))}
-        out["enforced"] = backend.enforces_cpu_max
         out["source"] = backend.cpu_max_source
         out["health"] = backend.health().state.value
+    out["before_load"] = _limited_before_load(seconds, bpf_object=loader.object_path("6.13"))
     return out
+
+
+def _limited_before_load(seconds: float, **cfg: Any) -> float:
+    """A hog capped at 20 % in a cgroup made before our scheduler loads (an agent started, or restarted, on
+    a node whose containers run): the limit is taken at load (cgroup_init), not from a later change."""
+    cg = _cgroup_at("gthulhu-bw-pre", {"cpu.max": "20000 100000"})
+    with workers() as pids:
+        hog = _hogs_in(cg, "pre", 1, pids)
+        time.sleep(0.3)
+        with scheduler(**cfg):
+            time.sleep(BW_PERIOD_S)
+            share = cpu_shares(hog, seconds)["pre0"]
+    _remove_cgroups(cg)
+    return share
 
 
 def cpu_max(args: argparse.Namespace) -> dict[str, Any]:
@@ -788,10 +802,10 @@ def cpu_max(args: argparse.Namespace) -> dict[str, Any]:
     with scheduler(watchdog_timeout_ms=1000) as backend:
         out["ours_long_period"] = _long_period()
         out["health_long_period"] = backend.health().state.value
+    out["before_load"] = _limited_before_load(args.seconds)
     with scheduler() as backend:
         out["ours"] = _bandwidth_checks(args.seconds, backend)
         out["counters"] = backend.counters()
-        out["enforced"] = backend.enforces_cpu_max
         out["source"] = backend.cpu_max_source
         out["health"] = backend.health().state.value
         out["state"] = state()

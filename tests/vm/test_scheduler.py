@@ -229,7 +229,9 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
     print("cpu.max (EEVDF, ours):", json.dumps({k: (round(eevdf.get(k, -1), 3), round(v, 3))
                                                 for k, v in ours.items() if isinstance(v, float)}))
     assert out["health"] == "running" and out["state"]["state"] == "enabled", out
-    assert out["enforced"] and out["counters"]["cgroups_untracked"] == 0, out
+    assert out["counters"]["cgroups_untracked"] == 0, out
+    # made before the load: its limit comes with cgroup_init (6.17: its arguments; before: the task_group)
+    assert abs(out["before_load"] - 0.2) <= CPU_MAX_TOLERANCE, out
     six_twelve = lab.kernel.version.startswith("6.12")
     assert ("task_group" if six_twelve else "passed by the kernel") in out["source"], out
     for key, cap in CPU_MAX_CHECKS:
@@ -245,9 +247,16 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
     print("3 % quota by work (EEVDF, ours, ours boosted):", eevdf["small_by_work"], ours["small_by_work"],
           ours["boosted_small_by_work"])
     assert abs(eevdf["small"] - 0.03) <= 0.01, eevdf
-    assert ours["small"] <= 0.03 + 0.012 and ours["boosted_small"] <= 0.03 + 0.012, ours
-    assert 0.6 * eevdf["small_by_work"] <= ours["small_by_work"] <= 0.03 + 0.012, (eevdf, ours)
-    assert 0.7 * ours["small_by_work"] <= ours["boosted_small_by_work"] <= 0.03 + 0.012, ours
+    # The limit holds on both kernels: no more work than the quota allows, boosted or not.
+    assert ours["small_by_work"] <= 0.03 + 0.012 and ours["boosted_small_by_work"] <= 0.03 + 0.012, ours
+    # The rest is calibrated on 7.3 (seven runs, docs/scheduler.md). On 6.12 in a two-lane make test (the
+    # guest at half its quiet speed) schedstat read 0.051 for ours while work done was 0.022, and boosted
+    # work 0.013 against unboosted 0.022; quiet, 0.031 and 0.018 against 0.017: there the sub-tick quota
+    # measures the host, not the scheduler.
+    if not six_twelve:
+        assert ours["small"] <= 0.03 + 0.012 and ours["boosted_small"] <= 0.03 + 0.012, ours
+        assert 0.6 * eevdf["small_by_work"] <= ours["small_by_work"], (eevdf, ours)
+        assert 0.7 * ours["small_by_work"] <= ours["boosted_small_by_work"], ours
     # 50 cgroups at 3 % each: none over its cap, all of them run, and together no more than the caps allow.
     # Not compared with EEVDF's total: under TCG it gives them less than their caps (1.01-1.38 of 1.5
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
@@ -271,8 +280,9 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
         return
     reread = out["reread"]
     print("cpu.max read from task_group by the 6.13 object on 7.3:", json.dumps(reread))
-    assert reread["health"] == "running" and reread["enforced"] and "task_group" in reread["source"], reread
-    for key, cap in (("capped", 0.2), ("raised", 0.5), ("child_hogs", 0.3)):
+    assert reread["health"] == "running" and "task_group" in reread["source"], reread
+    assert reread["counters"]["cgroups_untracked"] == 0, reread
+    for key, cap in (("capped", 0.2), ("raised", 0.5), ("child_hogs", 0.3), ("before_load", 0.2)):
         assert abs(reread[key] - cap) <= CPU_MAX_TOLERANCE, (key, reread)
 
 
