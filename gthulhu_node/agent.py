@@ -256,11 +256,10 @@ class Agent:
 
     def cpu_max_by_scheduler(self) -> str:
         """Where our own scheduler takes cpu.max from when it is what holds it now; "" when it is not."""
-        backend = self.backend
-        if (backend is not None and backend.name == SCHED_EXT and self._scheduler_running()
-                and self.cpu_max_enforced()):
-            return backend.cpu_max_source
-        return ""
+        backend = self.backend  # cpu_max_source is "" for every backend but sched_ext
+        if backend is None or not self._scheduler_running() or not self.cpu_max_enforced():
+            return ""
+        return backend.cpu_max_source
 
     def _stop_backend(self) -> None:
         if self.backend is not None:
