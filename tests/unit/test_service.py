@@ -4,6 +4,7 @@ it), SIGHUP -> reload with RELOADING=1, SIGTERM -> STOPPING=1 and a clean stop, 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -104,9 +105,12 @@ def collect(sock: socket.socket, events: list[str], done: threading.Event) -> No
             continue
 
 
-def test_lifecycle(notify: tuple[str, socket.socket], restore_signals: None) -> None:
+def test_lifecycle(
+    notify: tuple[str, socket.socket], restore_signals: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, sock = notify
     events: list[str] = []
+    monkeypatch.setattr(gc, "freeze", lambda: events.append("heap frozen"))
     agent = FakeAgent(events)
     done = threading.Event()
     reader = threading.Thread(target=collect, args=(sock, events, done))
@@ -137,6 +141,9 @@ def test_lifecycle(notify: tuple[str, socket.socket], restore_signals: None) -> 
     ready = next(i for i, e in enumerate(events) if e.startswith("notify READY=1"))
     assert events.index("agent.start returned") < ready
     assert "STATUS=ready: backend sched_ext" in events[ready]
+    # once, after the parts started: the start-up heap, not the policy's first objects only
+    assert events.count("heap frozen") == 1
+    assert events.index("heap frozen") > events.index("agent.start returned")
     assert events[0].startswith("notify STATUS=starting")
     after_ready = events[ready:]
     assert "notify WATCHDOG=1" in after_ready[: after_ready.index("engine stuck")]
