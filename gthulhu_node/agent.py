@@ -147,7 +147,12 @@ class Agent:
         self._effect_lock = threading.Lock()
         self._submitted = _Effect({})  # what was last handed to the engine (guarded by _build_lock)
         self._build_lock = threading.Lock()
-        self._changes = 0  # store changes seen, under _effect_lock
+        # The policy builder's hand-off: store changes seen and those handed to the engine, under _build_cv
+        self._build_cv = threading.Condition()
+        self._changes = 0
+        self._handed = 0
+        self._builder: threading.Thread | None = None
+        self._builder_stop = False
         self._built = 0  # how many of them the last build had seen, under _build_lock
         self._refresh_lock = threading.Lock()
         self._kick = threading.Event()
@@ -281,8 +286,16 @@ class Agent:
         reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
         self.engine = engine_for(reconciler, self.config, on_give_up=self._give_up_sched_ext)
         self.engine.start()
+        self._builder_stop = False
+        self._builder = threading.Thread(target=self._build_loop, name="policy-builder", daemon=True)
+        self._builder.start()
 
     def _stop_engine(self) -> None:
+        with self._build_cv:
+            self._builder_stop = True
+            self._build_cv.notify_all()
+        if self._builder is not None:
+            self._builder.join(timeout=30)
         if self.engine is not None:
             self.engine.close()
 
@@ -401,16 +414,45 @@ class Agent:
             return _Effect(dict(wanted), error=str(exc)), PolicySet.empty()
 
     def _on_store_change(self, source: str) -> None:
+        """Wake the policy builder: the writer (a REST or gRPC handler, the policy-file poller) returns
+        once its change is stored, not after compiling the whole new policy (1-2 s for 10,000 patterns),
+        and changes that arrive during a build are built once, together. `sync` waits for the hand-off."""
         engine = self.engine
         if engine is None or not engine.running:
             return  # during start the policy is built once, after every source is loaded
-        with self._effect_lock:
+        with self._build_cv:
             self._changes += 1
-            seen = self._changes
-        self._submit_latest(engine, seen)
+            self._build_cv.notify_all()
+
+    def _build_loop(self) -> None:
+        """The policy builder's thread: build what the store holds whenever it changed, hand it over."""
+        while True:
+            with self._build_cv:
+                self._build_cv.wait_for(lambda: self._builder_stop or self._handed < self._changes)
+                if self._builder_stop:
+                    return
+                seen = self._changes
+            engine = self.engine
+            try:
+                if engine is not None and engine.running:
+                    self._submit_latest(engine, seen)
+            except Exception:  # a failed build must not end the builder: the next change builds again
+                log.exception("policy_build_failed")
+            with self._build_cv:
+                self._handed = max(self._handed, seen)
+                self._build_cv.notify_all()
+
+    def _await_handed(self, timeout: float) -> bool:
+        """Wait until every store change made before this call is built and handed to the engine."""
+        with self._build_cv:
+            target = self._changes
+            builder = self._builder
+            return self._build_cv.wait_for(
+                lambda: self._handed >= target or builder is None or not builder.is_alive(), timeout
+            )
 
     def _submit_latest(self, engine: Engine, seen: int) -> None:
-        """Build the store's current policy on this thread (the writer's) and hand it to the engine.
+        """Build the store's current policy on this thread (the policy builder's) and hand it to the engine.
 
         Compiling 1,000 patterns takes a few hundred milliseconds that the engine thread, which feeds the
         watchdog and handles events, must not spend. The lock, held through the submit, makes the engine
@@ -419,7 +461,7 @@ class Agent:
         with self._build_lock:
             if self._built >= seen:
                 return
-            with self._effect_lock:
+            with self._build_cv:
                 self._built = self._changes
             wanted = self._node_intents(self.store.snapshot())
             if _Effect(dict(wanted)) == self._submitted:
@@ -441,12 +483,15 @@ class Agent:
         self._wake_now()
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
-        """Wait until earlier store changes are in effect (rematched and written), then rebuild status
-        from the frame the engine published as it settled (best effort)."""
+        """Wait until earlier store changes are built (the policy builder), then in effect (rematched and
+        written), then rebuild status from the frame the engine published as it settled (best effort)."""
         engine = self.engine
         if engine is not None and engine.running:
+            deadline = time.monotonic() + timeout
             try:
-                engine.when_settled().result(timeout)
+                if not self._await_handed(timeout):
+                    raise TimeoutError(f"the policy builder did not hand over within {timeout:g} s")
+                engine.when_settled().result(max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 log.warning("agent_sync_failed", error=str(exc))
         self.refresh_status()
