@@ -437,6 +437,7 @@ class Agent:
                 if engine is not None and engine.running:
                     self._submit_latest(engine, seen)
             except Exception:  # a failed build must not end the builder: the next change builds again
+                self._policy_errors += 1
                 log.exception("policy_build_failed")
             with self._build_cv:
                 self._handed = max(self._handed, seen)
@@ -448,7 +449,9 @@ class Agent:
             target = self._changes
             builder = self._builder
             return self._build_cv.wait_for(
-                lambda: self._handed >= target or builder is None or not builder.is_alive(), timeout
+                lambda: self._handed >= target or self._builder_stop or builder is None
+                or not builder.is_alive(),
+                timeout,
             )
 
     def _submit_latest(self, engine: Engine, seen: int) -> None:
