@@ -44,8 +44,11 @@ def _med(values: list[float], fmt: str = ".1f") -> str:
 
 
 def base_of(case: str) -> str:
-    """The uncontended run a case is compared with: the four-engine cases have their own."""
-    return "4 engines no contention" if case.startswith("4 engines") else BASE
+    """The uncontended run a case is compared with: the four- and sixteen-engine cases have their own."""
+    for many in ("4 engines", "16 engines"):
+        if case.startswith(many + " "):
+            return f"{many} no contention"
+    return BASE
 
 
 def print_table(data: dict[str, Any]) -> None:
@@ -56,7 +59,7 @@ def print_table(data: dict[str, Any]) -> None:
         return statistics.median(vals) if vals else float("nan")
 
     print(
-        "\nengine step (2 ms own CPU + 5 ms sleep) vs stress-ng --cpu 8 in the lab VM"
+        f"\nengine step (2 ms own CPU + 5 ms sleep) vs stress-ng --cpu {4 * data['cpus']} in the lab VM"
         f" (kernel {data['kernel']}, {data['cpus']} vCPU, TCG thread={data.get('tcg_thread', '?')}),"
         f" {data['rounds']} interleaved rounds x {data['seconds']:g} s;"
         " median [min-max]"
@@ -82,6 +85,11 @@ def print_table(data: dict[str, Any]) -> None:
     if "4 engines ours boosted" in runs:
         four = med("4 engines ours boosted", "steps_per_s") / med("4 engines EEVDF", "steps_per_s")
         print(f"4 engines: ours boosted {four:.2f}x EEVDF")
+    if "16 engines ours boosted" in runs:
+        ours16 = med("16 engines ours boosted", "steps_per_s")
+        print("16 engines, ours boosted steps/s against: " + ", ".join(
+            f"{case.removeprefix('16 engines ')} {ours16 / med(case, 'steps_per_s'):.2f}x"
+            for case in runs if case.startswith("16 engines ") and case != "16 engines ours boosted"))
     boosted = runs.get("ours boosted (agent)", [])
     print(
         "boosted runs: preemptions "
@@ -126,6 +134,25 @@ def test_engine_step_under_gthulhu(lab: Lab) -> None:
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     # the scheduler stayed loaded through every run of ours
     assert all(x.get("health_ok") == 1.0 for case in runs if case.startswith("ours") for x in runs[case])
+    assert all(x["steps_per_s"] > 0 for results in runs.values() for x in results)
+
+
+SIXTEEN = ("16 engines no contention", "16 engines EEVDF", "16 engines nice -n -20",
+           "16 engines scx_simple nice -20", "16 engines ours boosted")
+
+
+@pytest.mark.parametrize("lab", ["7.3/8cpu-2numa"], indirect=True)
+@pytest.mark.timeout(ROUNDS * len(SIXTEEN) * (SECONDS + 400) + 900)
+def test_sixteen_engines_at_8_vcpus(lab: Lab) -> None:
+    """Issue 17: sixteen boosted engines on the 8-vCPU guest (two NUMA nodes, four vCPUs per host core
+    under TCG) beside four hogs per CPU; figures without goals."""
+    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
+    data = run_interleaved(lab, "tests/vm/engine_step_bench.py", "engine_step_16_progress.jsonl",
+                           ROUNDS * len(SIXTEEN) * (SECONDS + 400) + 600, "--peers-dir", str(peers_dir),
+                           "--cases", CASES or ",".join(SIXTEEN))
+    print_table(data)
+    runs: dict[str, list[dict[str, float]]] = data["runs"]
+    assert all(x.get("health_ok") == 1.0 for case in runs if "ours" in case for x in runs[case])
     assert all(x["steps_per_s"] > 0 for results in runs.values() for x in results)
 
 
