@@ -415,7 +415,8 @@ class Agent:
 
     def _on_store_change(self, source: str) -> None:
         """Wake the policy builder: the writer (a REST or gRPC handler, the policy-file poller) returns
-        once its change is stored, not after compiling the whole new policy (1-2 s for 10,000 patterns),
+        once its change is stored, not after compiling the whole new policy (70 ms for 10,000 new
+        patterns on a quiet host, more under load: the bench's 10,000-policy push went 684 -> 616 ms),
         and changes that arrive during a build are built once, together. `sync` waits for the hand-off."""
         engine = self.engine
         if engine is None or not engine.running:
