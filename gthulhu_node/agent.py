@@ -145,15 +145,13 @@ class Agent:
         self._stopped = threading.Event()
         self._effect = _Effect({})  # what the reconciler has in effect (settled)
         self._effect_lock = threading.Lock()
-        self._submitted = _Effect({})  # what was last handed to the engine (guarded by _build_lock)
-        self._build_lock = threading.Lock()
+        self._submitted = _Effect({})  # what was last handed to the engine (the policy builder's only)
         # The policy builder's hand-off: store changes seen and those handed to the engine, under _build_cv
         self._build_cv = threading.Condition()
         self._changes = 0
         self._handed = 0
         self._builder: threading.Thread | None = None
         self._builder_stop = False
-        self._built = 0  # how many of them the last build had seen, under _build_lock
         self._refresh_lock = threading.Lock()
         self._kick = threading.Event()
         self._status_thread: threading.Thread | None = None
@@ -436,7 +434,7 @@ class Agent:
             engine = self.engine
             try:
                 if engine is not None and engine.running:
-                    self._submit_latest(engine, seen)
+                    self._submit_latest(engine)
             except Exception:  # a failed build must not end the builder: the next change builds again
                 self._policy_errors += 1
                 log.exception("policy_build_failed")
@@ -455,24 +453,18 @@ class Agent:
                 timeout,
             )
 
-    def _submit_latest(self, engine: Engine, seen: int) -> None:
-        """Build the store's current policy on this thread (the policy builder's) and hand it to the engine.
+    def _submit_latest(self, engine: Engine) -> None:
+        """Build the store's current policy and hand it to the engine, unless it is what was handed last.
 
-        Compiling 1,000 patterns takes a few hundred milliseconds that the engine thread, which feeds the
-        watchdog and handles events, must not spend. The lock, held through the submit, makes the engine
-        receive builds in the order of the store snapshots they read; a change that a later snapshot
-        already includes is not built again."""
-        with self._build_lock:
-            if self._built >= seen:
-                return
-            with self._build_cv:
-                self._built = self._changes
-            wanted = self._node_intents(self.store.snapshot())
-            if _Effect(dict(wanted)) == self._submitted:
-                return
-            effect, policy = self._build_policy(wanted)
-            self._submitted = effect
-            engine.submit(lambda r: self._take_policy(r, effect, policy))
+        Compiling the patterns (tens of milliseconds per thousand, more under load) is work the engine
+        thread, which feeds the watchdog and handles events, must not do. Only the policy builder's thread
+        calls this, so the engine receives builds in the order of the store snapshots they read."""
+        wanted = self._node_intents(self.store.snapshot())
+        if _Effect(dict(wanted)) == self._submitted:
+            return
+        effect, policy = self._build_policy(wanted)
+        self._submitted = effect
+        engine.submit(lambda r: self._take_policy(r, effect, policy))
 
     def _take_policy(self, reconciler: Reconciler, effect: _Effect, policy: PolicySet) -> None:
         """On the engine thread. Status calls the policy in effect only once the reconciler has rematched
