@@ -1,10 +1,12 @@
 """The engine-step benchmark in the lab VM under the gthulhu sched_ext scheduler (guest side:
 tests/vm/engine_step_bench.py): an engine thread doing 2 ms of its own CPU time then sleeping 5 ms, beside
-`stress-ng --cpu 8` and cyclictest, in sixteen cases (three of them with four engines, two under the
-kernel's reference schedulers scx_simple and scx_flatcg, two with the engine in a cgroup under cpu.max)
-interleaved round by round in one boot. `test_request_pipeline_under_gthulhu` (issue 17, item 2; guest side
-tests/vm/pipeline_bench.py): a vLLM-like request pipeline in one process (api, tokenizers, engine,
-detokenizers, a busy background pool) beside the same hogs, with a role policy through the agent's path
+`stress-ng --cpu 8` and cyclictest, in seventeen cases (three of them with four engines, two under the
+kernel's reference schedulers scx_simple and scx_flatcg, two with the engine in a cgroup under cpu.max, one
+the emulator's ceiling with busy CPUs) interleaved round by round in one boot, under multi-threaded TCG
+(tests/bench/benchlab.py says why; a guest that dies is replaced and the rounds resume).
+`test_request_pipeline_under_gthulhu` (issue 17, item 2; guest side tests/vm/pipeline_bench.py): a
+vLLM-like request pipeline in one process (api, tokenizers, engine, detokenizers, a busy background pool)
+beside the same hogs, with a role policy through the agent's path
 against EEVDF, nice, FIFO, a weight-10000 cgroup and the peers.
 
 Prints medians [min-max] of steps/s, the 2 ms work's wall time p50/p99, cyclictest avg/max wakeup latency
@@ -19,10 +21,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from tests.bench import benchlab
 from tests.vm import matrix, peers
 from tests.vm.lab import Lab
 
@@ -33,6 +37,9 @@ ROUNDS = int(os.environ.get("GTHULHU_BENCH_ROUNDS", "3"))
 CASES = os.environ.get("GTHULHU_BENCH_CASES", "")
 BASE = "no contention"
 FIFO = "chrt -f 50"
+CEILING = "busy-CPU ceiling"
+# without policy, ours against EEVDF in the same grouping (issue 17's goal: rate and run-queue wait p99)
+NO_POLICY_PAIRS = (("ours no policy", "EEVDF"), ("ours no autogroup", "EEVDF no autogroup"))
 # what the boosted engine is compared with, each at its strongest setting for the engine
 PEERS = ("EEVDF", "nice -n -20", "EEVDF weight 10000", "scx_simple nice -20", "scx_flatcg weight 10000")
 
@@ -79,9 +86,27 @@ def print_table(data: dict[str, Any]) -> None:
             f" {statistics.median(steps) / med(base_of(case), 'steps_per_s'):8.2f}"
             f" {med(case, 'p99_ms') / med(FIFO, 'p99_ms'):8.2f} {hogs_ratio:9.2f}"
         )
+    print(f"guest deaths resumed after: {len(data.get('guest_deaths', []))}")
     ours = med("ours boosted (agent)", "steps_per_s")
     print("ours boosted, steps/s against: " + ", ".join(
         f"{case} {ours / med(case, 'steps_per_s'):.2f}x" for case in runs if case in PEERS))
+    for mine, theirs in NO_POLICY_PAIRS:
+        if mine not in runs or theirs not in runs or "runq_wait_p99_ms" not in runs[mine][0]:
+            continue
+
+        def worst(case: str, field: str) -> float:
+            return max(run[field] for run in runs[case])
+
+        print(f"without policy, {mine} against {theirs}: steps/s"
+              f" {med(mine, 'steps_per_s') / med(theirs, 'steps_per_s'):.2f}x; run-queue wait per step p99"
+              f" {med(mine, 'runq_wait_p99_ms'):.2f} against {med(theirs, 'runq_wait_p99_ms'):.2f} ms"
+              f" (worst round {worst(mine, 'runq_wait_p99_ms'):.2f} against"
+              f" {worst(theirs, 'runq_wait_p99_ms'):.2f}), max {worst(mine, 'runq_wait_max_ms'):.1f}"
+              f" against {worst(theirs, 'runq_wait_max_ms'):.1f} ms")
+    if CEILING in runs:
+        print(f"ours boosted against the {CEILING} (FIFO engine, SCHED_IDLE hogs):"
+              f" {ours / med(CEILING, 'steps_per_s'):.2f}; the ceiling against no contention:"
+              f" {med(CEILING, 'steps_per_s') / med(BASE, 'steps_per_s'):.2f}")
     if "4 engines ours boosted" in runs:
         four = med("4 engines ours boosted", "steps_per_s") / med("4 engines EEVDF", "steps_per_s")
         print(f"4 engines: ours boosted {four:.2f}x EEVDF")
@@ -100,36 +125,25 @@ def print_table(data: dict[str, Any]) -> None:
 
 
 # Each case costs its measurement plus up to a few minutes of set-up under TCG on a busy host.
-N_CASES = len([c for c in CASES.split(",") if c]) or 16
+N_CASES = len([c for c in CASES.split(",") if c]) or 17
 BUDGET_S = ROUNDS * N_CASES * (SECONDS + 300) + 300
 
 
-def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, *args: str) -> dict[str, Any]:
-    """Run a guest bench (tests/vm/engine_step_bench.py's `interleave`) and return its JSON. What ended
-    before a timeout or a kill is still printed: each result is also written to a progress file as it
-    comes (the full JSON comes only at the end)."""
-    progress = lab.scratch_host / progress_name
-    progress.unlink(missing_ok=True)
-    try:
-        r = lab.python(script, "--seconds", str(SECONDS), "--rounds", str(ROUNDS), *args,
-                       "--progress", str(lab.scratch_guest / progress.name), timeout=budget_s)
-    finally:
-        partial: dict[str, list[dict[str, float]]] = {}
-        for line in progress.read_text().splitlines() if progress.exists() else []:
-            row = json.loads(line)
-            partial.setdefault(row["case"], []).append(row["result"])
-        print("\nresults so far: " + json.dumps(partial))
-    assert r.returncode == 0, r.stderr[-4000:]
-    data: dict[str, Any] = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
-    data["tcg_thread"] = lab.tcg_thread
-    return data
+def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, *args: str,
+                    stage: Callable[[], list[str]] | None = None) -> dict[str, Any]:
+    return benchlab.run_interleaved(lab, script, progress_name, budget_s, *args, seconds=SECONDS,
+                                    rounds=ROUNDS, stage=stage)
+
+
+def _peers_args(lab: Lab) -> Callable[[], list[str]]:
+    return lambda: ["--peers-dir", str(peers.stage(lab.scratch_host, lab.scratch_guest))]
 
 
 @pytest.mark.timeout(BUDGET_S + 120)
-def test_engine_step_under_gthulhu(lab: Lab) -> None:
-    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
+def test_engine_step_under_gthulhu(bench_lab: Lab) -> None:
+    lab = bench_lab
     data = run_interleaved(lab, "tests/vm/engine_step_bench.py", "engine_step_progress.jsonl", BUDGET_S,
-                           "--peers-dir", str(peers_dir), *(["--cases", CASES] if CASES else []))
+                           *(["--cases", CASES] if CASES else []), stage=_peers_args(lab))
     print_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     # the scheduler stayed loaded through every run of ours
@@ -141,15 +155,15 @@ SIXTEEN = ("16 engines no contention", "16 engines EEVDF", "16 engines nice -n -
            "16 engines scx_simple nice -20", "16 engines ours boosted")
 
 
-@pytest.mark.parametrize("lab", ["7.3/8cpu-2numa"], indirect=True)
+@pytest.mark.parametrize("bench_lab", ["7.3/8cpu-2numa"], indirect=True)
 @pytest.mark.timeout(ROUNDS * len(SIXTEEN) * (SECONDS + 400) + 900)
-def test_sixteen_engines_at_8_vcpus(lab: Lab) -> None:
-    """Issue 17: sixteen boosted engines on the 8-vCPU guest (two NUMA nodes, four vCPUs per host core
-    under TCG) beside four hogs per CPU; figures without goals."""
-    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
+def test_sixteen_engines_at_8_vcpus(bench_lab: Lab) -> None:
+    """Issue 17: sixteen boosted engines on the 8-vCPU guest (two NUMA nodes, four vCPU threads per host
+    core) beside four hogs per CPU; figures without goals."""
+    lab = bench_lab
     data = run_interleaved(lab, "tests/vm/engine_step_bench.py", "engine_step_16_progress.jsonl",
-                           ROUNDS * len(SIXTEEN) * (SECONDS + 400) + 600, "--peers-dir", str(peers_dir),
-                           "--cases", CASES or ",".join(SIXTEEN))
+                           ROUNDS * len(SIXTEEN) * (SECONDS + 400) + 600,
+                           "--cases", CASES or ",".join(SIXTEEN), stage=_peers_args(lab))
     print_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     assert all(x.get("health_ok") == 1.0 for case in runs if "ours" in case for x in runs[case])
@@ -291,6 +305,7 @@ def print_pipeline_table(data: dict[str, Any]) -> None:
             f" {_med([x['bg_ops_per_s'] for x in results]):>18}"
             f" {_med(bogo, '.0f'):>16} {med(case, 'p99_ms') / med(PIPELINE_BASE, 'p99_ms'):8.2f}"
         )
+    print(f"guest deaths resumed after: {len(data.get('guest_deaths', []))}")
     if PIPELINE_ROLES not in runs:
         return
     ours = [x["p99_ms"] for x in runs[PIPELINE_ROLES]]
@@ -315,14 +330,17 @@ def print_pipeline_table(data: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(PIPELINE_BUDGET_S + 120)
-def test_request_pipeline_under_gthulhu(lab: Lab) -> None:
+def test_request_pipeline_under_gthulhu(bench_lab: Lab) -> None:
     from tests.vm import pipeline_bench
 
-    peers_dir = peers.stage(lab.scratch_host, lab.scratch_guest)
-    pipeline_bench.build(lab.scratch_host)
+    lab = bench_lab
+
+    def stage() -> list[str]:
+        pipeline_bench.build(lab.scratch_host)
+        return [*_peers_args(lab)(), "--binary", str(lab.scratch_guest / "gth-pipeline")]
+
     data = run_interleaved(lab, "tests/vm/pipeline_bench.py", "pipeline_progress.jsonl", PIPELINE_BUDGET_S,
-                           "--peers-dir", str(peers_dir), "--binary", str(lab.scratch_guest / "gth-pipeline"),
-                           *(["--cases", PIPELINE_CASES] if PIPELINE_CASES else []))
+                           *(["--cases", PIPELINE_CASES] if PIPELINE_CASES else []), stage=stage)
     print_pipeline_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     assert all(x.get("health_ok") == 1.0 for case in runs if case.startswith("ours") for x in runs[case])

@@ -56,7 +56,7 @@ def parse(spec: str) -> tuple[str, Shape]:
     return kernel, SHAPES[shape]
 
 
-def make_lab(init: Init | str, spec: str) -> Lab:
+def make_lab(init: Init | str, spec: str, tcg_thread: str | None = None) -> Lab:
     kernel, shape = parse(spec)
     if init not in ("plain", "systemd"):
         raise ValueError(f"unknown init {init!r}")
@@ -64,4 +64,4 @@ def make_lab(init: Init | str, spec: str) -> Lab:
     return Lab("plain" if init == "plain" else "systemd", kernel=lab_kernel(kernel, arch=debian_arch),
                cpus=shape.cpus, numa_nodes=shape.numa_nodes, memory_mb=shape.memory_mb,
                append=[f"maxcpus={shape.boot_cpus}"] if shape.boot_cpus else [], arch=shape.arch,
-               capacities=shape.capacities)
+               capacities=shape.capacities, tcg_thread=tcg_thread)

@@ -142,6 +142,7 @@ def main() -> int:
     parser.add_argument("--peers-dir", type=Path, default=None, help="where scx_simple and scx_flatcg are")
     parser.add_argument("--progress", type=Path, default=None,
                         help="append each case's result there as a JSON line as soon as it ends")
+    esb.add_skip(parser)
     args = parser.parse_args()
     if args.peers_dir is not None:
         esb.PEERS_DIR = args.peers_dir
@@ -151,7 +152,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
     esb.interleave(names, args.rounds, lambda name: run_case(name, args.seconds, binary),
-                   args.progress, args.seconds)
+                   args.progress, args.seconds, args.skip)
     return 0
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.bench import benchlab
 from tests.vm.lab import REPO, Lab, LabDied, exited
 
 pytestmark = pytest.mark.vm
@@ -133,6 +136,33 @@ def test_a_crashed_guest_is_noticed_and_replaced(lab: Lab) -> None:
     assert "sysrq" in died.value.console.lower()  # the kernel's own words come with the error
     assert lab.run("cat /proc/sys/kernel/random/boot_id").stdout.strip() not in ("", before)
     assert lab.boot_id != before
+
+
+def test_a_benchmark_resumes_in_a_fresh_guest_after_its_guest_dies(lab: Lab) -> None:
+    """The scheduling benchmarks run under multi-threaded TCG, whose int3 hazard can kill a guest mid-run
+    (docs/lab.md): the runs finished before the death are kept and a fresh guest runs the rest, so the
+    result has every run once and says that the guest died."""
+    first_boot = lab.boot_id
+    progress = lab.scratch_host / "resume_progress.jsonl"
+
+    def crash_after_the_first_run() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if progress.exists() and progress.read_text().count("\n") >= 1:
+                with contextlib.suppress(LabDied):
+                    lab.run("echo c > /proc/sysrq-trigger", timeout=60)
+                return
+            time.sleep(0.2)
+
+    crasher = threading.Thread(target=crash_after_the_first_run)
+    crasher.start()
+    data = benchlab.run_interleaved(lab, "tests/vm/engine_step_bench.py", progress.name, 900,
+                                    "--cases", "no contention", seconds=1.0, rounds=3)
+    crasher.join()
+    assert len(data["guest_deaths"]) == 1, data["guest_deaths"]
+    assert lab.boot_id != first_boot
+    assert [len(v) for v in data["runs"].values()] == [3], data["runs"]
+    assert all(run["steps_per_s"] > 0 for run in data["runs"]["no contention"])
 
 
 def test_a_hung_guest_is_noticed_and_replaced(lab: Lab) -> None:

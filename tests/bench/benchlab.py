@@ -1,0 +1,76 @@
+"""Where the scheduling benchmarks run: the TCG threading of their guest, and a guest bench's interleaved
+rounds run to the end across the guest deaths that threading risks."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.vm.lab import Lab, LabDied
+
+# Scheduling benchmarks run under multi-threaded TCG, each vCPU on a host thread of its own, as CPUs are
+# independent on a real host. Under the lab's single-threaded TCG the vCPUs share one host thread: two hogs
+# on two vCPUs did the work of two on one (951 against 905 bogo-ops in 6 s; 1,886 against 950 multi-
+# threaded), so an idle vCPU gives its time to the busy one and a scheduler that leaves a CPU idle gains,
+# and a busy vCPU takes its timer interrupt about a millisecond late (tests/vm/wake_trace.py), which no
+# scheduler can change. GTHULHU_BENCH_TCG_THREAD=single for the lab's default.
+BENCH_TCG_THREAD = os.environ.get("GTHULHU_BENCH_TCG_THREAD", "multi")
+# Guest deaths a benchmark resumes after: multi-threaded TCG's int3 hazard (docs/lab.md: 4 in 96 enables of
+# the scheduler with qemu 7.2) struck the request pipeline twice in its first 16 runs (8 enables) on
+# 2026-12-04; each costs a boot and the run it killed.
+DEATHS_ALLOWED = int(os.environ.get("GTHULHU_BENCH_DEATHS_ALLOWED", "10"))
+
+
+def _progress_rows(progress: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in progress.read_text().splitlines()] if progress.exists() else []
+
+
+def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, *args: str, seconds: float,
+                    rounds: int, stage: Callable[[], list[str]] | None = None) -> dict[str, Any]:
+    """Run a guest bench (tests/vm/engine_step_bench.py's `interleave`) and return its JSON. What ended
+    before a timeout or a kill is still printed: each result is also written to a progress file as it
+    comes (the full JSON comes only at the end). A guest that dies (under multi-threaded TCG the emulator's
+    int3 hazard, docs/lab.md) keeps the runs it finished: a fresh guest resumes after them, up to
+    DEATHS_ALLOWED times, and the result says how often (`guest_deaths`). `stage` puts what the guest
+    needs into each boot's scratch folder and returns the arguments naming it."""
+    rows: list[dict[str, Any]] = []
+    deaths: list[str] = []
+    deadline = time.monotonic() + budget_s
+    while True:
+        extra = stage() if stage is not None else []
+        progress = lab.scratch_host / progress_name  # this boot's: a death's next boot has another folder
+        progress.unlink(missing_ok=True)
+        died: LabDied | None = None
+        try:
+            r = lab.python(script, "--seconds", str(seconds), "--rounds", str(rounds), *args, *extra,
+                           "--skip", str(len(rows)), "--progress", str(progress),
+                           timeout=max(60.0, deadline - time.monotonic()))
+        except LabDied as exc:
+            died = exc
+        finally:
+            rows += _progress_rows(progress)
+            partial: dict[str, list[dict[str, float]]] = {}
+            for row in rows:
+                partial.setdefault(row["case"], []).append(row["result"])
+            print("\nresults so far: " + json.dumps(partial), flush=True)
+        if died is None:
+            break
+        deaths.append(died.reason)
+        print(f"the guest died after {len(rows)} runs ({died.reason}); console: "
+              f"{died.console.splitlines()[-3:]}", flush=True)
+        if len(deaths) > DEATHS_ALLOWED:
+            raise died
+        lab.ensure_alive()
+    assert r.returncode == 0, r.stderr[-4000:]
+    data: dict[str, Any] = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in data["runs"]}
+    for row in rows:
+        runs.setdefault(row["case"], []).append(row["result"])
+    data["runs"] = runs
+    data["tcg_thread"] = lab.tcg_thread
+    data["guest_deaths"] = deaths
+    return data
