@@ -88,8 +88,9 @@ def print_table(data: dict[str, Any]) -> None:
         )
     print(f"guest deaths resumed after: {len(data.get('guest_deaths', []))}")
     ours = med("ours boosted (agent)", "steps_per_s")
-    print("ours boosted, steps/s against: " + ", ".join(
-        f"{case} {ours / med(case, 'steps_per_s'):.2f}x" for case in runs if case in PEERS))
+    if "ours boosted (agent)" in runs:
+        print("ours boosted, steps/s against: " + ", ".join(
+            f"{case} {ours / med(case, 'steps_per_s'):.2f}x" for case in runs if case in PEERS))
     for mine, theirs in NO_POLICY_PAIRS:
         if mine not in runs or theirs not in runs or "runq_wait_p99_ms" not in runs[mine][0]:
             continue
@@ -103,7 +104,7 @@ def print_table(data: dict[str, Any]) -> None:
               f" (worst round {worst(mine, 'runq_wait_p99_ms'):.2f} against"
               f" {worst(theirs, 'runq_wait_p99_ms'):.2f}), max {worst(mine, 'runq_wait_max_ms'):.1f}"
               f" against {worst(theirs, 'runq_wait_max_ms'):.1f} ms")
-    if CEILING in runs:
+    if CEILING in runs and "ours boosted (agent)" in runs:
         print(f"ours boosted against the {CEILING} (FIFO engine, SCHED_IDLE hogs):"
               f" {ours / med(CEILING, 'steps_per_s'):.2f}; the ceiling against no contention:"
               f" {med(CEILING, 'steps_per_s') / med(BASE, 'steps_per_s'):.2f}")
@@ -116,6 +117,8 @@ def print_table(data: dict[str, Any]) -> None:
             f"{case.removeprefix('16 engines ')} {ours16 / med(case, 'steps_per_s'):.2f}x"
             for case in runs if case.startswith("16 engines ") and case != "16 engines ours boosted"))
     boosted = runs.get("ours boosted (agent)", [])
+    if not boosted:
+        return
     print(
         "boosted runs: preemptions "
         + ", ".join(f"{x.get('preemptions', 0):.0f}" for x in boosted)

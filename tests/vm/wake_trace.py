@@ -49,6 +49,7 @@ CASES = {
     "eevdf": "EEVDF",
     "ours": "ours boosted (agent)",
     "ours-nopolicy": "ours no policy",
+    "fifo": "chrt -f 50",
     "simple": "scx_simple nice -20",
     "flatcg": "scx_flatcg weight 10000",
 }
