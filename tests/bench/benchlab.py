@@ -26,7 +26,18 @@ DEATHS_ALLOWED = int(os.environ.get("GTHULHU_BENCH_DEATHS_ALLOWED", "10"))
 
 
 def _progress_rows(progress: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in progress.read_text().splitlines()] if progress.exists() else []
+    """The runs a guest wrote to its progress file. A guest that died while writing leaves its last line
+    torn: that run is left out (the next boot runs it again); a torn line anywhere else is an error."""
+    if not progress.exists():
+        return []
+    lines = progress.read_text().splitlines()
+    rows = [json.loads(line) for line in lines[:-1]]
+    if lines:
+        try:
+            rows.append(json.loads(lines[-1]))
+        except json.JSONDecodeError:
+            print(f"left out a torn last line of {progress.name}: {lines[-1][:80]!r}", flush=True)
+    return rows
 
 
 def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, *args: str, seconds: float,
