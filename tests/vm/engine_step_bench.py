@@ -59,11 +59,11 @@ CASES: dict[str, dict[str, Any]] = {
     "EEVDF no autogroup": {"hogs": True, "autogroup": False},
     "ours no autogroup": {"hogs": True, "sched": True, "autogroup": False},
     "chrt -f 50": {"hogs": True, "prefix": ["chrt", "-f", "50"]},
-    # The emulator's ceiling with the CPUs busy: under TCG a vCPU running anything takes its timer
-    # interrupt about a millisecond late (tests/vm/wake_trace.py), an idle one within 0.1 ms, so the engine's
-    # 5 ms sleep ends late beside any hog, under any scheduler. Hogs that never compete (SCHED_IDLE) with
-    # the engine under FIFO keep the CPUs busy and cost the engine nothing else: the best rate any
-    # scheduler can reach beside busy CPUs in this lab.
+    # The emulator's ceiling with the CPUs busy: a busy vCPU takes its timer interrupt late (single-threaded
+    # TCG about a millisecond, multi-threaded 0.07 ms on a quiet host: tests/vm/wake_trace.py), so the
+    # engine's 5 ms sleep ends late beside any hog, under any scheduler.
+    # Hogs that never compete (SCHED_IDLE) with the engine under FIFO keep the CPUs busy and cost the
+    # engine nothing else: the best rate any scheduler can reach beside busy CPUs in this lab.
     "busy-CPU ceiling": {"hogs": True, "hogs_prefix": ["chrt", "-i", "0"], "prefix": ["chrt", "-f", "50"]},
     # What an operator can do without an agent: the engine process in a cgroup of cpu.weight 10000.
     "EEVDF weight 10000": {"hogs": True, "cgroup_weight": 10000},
