@@ -40,6 +40,15 @@ def _progress_rows(progress: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def survive(lab: Lab, deaths: list[str], died: LabDied, when: str) -> None:
+    """Count a guest death; past DEATHS_ALLOWED raise it, else boot a fresh guest for the caller to go on."""
+    deaths.append(died.reason)
+    print(f"the guest died {when} ({died.reason}); console: {died.console.splitlines()[-3:]}", flush=True)
+    if len(deaths) > DEATHS_ALLOWED:
+        raise died
+    lab.ensure_alive()
+
+
 def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, *args: str, seconds: float,
                     rounds: int, stage: Callable[[], list[str]] | None = None) -> dict[str, Any]:
     """Run a guest bench (tests/vm/engine_step_bench.py's `interleave`) and return its JSON. What ended
@@ -70,12 +79,7 @@ def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, 
             print("\nresults so far: " + json.dumps(partial), flush=True)
         if died is None:
             break
-        deaths.append(died.reason)
-        print(f"the guest died after {len(rows)} runs ({died.reason}); console: "
-              f"{died.console.splitlines()[-3:]}", flush=True)
-        if len(deaths) > DEATHS_ALLOWED:
-            raise died
-        lab.ensure_alive()
+        survive(lab, deaths, died, f"after {len(rows)} runs")
     assert r.returncode == 0, r.stderr[-4000:]
     data: dict[str, Any] = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in data["runs"]}

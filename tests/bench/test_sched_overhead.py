@@ -106,11 +106,7 @@ def test_scheduling_overhead(bench_lab: Lab) -> None:
             break
         except LabDied as exc:
             # the callbacks' statistics are summed over the whole run: a death starts it again
-            deaths.append(exc.reason)
-            print(f"the guest died ({exc.reason}); starting again in a fresh guest", flush=True)
-            if len(deaths) > benchlab.DEATHS_ALLOWED:
-                raise
-            lab.ensure_alive()
+            benchlab.survive(lab, deaths, exc, "during the run, which starts again in a fresh guest")
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     data["tcg_thread"] = lab.tcg_thread

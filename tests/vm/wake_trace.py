@@ -147,7 +147,6 @@ def stages(events: list[tuple[float, int, int, str, dict[str, str]]], tid: int) 
 
 
 def trace_case(name: str, seconds: float, trace_seconds: float, with_cyclictest: bool) -> dict[str, Any]:
-    cyclictest_too = with_cyclictest
     case = bench.CASES[name]
     with (
         bench.autogroup(case.get("autogroup", True)),
@@ -188,7 +187,7 @@ def trace_case(name: str, seconds: float, trace_seconds: float, with_cyclictest:
     comms = {int(m[2]): m[1].strip() for m in re.finditer(r"^\s*(.+?)-(\d+)\s+\[", text, re.M)}
     events = list(parse(text))
     summary = stages(events, tid)
-    if cyclictest_too:
+    if with_cyclictest:
         # cyclictest's measuring thread: the one of that name arming the most sleep timers
         sleepers = collections.Counter(pid for _, _, pid, event, f in events
                                        if event == "hrtimer_start" and f.get("function") == "hrtimer_wakeup"
