@@ -9,11 +9,13 @@
  *  - priority > 0 (boosted): queued in BOOST_DSQ ahead of unboosted work, earliest deadline first, where
  *    the deadline is the enqueue time plus a step per priority below the top: higher priorities go first,
  *    and a lower one that has waited long enough goes before a fresh higher one (aging). A waking
- *    boosted task preempts a less important one on its CPU.
+ *    boosted task preempts a less important one, found through a mask of the CPUs running nothing boosted.
  *  - priority 0 with a slice: fair, with its own slice.
- *  - no entry: fair (weighted vtime) with the default slice, in FAIR_DSQ. Like the kernel's fair class,
- *    the share is split between task groups (cgroups, or sessions through autogroup) first, then between
- *    the group's runnable tasks.
+ *  - no entry: fair (weighted vtime) with the default slice. Like the kernel's fair class, the share is
+ *    split between task groups (cgroups, or sessions through autogroup) first, then between the group's
+ *    runnable tasks. Unboosted tasks queue per NUMA node (one queue on a single-node host), all ordered
+ *    by the one vtime clock: a CPU takes from its node's queue, from a more crowded node's when the queues
+ *    drift apart by more than a task per CPU, and from any node's when its own is empty.
  *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
  *    pool by at most one default slice (so a demoted task waits little), and its `served` measure by at
  *    most one window past the later of the fair pool's clock and the reserve's own.
@@ -36,6 +38,9 @@
  *    ends slices only at ticks); a timer wakes a CPU when a period ends and its dispatch moves the tasks
  *    whose budget is back to their queue. No task stays parked longer than BW_MAX_PARK_NS: one that would
  *    runs for BW_MIN_RUN_NS, so the watchdog never sees it wait.
+ *
+ * Nothing on the scheduling path writes a cache line all CPUs write: counters are per CPU, queues per node,
+ * the boosted-CPU mask changes only when a CPU turns boosted or back.
  *
  * docs/scheduler.md explains each choice and states the bounded wait.
  */
@@ -101,6 +106,14 @@ void bpf_iter_scx_dsq_destroy(struct bpf_iter_scx_dsq *it) __ksym;
 int bpf_iter_num_new(struct bpf_iter_num *it, int start, int end) __ksym;
 int *bpf_iter_num_next(struct bpf_iter_num *it) __ksym;
 void bpf_iter_num_destroy(struct bpf_iter_num *it) __ksym;
+struct bpf_cpumask *bpf_cpumask_create(void) __ksym;
+void bpf_cpumask_release(struct bpf_cpumask *cpumask) __ksym;
+void bpf_cpumask_set_cpu(u32 cpu, struct bpf_cpumask *cpumask) __ksym;
+void bpf_cpumask_clear_cpu(u32 cpu, struct bpf_cpumask *cpumask) __ksym;
+u32 bpf_cpumask_any_and_distribute(const struct cpumask *src1, const struct cpumask *src2) __ksym;
+
+/* A referenced kernel pointer kept in a map value (a BTF type tag the verifier reads). */
+#define __kptr __attribute__((btf_type_tag("kptr")))
 
 #define OP(name, args...) SEC("struct_ops/" #name) BPF_PROG(name, ##args)
 
@@ -120,8 +133,13 @@ void bpf_iter_num_destroy(struct bpf_iter_num *it) __ksym;
 #define TASK_QUEUED KENUM(scx_ent_flags, SCX_TASK_QUEUED)
 
 #define BOOST_DSQ 1
-#define FAIR_DSQ 2
 #define THROTTLED_DSQ 3
+/*
+ * Unboosted tasks queue per domain, a NUMA node (nr_domains(), cpu_domain): domain d's queue is
+ * FAIR_DSQ_BASE + d. One global queue made every enqueue and dispatch on every CPU take the same lock.
+ */
+#define FAIR_DSQ_BASE 16
+#define MAX_DOMAINS 64
 #define USER_HZ 100
 #define PF_EXITING 0x00000004
 #define PF_KTHREAD 0x00200000
@@ -142,9 +160,17 @@ const volatile struct gthulhu_settings settings = {
 	.boost_window_ns = 100000000,
 	.boost_share_percent = 75,
 	.nr_cpus = 1,
+	.nr_domains = 1,
 };
 
 struct gthulhu_bss bss;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, struct gthulhu_counters);
+} counters SEC(".maps");
 
 /* Scheduler-internal state, not part of the layout shared with Python. */
 static u64 vtime_now SEC(".data") = 0;
@@ -263,6 +289,7 @@ struct cpu_ctx {
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
 	u32 pad;
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
+	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
 };
 
@@ -279,10 +306,24 @@ struct strategy {
 	u32 prio;
 };
 
-static __always_inline void count(u64 *counter)
+/* This CPU's slot of the counters (a per-CPU array is looked up without a hash or a lock). */
+static __always_inline struct gthulhu_counters *my_counters(void)
 {
-	__sync_fetch_and_add(counter, 1);
+	u32 key = 0;
+
+	return bpf_map_lookup_elem(&counters, &key);
 }
+
+/*
+ * Count an event in this CPU's slot. Atomic although no other CPU writes it: a callback in process
+ * context (init_task, cgroup_init) can be interrupted on its CPU by one that counts the same event.
+ */
+#define count(name)                                                  \
+	do {                                                         \
+		struct gthulhu_counters *__c = my_counters();        \
+		if (__c)                                             \
+			__sync_fetch_and_add(&__c->name, 1);         \
+	} while (0)
 
 static __always_inline u64 ticks(u64 boottime_ns)
 {
@@ -317,26 +358,26 @@ static void lookup_strategy(struct task_struct *p, struct strategy *s)
 	if (e) {
 		if (e->start_time == ticks(p->start_boottime)) {
 			take(s, e);
-			count(&bss.stats.tid_hits);
+			count(tid_hits);
 			return;
 		}
-		count(&bss.stats.stale_entries);
+		count(stale_entries);
 		bpf_map_delete_elem(&tid_map, &tid);
 	}
 	e = bpf_map_lookup_elem(&tgid_map, &tgid);
 	if (e) {
 		if (e->start_time == ticks(p->group_leader->start_boottime)) {
 			take(s, e);
-			count(&bss.stats.tgid_hits);
+			count(tgid_hits);
 			return;
 		}
-		count(&bss.stats.stale_entries);
+		count(stale_entries);
 		bpf_map_delete_elem(&tgid_map, &tgid);
 	}
-	count(&bss.stats.misses);
+	count(misses);
 	if (settings.agent_tgid && tgid == settings.agent_tgid) {
 		s->prio = AGENT_PRIORITY;
-		count(&bss.stats.agent_boosts);
+		count(agent_boosts);
 	}
 }
 
@@ -394,6 +435,116 @@ static __always_inline u32 prio_on(s32 cpu)
 	return c ? c->prio : 0;
 }
 
+/*
+ * The CPUs that run nothing boosted (cpu_ctx.prio 0: an unboosted task, a reserve run, or idle), so a boosted
+ * waker finds a CPU to preempt in one cpumask operation instead of a walk over every CPU's context.
+ */
+struct cpumask_slot {
+	struct bpf_cpumask __kptr *mask;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, struct cpumask_slot);
+} unboosted_cpus SEC(".maps");
+
+static __always_inline struct bpf_cpumask *unboosted_mask(void)
+{
+	struct cpumask_slot *slot;
+	u32 key = 0;
+
+	slot = bpf_map_lookup_elem(&unboosted_cpus, &key);
+	return slot ? slot->mask : NULL;
+}
+
+/*
+ * What a CPU runs changes (under its rq lock): the mask is written only when the CPU turns boosted or back,
+ * so CPUs switching between unboosted tasks never write its shared cache line.
+ */
+static __always_inline void set_cpu_prio(s32 cpu, struct cpu_ctx *c, u32 prio)
+{
+	struct bpf_cpumask *mask;
+	bool was_unboosted = !c->prio;
+
+	c->prio = prio;
+	if (was_unboosted == !prio)
+		return;
+	mask = unboosted_mask();
+	if (!mask)
+		return;
+	if (prio)
+		bpf_cpumask_clear_cpu(cpu, mask);
+	else
+		bpf_cpumask_set_cpu(cpu, mask);
+}
+
+/*
+ * Each CPU's domain (its NUMA node, numbered densely), written by the agent before attach; max_entries is set
+ * to nr_cpu_ids at load. Only read when nr_domains() > 1.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, u32);
+} cpu_domain SEC(".maps");
+
+/* Online CPUs per domain: counted by init (the kernel holds CPU hotplug off across it), then kept by the
+ * hotplug callbacks. What the fair queues are balanced by. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_DOMAINS);
+	__type(key, u32);
+	__type(value, s32);
+} domain_cpus SEC(".maps");
+
+/* settings.nr_domains, kept within 1..MAX_DOMAINS whatever the loader wrote. */
+static __always_inline u32 nr_domains(void)
+{
+	u32 n = settings.nr_domains;
+
+	return n < 1 ? 1 : n > MAX_DOMAINS ? MAX_DOMAINS : n;
+}
+
+static __always_inline u32 domain_of(s32 cpu)
+{
+	u32 key = cpu, *d;
+
+	if (nr_domains() <= 1)
+		return 0;
+	d = bpf_map_lookup_elem(&cpu_domain, &key);
+	return d && *d < nr_domains() ? *d : 0;
+}
+
+static __always_inline u64 fair_dsq(u32 domain)
+{
+	return FAIR_DSQ_BASE + domain;
+}
+
+/* Where an unboosted task queues: the fair queue of the CPU it last ran on or wakes on. */
+static __always_inline u64 fair_dsq_of(struct task_struct *p)
+{
+	return fair_dsq(domain_of(scx_bpf_task_cpu(p)));
+}
+
+static __always_inline s64 domain_online(u32 domain)
+{
+	s32 *n = bpf_map_lookup_elem(&domain_cpus, &domain);
+
+	return n && *n > 0 ? *n : 0;
+}
+
+static __always_inline void domain_cpu_change(s32 cpu, s32 delta)
+{
+	u32 domain = domain_of(cpu);
+	s32 *n = bpf_map_lookup_elem(&domain_cpus, &domain);
+
+	if (n)
+		__sync_fetch_and_add(n, delta);
+}
+
 /* Whether boosted tasks used more than their share of this CPU in its current window. */
 static __always_inline bool cpu_throttled(struct cpu_ctx *c, u64 now)
 {
@@ -415,19 +566,32 @@ static __always_inline void kick_idle(struct task_struct *p)
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
+/* CPUs a boosted waker looks at for a lesser boost to preempt when every CPU it may use runs a boosted task. */
+#define VICTIM_SCAN 32
+
 /*
- * An online CPU the task may use that runs something less important than prio, searched from the CPU
- * after `from` so boosted wakers spread instead of piling onto low-numbered CPUs; -1 if none.
+ * An online CPU the task may use that runs something less important than prio; -1 if none. First any CPU
+ * running nothing boosted (the unboosted_cpus mask, taken in turn so wakers spread); only when every CPU
+ * the task may use runs a boosted task, a lesser boost among the VICTIM_SCAN CPUs after `from`. An offline
+ * CPU's prio is ~0, so it never qualifies.
  */
 static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 {
-	const struct cpumask *online = scx_bpf_get_online_cpumask();
+	struct bpf_cpumask *unboosted = unboosted_mask();
+	const struct cpumask *online;
 	u32 n = settings.nr_cpus;
 	struct bpf_iter_num it;
 	s32 found = -1, cpu;
 	int *i;
 
-	bpf_iter_num_new(&it, 1, n);
+	if (unboosted) {
+		cpu = bpf_cpumask_any_and_distribute((const struct cpumask *)unboosted, p->cpus_ptr);
+		if ((u32)cpu < n && prio_on(cpu) < prio)
+			return cpu;
+	}
+	count(victim_scans);
+	online = scx_bpf_get_online_cpumask();
+	bpf_iter_num_new(&it, 1, n < VICTIM_SCAN ? n : VICTIM_SCAN + 1);
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
 		if (prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr) &&
@@ -676,7 +840,7 @@ static __always_inline void bw_reread(struct cgroup_ctx *cg, u64 now)
 		cg->tg = bw_tg_of(cg->cgrp);
 		if (!cg->tg) {
 			if (++cg->tg_misses == BW_TG_MISSES)
-				count(&bss.stats.cgroups_untracked);
+				count(cgroups_untracked);
 			return;
 		}
 	}
@@ -794,7 +958,7 @@ static bool bw_park(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64
 		return false;
 	tctx->parked_at = now;
 	dsq_insert(p, THROTTLED_DSQ, slice, enq_flags);
-	count(&bss.stats.bw_parked);
+	count(bw_parked);
 	bw_arm(before(until, latest) ? until : latest, now);
 	return true;
 }
@@ -816,11 +980,11 @@ static int bw_stop_fired(void *map, u32 *cpu, struct cpu_ctx *c)
 	 * expiry landing after a re-arm (a start under the rq lock may take effect later): not ours to end.
 	 */
 	if (c->bw_stop_run != c->bw_run || bpf_ktime_get_ns() < c->bw_stop_at) {
-		count(&bss.stats.bw_stops_stale);
+		count(bw_stops_stale);
 		return 0;
 	}
 	scx_bpf_kick_cpu(*cpu, KICK_PREEMPT);
-	count(&bss.stats.bw_stops);
+	count(bw_stops);
 	return 0;
 }
 
@@ -946,11 +1110,11 @@ static void bw_release(u64 now)
 			dsq_move_vtime(&it, p, BOOST_DSQ, 0);
 		} else {
 			dsq_move_set_vtime(&it, tctx ? fair_vtime(tctx) : vtime_now);
-			dsq_move_vtime(&it, p, FAIR_DSQ, 0);
+			dsq_move_vtime(&it, p, fair_dsq_of(p), 0);
 		}
 		/* as an enqueue does: the CPUs the timer woke may have gone idle again before this pass */
 		kick_idle(p);
-		count(&bss.stats.bw_released);
+		count(bw_released);
 	}
 	/* more parked tasks than one pass takes: the next pass is due at once */
 	if (!drained && bpf_iter_scx_dsq_next(&it))
@@ -1006,7 +1170,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	if (seeks_capacity(p, prio) && !bw_held(tctx, now)) {
 		cpu = find_capable(p, prev_cpu, prio, 0, &idle);
 		if (cpu >= 0 && capacity_of(cpu) > capacity_of(prev_cpu))
-			count(&bss.stats.capacity_placements);
+			count(capacity_placements);
 	}
 	if (cpu < 0)
 		cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
@@ -1022,8 +1186,11 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 			tctx->slice = s.slice;
 		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, 0);
-		count(&bss.stats.direct_dispatches);
-		count(prio ? &bss.stats.boosted_dispatches : &bss.stats.fair_dispatches);
+		count(direct_dispatches);
+		if (prio)
+			count(boosted_dispatches);
+		else
+			count(fair_dispatches);
 		return cpu;
 	}
 	if (!tctx)
@@ -1070,11 +1237,11 @@ static bool move_to_capable(struct task_struct *p, struct strategy *s, u32 prio,
 		scx_bpf_kick_cpu(to, KICK_IDLE);
 	} else if (!scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | to)) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
-		count(&bss.stats.preemptions);
+		count(preemptions);
 	} else {
 		return false;
 	}
-	count(&bss.stats.capacity_placements);
+	count(capacity_placements);
 	return true;
 }
 
@@ -1083,7 +1250,7 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 	s32 cpu = scx_bpf_task_cpu(p);
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 
-	count(&bss.stats.boosted_dispatches);
+	count(boosted_dispatches);
 	/*
 	 * A waking boosted task: local DSQ + ENQ_PREEMPT, so it runs the moment its CPU reschedules instead
 	 * of at that CPU's next dispatch. Only wakeups: a task requeued at the end of its slice goes through
@@ -1094,7 +1261,7 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 	if ((enq_flags & ENQ_WAKEUP) && c && c->prio < prio && !cpu_throttled(c, now) &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
-		count(&bss.stats.preemptions);
+		count(preemptions);
 		return;
 	}
 	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
@@ -1121,15 +1288,16 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 			tctx->slice = s.slice;
 		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, enq_flags);
-		count(&bss.stats.fair_dispatches);
+		count(fair_dispatches);
 		return;
 	}
 	/* ENQ_LAST: nothing else is queued for this CPU, so it keeps the task. */
 	if (!tctx) {
+		/* vtime-ordered like every insert there: the kernel ejects a scheduler that mixes in FIFO ones */
 		if (enq_flags & ENQ_LAST)
 			insert_last(p, s.slice, enq_flags);
 		else
-			dsq_insert(p, FAIR_DSQ, s.slice, enq_flags);
+			dsq_insert_vtime(p, fair_dsq_of(p), s.slice, vtime_now, enq_flags);
 		return;
 	}
 	prio = effective_prio(tctx, s.prio, now);
@@ -1147,7 +1315,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 		return;
 	}
 
-	count(&bss.stats.fair_dispatches);
+	count(fair_dispatches);
 	vtime = fair_vtime(tctx);
 	/*
 	 * Wakeup preemption, as the fair class does it: a waking task that is behind the unboosted task on its
@@ -1159,28 +1327,130 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio && before(vtime + settings.default_slice_ns / 2, c->vtime) &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && !scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT);
-		count(&bss.stats.fair_preemptions);
+		count(fair_preemptions);
 		return;
 	}
-	dsq_insert_vtime(p, FAIR_DSQ, s.slice, vtime, enq_flags);
+	dsq_insert_vtime(p, fair_dsq(domain_of(cpu)), s.slice, vtime, enq_flags);
 	kick_idle(p);
 }
 
-/* The vtime at the head of FAIR_DSQ, if it has a task. */
-static bool fair_head(u64 *vtime)
+/* The least vtime at the head of a fair queue, and that queue's domain; false if every one is empty. */
+static bool fair_head(u64 *vtime, u32 *domain)
 {
 	struct bpf_iter_scx_dsq it;
+	struct bpf_iter_num doms;
 	struct task_struct *p;
 	bool found = false;
+	int *d;
 
-	bpf_iter_scx_dsq_new(&it, FAIR_DSQ, 0);
-	p = bpf_iter_scx_dsq_next(&it);
-	if (p) {
-		*vtime = p->scx.dsq_vtime;
-		found = true;
+	bpf_iter_num_new(&doms, 0, nr_domains());
+	while ((d = bpf_iter_num_next(&doms))) {
+		if (!scx_bpf_dsq_nr_queued(fair_dsq(*d)))
+			continue;
+		bpf_iter_scx_dsq_new(&it, fair_dsq(*d), 0);
+		p = bpf_iter_scx_dsq_next(&it);
+		if (p && (!found || before(p->scx.dsq_vtime, *vtime))) {
+			*vtime = p->scx.dsq_vtime;
+			*domain = *d;
+			found = true;
+		}
+		bpf_iter_scx_dsq_destroy(&it);
 	}
-	bpf_iter_scx_dsq_destroy(&it);
+	bpf_iter_num_destroy(&doms);
 	return found;
+}
+
+/* Unboosted tasks waiting in any domain's queue. */
+static bool fair_waiting(void)
+{
+	struct bpf_iter_num doms;
+	bool found = false;
+	int *d;
+
+	bpf_iter_num_new(&doms, 0, nr_domains());
+	while ((d = bpf_iter_num_next(&doms))) {
+		if (scx_bpf_dsq_nr_queued(fair_dsq(*d))) {
+			found = true;
+			break;
+		}
+	}
+	bpf_iter_num_destroy(&doms);
+	return found;
+}
+
+/*
+ * The domain this CPU should take its next unboosted task from instead of its own: the most crowded one
+ * (queued tasks per online CPU) if it is more crowded than this one would be with one task more queued,
+ * so queues stay within a task per CPU of each other, as the fair class's load balancing keeps its run
+ * queues. A domain with no CPU online and tasks queued is the most crowded of all. `own` if none.
+ */
+static u32 crowded_domain(u32 own)
+{
+	s64 own_q = scx_bpf_dsq_nr_queued(fair_dsq(own)), own_c = domain_online(own), q, c, best_q = 0, best_c = 0;
+	struct bpf_iter_num doms;
+	u32 best = own;
+	int *d;
+
+	if (!own_c)
+		own_c = 1;
+	bpf_iter_num_new(&doms, 0, nr_domains());
+	while ((d = bpf_iter_num_next(&doms))) {
+		if ((u32)*d == own)
+			continue;
+		q = scx_bpf_dsq_nr_queued(fair_dsq(*d));
+		if (!q)
+			continue;
+		c = domain_online(*d);
+		/* q / c against (own_q + 1) / own_c, and against the most crowded so far, without division */
+		if (q * own_c <= (own_q + 1) * c || (best != own && q * best_c <= best_q * c))
+			continue;
+		best = *d;
+		best_q = q;
+		best_c = c;
+	}
+	bpf_iter_num_destroy(&doms);
+	return best;
+}
+
+/*
+ * Move an unboosted task to this CPU: from the most crowded domain if another is (crowded_domain), else
+ * from its own domain, else from any other (a CPU never idles while an unboosted task it may run waits).
+ */
+static bool consume_fair(s32 cpu, struct cpu_ctx *c, u64 now)
+{
+	u32 n = nr_domains(), own, from;
+	struct bpf_iter_num doms;
+	bool moved = false;
+	int *i;
+
+	if (n <= 1)
+		return dsq_move_to_local(fair_dsq(0));
+	own = domain_of(cpu);
+	from = c && before(now, c->pull_after) ? own : crowded_domain(own);
+	if (from != own) {
+		if (dsq_move_to_local(fair_dsq(from))) {
+			count(domain_pulls);
+			return true;
+		}
+		/*
+		 * Crowded with tasks bound away from this CPU (a cpuset on that node): the kernel walked the
+		 * whole queue under its lock to find none. Not again for a slice.
+		 */
+		if (c)
+			c->pull_after = now + settings.default_slice_ns;
+	}
+	if (dsq_move_to_local(fair_dsq(own)))
+		return true;
+	bpf_iter_num_new(&doms, 1, n);
+	while ((i = bpf_iter_num_next(&doms))) {
+		if (scx_bpf_dsq_nr_queued(fair_dsq((own + *i) % n)) && dsq_move_to_local(fair_dsq((own + *i) % n))) {
+			count(domain_steals);
+			moved = true;
+			break;
+		}
+	}
+	bpf_iter_num_destroy(&doms);
+	return moved;
 }
 
 /*
@@ -1277,13 +1547,14 @@ static bool take_boosted(s32 cpu, u64 floor, u64 key)
 static bool serve_reserve(s32 cpu, struct cpu_ctx *c, u64 now)
 {
 	u64 head = 0, least = 0, floor = reserve_floor(), served;
-	bool have_head = fair_head(&head);
-	bool have_boosted = least_boosted(cpu, floor, &least);
+	u32 head_domain = 0;
+	bool have_head = fair_head(&head, &head_domain);
+	bool have_boosted = scx_bpf_dsq_nr_queued(BOOST_DSQ) && least_boosted(cpu, floor, &least);
 
 	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, floor, least)) {
-		count(&bss.stats.reserve_boosted);
+		count(reserve_boosted);
 		served = least;
-	} else if (have_head && dsq_move_to_local(FAIR_DSQ)) {
+	} else if (have_head && dsq_move_to_local(fair_dsq(head_domain))) {
 		served = head;
 	} else {
 		return false;
@@ -1303,7 +1574,7 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 	bw_release_due(now);
 	if (!c) {
 		if (!dsq_move_to_local(BOOST_DSQ))
-			dsq_move_to_local(FAIR_DSQ);
+			consume_fair(cpu, NULL, now);
 		return;
 	}
 	/* The reserve's turn: a floor under the boost that no mix of boosted tasks can take away. */
@@ -1325,7 +1596,8 @@ void OP(gthulhu_dispatch, s32 cpu, struct task_struct *prev)
 			return;
 		}
 	}
-	if (dsq_move_to_local(FAIR_DSQ))
+	/* the least served of its domain runs: a turn for that domain's tasks (the bound, docs/scheduler.md) */
+	if (consume_fair(cpu, c, now))
 		c->last_reserve = now;
 }
 
@@ -1333,6 +1605,7 @@ void OP(gthulhu_running, struct task_struct *p)
 {
 	struct task_ctx *tctx = ctx_of(p);
 	struct cpu_ctx *c;
+	s32 cpu;
 
 	if (!tctx)
 		return;
@@ -1340,9 +1613,10 @@ void OP(gthulhu_running, struct task_struct *p)
 	tctx->bw_mark = tctx->started_at;
 	if (!tctx->prio && before(vtime_now, tctx->vtime))
 		vtime_now = tctx->vtime;
-	c = cpu_ctx_of(scx_bpf_task_cpu(p));
+	cpu = scx_bpf_task_cpu(p);
+	c = cpu_ctx_of(cpu);
 	if (c) {
-		c->prio = tctx->prio;
+		set_cpu_prio(cpu, c, tctx->prio);
 		c->vtime = tctx->vtime;
 		bw_limit_run(tctx, c, p->scx.slice, tctx->started_at);
 	}
@@ -1563,7 +1837,7 @@ static void charge_boost(struct task_ctx *tctx, struct cpu_ctx *c, u64 used, u64
 	tctx->window_used += used;
 	if (tctx->window_used > boost_budget() && !before(now, tctx->demoted_until)) {
 		tctx->demoted_until = tctx->window_start + window;
-		count(&bss.stats.demotions);
+		count(demotions);
 	}
 	if (!c)
 		return;
@@ -1572,18 +1846,19 @@ static void charge_boost(struct task_ctx *tctx, struct cpu_ctx *c, u64 used, u64
 		c->boost_used = 0;
 	}
 	if (c->boost_used <= boost_budget() && c->boost_used + used > boost_budget())
-		count(&bss.stats.throttled_windows);
+		count(throttled_windows);
 	c->boost_used += used;
 }
 
 void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 {
 	struct task_ctx *tctx = ctx_of(p);
-	struct cpu_ctx *c = cpu_ctx_of(scx_bpf_task_cpu(p));
+	s32 cpu = scx_bpf_task_cpu(p);
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
 	u64 now = bpf_ktime_get_ns(), used, lead, charge;
 
 	if (c) {
-		c->prio = 0;
+		set_cpu_prio(cpu, c, 0);
 		bw_run_ended(c);
 	}
 	if (!tctx)
@@ -1624,8 +1899,8 @@ void OP(gthulhu_tick, struct task_struct *p)
 	u64 now = bpf_ktime_get_ns();
 
 	if (bpf_get_smp_processor_id() == 0) {
-		bss.stats.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
-		bss.stats.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
+		bss.gauges.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
+		bss.gauges.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
 	}
 	if (!tctx || !c)
 		return;
@@ -1635,7 +1910,7 @@ void OP(gthulhu_tick, struct task_struct *p)
 		return;
 	}
 	if (tctx->prio) {
-		if (over_budget(tctx, now) || (cpu_throttled(c, now) && scx_bpf_dsq_nr_queued(FAIR_DSQ)))
+		if (over_budget(tctx, now) || (cpu_throttled(c, now) && fair_waiting()))
 			p->scx.slice = 0;
 	} else if (!reserve_due(c, now) && now - c->last_reserve > tctx->slice &&
 		   scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
@@ -1651,10 +1926,10 @@ static void reset_cpu(s32 cpu, u32 prio)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 
-	count(&bss.stats.hotplug_events);
+	count(hotplug_events);
 	if (!c)
 		return;
-	c->prio = prio;
+	set_cpu_prio(cpu, c, prio);
 	c->boost_used = 0;
 	c->window_start = 0;
 	c->last_reserve = 0;
@@ -1663,12 +1938,14 @@ static void reset_cpu(s32 cpu, u32 prio)
 void OP(gthulhu_cpu_online, s32 cpu)
 {
 	reset_cpu(cpu, 0);
+	domain_cpu_change(cpu, 1);
 }
 
 /* An offline CPU looks as busy as can be, so no boosted waker is sent there. */
 void OP(gthulhu_cpu_offline, s32 cpu)
 {
 	reset_cpu(cpu, ~0U);
+	domain_cpu_change(cpu, -1);
 }
 
 s32 OP(gthulhu_init_task, struct task_struct *p, struct scx_init_task_args *args)
@@ -1717,11 +1994,11 @@ s32 OP(gthulhu_cgroup_init, struct cgroup *cgrp, struct scx_cgroup_init_args *ar
 		}
 	} else {
 		/* no CFS bandwidth in this kernel: the agent reports cpu.max as not enforced */
-		count(&bss.stats.cgroups_untracked);
+		count(cgroups_untracked);
 	}
 #endif
 	if (bpf_map_update_elem(&cgroups, &id, &cg, BPF_ANY))
-		count(&bss.stats.cgroups_untracked);
+		count(cgroups_untracked);
 	return 0;
 }
 
@@ -1797,20 +2074,72 @@ void OP(gthulhu_exit_task, struct task_struct *p, struct scx_exit_task_args *arg
 	if (!(p->flags & PF_EXITING))
 		return;
 	if (delete_if_owned(&tid_map, p->pid, ticks(p->start_boottime)))
-		count(&bss.stats.exit_deleted_tid);
+		count(exit_deleted_tid);
 	if (p->signal->live.counter == 0 &&
 	    delete_if_owned(&tgid_map, p->tgid, ticks(p->group_leader->start_boottime)))
-		count(&bss.stats.exit_deleted_tgid);
+		count(exit_deleted_tgid);
+}
+
+/*
+ * The CPUs as init finds them (the kernel holds CPU hotplug off from here until the hotplug callbacks
+ * are armed): the online ones run nothing boosted yet, each counts in its domain, and an offline one's
+ * prio is ~0 as cpu_offline leaves it.
+ */
+static s32 init_cpus(void)
+{
+	const struct cpumask *online;
+	struct bpf_cpumask *mask, *old;
+	struct cpumask_slot *slot;
+	struct bpf_iter_num it;
+	struct cpu_ctx *c;
+	u32 key = 0;
+	int *i;
+
+	mask = bpf_cpumask_create();
+	if (!mask)
+		return -12; /* -ENOMEM */
+	online = scx_bpf_get_online_cpumask();
+	bpf_iter_num_new(&it, 0, settings.nr_cpus);
+	while ((i = bpf_iter_num_next(&it))) {
+		if (bpf_cpumask_test_cpu(*i, online)) {
+			bpf_cpumask_set_cpu(*i, mask);
+			domain_cpu_change(*i, 1);
+		} else if ((c = cpu_ctx_of(*i))) {
+			c->prio = ~0U;
+		}
+	}
+	bpf_iter_num_destroy(&it);
+	scx_bpf_put_cpumask(online);
+	slot = bpf_map_lookup_elem(&unboosted_cpus, &key);
+	if (!slot) {
+		bpf_cpumask_release(mask);
+		return -2; /* -ENOENT */
+	}
+	old = bpf_kptr_xchg(&slot->mask, mask);
+	if (old)
+		bpf_cpumask_release(old);
+	return 0;
 }
 
 /* Sleepable (the loader sets BPF_F_SLEEPABLE): creating a DSQ may allocate. */
 s32 OP(gthulhu_init)
 {
+	struct bpf_iter_num it;
 	s32 ret = scx_bpf_create_dsq(BOOST_DSQ, -1);
+	int *d;
 
 	if (ret)
 		return ret;
-	ret = scx_bpf_create_dsq(FAIR_DSQ, -1);
+	bpf_iter_num_new(&it, 0, nr_domains());
+	while ((d = bpf_iter_num_next(&it))) {
+		ret = scx_bpf_create_dsq(fair_dsq(*d), -1);
+		if (ret)
+			break;
+	}
+	bpf_iter_num_destroy(&it);
+	if (ret)
+		return ret;
+	ret = init_cpus();
 	if (ret)
 		return ret;
 	return bw_init();
@@ -1829,8 +2158,8 @@ void OP(gthulhu_exit, struct scx_exit_info *ei)
 SEC("syscall")
 int gthulhu_count_entries(void *ctx)
 {
-	bss.stats.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
-	bss.stats.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
+	bss.gauges.live_tid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tid_map);
+	bss.gauges.live_tgid_entries = bpf_map_sum_elem_count((struct bpf_map *)&tgid_map);
 	return 0;
 }
 

@@ -34,10 +34,15 @@ struct gthulhu_settings {
 	u32 agent_tgid;          /* the agent's own process: boosted above every intent (0: off) */
 	u32 nr_cpus;             /* possible CPUs (nr_cpu_ids): the per-CPU array has this many entries */
 	u32 asym_capacity;       /* CPUs differ in capacity (cpu_capacity map): boosted tasks seek the big ones */
+	u32 nr_domains;          /* fair queues, one per NUMA node (cpu_domain map): 1 on a single-node host */
+	u32 pad;
 };
 
-/* Counters (.bss), monotonic except live_* (refreshed by the count_entries program and on each tick). */
-struct gthulhu_stats {
+/*
+ * Events since load, counted per CPU (map `counters`, one slot per possible CPU): a count on the scheduling
+ * path never writes a cache line another CPU writes. The agent sums the slots.
+ */
+struct gthulhu_counters {
 	u64 tid_hits;           /* lookups answered by a TID entry */
 	u64 tgid_hits;          /* lookups answered by a TGID entry */
 	u64 misses;             /* lookups with no (valid) entry: fair scheduling */
@@ -52,8 +57,6 @@ struct gthulhu_stats {
 	u64 exit_deleted_tid;   /* TID entries removed because their task exited */
 	u64 exit_deleted_tgid;  /* TGID entries removed because their whole process exited */
 	u64 agent_boosts;       /* the agent's own threads queued as boosted */
-	u64 live_tid_entries;   /* entries in tid_map */
-	u64 live_tgid_entries;  /* entries in tgid_map */
 	u64 reserve_boosted;    /* boosted tasks that were served a CPU's reserve turn (behind the fair pool) */
 	u64 hotplug_events;     /* CPUs that went online or offline while the scheduler ran */
 	u64 bw_parked;          /* tasks held back: their cgroup or an ancestor used its cpu.max quota */
@@ -62,6 +65,15 @@ struct gthulhu_stats {
 	u64 bw_stops_stale;     /* stop timers that fired after their run had ended (nothing done) */
 	u64 capacity_placements; /* boosted tasks sent to a more capable CPU (heterogeneous CPUs only) */
 	u64 cgroups_untracked;  /* cgroups not tracked (map full) or whose cpu.max is not found */
+	u64 domain_pulls;       /* unboosted tasks a CPU took from a more crowded node's fair queue */
+	u64 domain_steals;      /* unboosted tasks a CPU took from another node's queue, its own being empty */
+	u64 victim_scans;       /* boosted wakers that found no unboosted CPU and scanned for a lesser boost */
+};
+
+/* Current sizes (.bss), refreshed by the count_entries program and on each tick of CPU 0. */
+struct gthulhu_gauges {
+	u64 live_tid_entries;   /* entries in tid_map */
+	u64 live_tgid_entries;  /* entries in tgid_map */
 };
 
 /* Why the kernel stopped the scheduler, copied by ops.exit (kind: enum scx_exit_kind, 0 while running). */
@@ -74,7 +86,7 @@ struct gthulhu_exit_info {
 
 /* The whole .bss: one variable, so its layout is this struct's. */
 struct gthulhu_bss {
-	struct gthulhu_stats stats;
+	struct gthulhu_gauges gauges;
 	struct gthulhu_exit_info exit_info;
 };
 

@@ -75,6 +75,8 @@ class SchedulerConfig(_Section):
     boost_window_ns: int = Field(default=100_000_000, ge=1_000_000, le=10_000_000_000)
     map_capacity: int = Field(default=65_536, ge=1, le=4_194_304)
     watchdog_timeout_ms: int = Field(default=0, ge=0, le=WATCHDOG_MAX_MS)  # 0: the kernel's default (30 s)
+    # unboosted tasks queue per NUMA node (each CPU takes from its node's queue first), or in one queue
+    fair_queues: Literal["per_node", "single"] = "per_node"
     # Deprecated: backend.reload_backoff_initial_s / _max_s. Still read, so configs written before the
     # move keep working; AgentConfig moves them to `backend` and `deprecations()` says so.
     reload_backoff_initial_s: float | None = Field(default=None, gt=0)

@@ -34,7 +34,7 @@ from gthulhu_node.backends.base import (
     check_entry,
 )
 from gthulhu_node.scheduler import libbpf
-from gthulhu_node.scheduler.layout import STAT_COUNTERS, STAT_GAUGES, GthulhuEntry
+from gthulhu_node.scheduler.layout import STAT_GAUGES, GthulhuEntry
 from gthulhu_node.scheduler.loader import (
     SCHED_EXT,
     SCHED_NAME,
@@ -78,6 +78,8 @@ class SchedulerSettings(Protocol):
     def map_capacity(self) -> int: ...
     @property
     def watchdog_timeout_ms(self) -> int: ...
+    @property
+    def fair_queues(self) -> str: ...
 
 
 class SchedExtBackend(Backend):
@@ -102,6 +104,7 @@ class SchedExtBackend(Backend):
             watchdog_timeout_ms=cfg.watchdog_timeout_ms,
             agent_tgid=os.getpid() if protect_agent else 0,
             bpf_object=cfg.bpf_object,
+            fair_queues=cfg.fair_queues,
         )
         self._proc = proc
         self._root = sched_ext_root
@@ -231,12 +234,11 @@ class SchedExtBackend(Backend):
     def counters(self) -> dict[str, int]:
         if self._sched is None:
             return {}
-        stats = self._sched.bss(refresh_counts=False).stats  # the count program refreshes gauges only
-        return {name: int(getattr(stats, name)) for name in STAT_COUNTERS}
+        return self._sched.counters()
 
     def gauges(self) -> dict[str, int]:
         """Live entries per map, counted exactly now (docs/scheduler.md, "Entries")."""
         if self._sched is None:
             return {}
-        stats = self._sched.bss().stats
-        return {name: int(getattr(stats, name)) for name in STAT_GAUGES}
+        gauges = self._sched.bss().gauges
+        return {name: int(getattr(gauges, name)) for name in STAT_GAUGES}

@@ -29,10 +29,13 @@ class GthulhuSettings(ctypes.Structure):
         ("agent_tgid", ctypes.c_uint32),
         ("nr_cpus", ctypes.c_uint32),
         ("asym_capacity", ctypes.c_uint32),
+        ("nr_domains", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
-STAT_NAMES = (
+#: events since load, counted per CPU in the scheduler's `counters` map (SchedExtBackend.counters() sums them)
+STAT_COUNTERS = (
     "tid_hits",
     "tgid_hits",
     "misses",
@@ -47,8 +50,6 @@ STAT_NAMES = (
     "exit_deleted_tid",
     "exit_deleted_tgid",
     "agent_boosts",
-    "live_tid_entries",
-    "live_tgid_entries",
     "reserve_boosted",
     "hotplug_events",
     "bw_parked",
@@ -57,15 +58,20 @@ STAT_NAMES = (
     "bw_stops_stale",
     "capacity_placements",
     "cgroups_untracked",
+    "domain_pulls",
+    "domain_steals",
+    "victim_scans",
 )
-#: current sizes, not events: they go down as well as up (exported as gauges, SchedExtBackend.gauges())
+#: current sizes, not events: they go down as well as up (.bss, exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")
-#: monotonic since the scheduler was loaded (SchedExtBackend.counters())
-STAT_COUNTERS = tuple(name for name in STAT_NAMES if name not in STAT_GAUGES)
 
 
-class GthulhuStats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in STAT_NAMES]
+class GthulhuCounters(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in STAT_COUNTERS]
+
+
+class GthulhuGauges(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in STAT_GAUGES]
 
 
 class GthulhuExitInfo(ctypes.Structure):
@@ -78,14 +84,15 @@ class GthulhuExitInfo(ctypes.Structure):
 
 
 class GthulhuBss(ctypes.Structure):
-    _fields_ = [("stats", GthulhuStats), ("exit_info", GthulhuExitInfo)]
+    _fields_ = [("gauges", GthulhuGauges), ("exit_info", GthulhuExitInfo)]
 
 
 #: struct name in the BPF object -> its mirror (what the layout test walks)
 MIRRORS: dict[str, type[ctypes.Structure]] = {
     "gthulhu_entry": GthulhuEntry,
     "gthulhu_settings": GthulhuSettings,
-    "gthulhu_stats": GthulhuStats,
+    "gthulhu_counters": GthulhuCounters,
+    "gthulhu_gauges": GthulhuGauges,
     "gthulhu_exit_info": GthulhuExitInfo,
     "gthulhu_bss": GthulhuBss,
 }

@@ -90,6 +90,7 @@ _SIGS: dict[str, tuple[Any, list[Any]]] = {
     "btf__parse": (_P, [ctypes.c_char_p, _P]),
     "btf__free": (None, [_P]),
     "libbpf_set_print": (_P, [_P]),
+    "libbpf_num_possible_cpus": (ctypes.c_int, []),
 }
 
 
@@ -394,6 +395,21 @@ def map_lookup(fd: int, key: Any, value: Any) -> bool:
             return False
         raise LibbpfError("bpf_map_lookup_elem", err or -ret)
     return True
+
+
+def num_possible_cpus() -> int:
+    """How many slots a per-CPU map's value has (the kernel's num_possible_cpus(), as libbpf counts it)."""
+    return _check("libbpf_num_possible_cpus", lib().libbpf_num_possible_cpus())
+
+
+def percpu_lookup(fd: int, key: Any, value_type: type[ctypes.Structure]) -> list[Any]:
+    """Every CPU's value of a per-CPU map's key (each padded to 8 bytes, as the kernel copies them)."""
+    stride = (ctypes.sizeof(value_type) + 7) // 8 * 8
+    ncpus = num_possible_cpus()
+    buf = ctypes.create_string_buffer(stride * ncpus)
+    ret = lib().bpf_map_lookup_elem(fd, ctypes.byref(key), buf)
+    _check("bpf_map_lookup_elem", ret)
+    return [value_type.from_buffer_copy(buf.raw, cpu * stride) for cpu in range(ncpus)]
 
 
 def map_delete(fd: int, key: Any) -> bool:

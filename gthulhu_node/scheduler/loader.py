@@ -29,7 +29,7 @@ import structlog
 
 from gthulhu_node.backends.base import BackendError, BackendUnavailable, SchedulerRefused
 from gthulhu_node.scheduler import libbpf
-from gthulhu_node.scheduler.layout import GthulhuBss, GthulhuSettings
+from gthulhu_node.scheduler.layout import STAT_COUNTERS, GthulhuBss, GthulhuCounters, GthulhuSettings
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +40,10 @@ KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
 LOCK_PATH = Path("/run/gthulhu-node/scheduler.lock")
 SLEEPABLE_PROGRAMS = ("gthulhu_init",)
 ATTACH_TIMEOUT_S = 30.0
+#: fair queues the scheduler creates at most (MAX_DOMAINS in bpf/gthulhu.bpf.c): more NUMA nodes share them
+MAX_DOMAINS = 64
+#: scheduler.fair_queues: one unboosted queue per NUMA node, or one for the whole host
+FAIR_QUEUE_MODES = ("per_node", "single")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,7 @@ class LoadSettings:
     watchdog_timeout_ms: int = 0  # 0: the kernel's default
     agent_tgid: int = 0  # 0: the agent's own threads are not protected
     bpf_object: Path | None = None
+    fair_queues: str = "per_node"  # FAIR_QUEUE_MODES
     verifier_stats: bool = False  # record each program's verifier statistics (LoadedScheduler.verifier_insns)
 
 
@@ -181,6 +186,36 @@ def cpu_capacities(nr_cpus: int, root: Path = Path("/sys/devices/system/cpu")) -
             continue
     top = max(found.values(), default=1024)
     return [found.get(cpu, top) for cpu in range(nr_cpus)]
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """The CPUs of a kernel cpulist ("0-3,8,10-11"; empty for none)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def cpu_domains(nr_cpus: int, root: Path = Path("/sys/devices/system/node")) -> list[int]:
+    """Each CPU's fair-queue domain: its NUMA node, numbered densely over the nodes that have CPUs (a
+    memory-only node, such as a GPU's or CXL memory, gets no queue), folded into MAX_DOMAINS. A CPU no node
+    lists, and every CPU of a host without NUMA nodes in sysfs, is in domain 0."""
+    nodes: list[tuple[int, list[int]]] = []
+    for path in root.glob("node[0-9]*"):
+        try:
+            cpus = [c for c in parse_cpulist((path / "cpulist").read_text()) if c < nr_cpus]
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            nodes.append((int(path.name.removeprefix("node")), cpus))
+    domains = [0] * nr_cpus
+    for index, (_, cpus) in enumerate(sorted(nodes)):
+        for cpu in cpus:
+            domains[cpu] = index % MAX_DOMAINS
+    return domains
 
 
 def _runs(capacities: list[int]) -> str:
@@ -316,12 +351,21 @@ class LoadedScheduler:
         self.tgid_map_fd = obj.map("tgid_map").fd
         self.capacity = obj.map("tid_map").max_entries
         self._bss_fd = _internal_map(obj, ".bss").fd
+        self._counters_fd = obj.map("counters").fd
         self._count_prog = obj.program("gthulhu_count_entries")
         # per program, when loaded with LoadSettings.verifier_stats
         self.verifier_insns: dict[str, int | None] = {}
 
+    def counters(self) -> dict[str, int]:
+        """The event counters, summed over the CPUs' slots."""
+        totals = dict.fromkeys(STAT_COUNTERS, 0)
+        for slot in libbpf.percpu_lookup(self._counters_fd, ctypes.c_uint32(0), GthulhuCounters):
+            for name in STAT_COUNTERS:
+                totals[name] += int(getattr(slot, name))
+        return totals
+
     def bss(self, refresh_counts: bool = True) -> GthulhuBss:
-        """Counters and exit info as the scheduler holds them now."""
+        """Gauges and exit info as the scheduler holds them now."""
         if refresh_counts:
             self._count_prog.test_run()
         value = GthulhuBss()
@@ -425,7 +469,9 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         nr_cpus = possible_cpus()
         obj.map("cpu_ctxs").set_max_entries(nr_cpus)
         obj.map("cpu_capacity").set_max_entries(nr_cpus)
+        obj.map("cpu_domain").set_max_entries(nr_cpus)
         capacities = cpu_capacities(nr_cpus)
+        domains = cpu_domains(nr_cpus) if settings.fair_queues == "per_node" else [0] * nr_cpus
         rodata = _internal_map(obj, ".rodata")
         if len(rodata.initial_value()) != ctypes.sizeof(GthulhuSettings):
             raise BackendUnavailable(".rodata of the BPF object does not match struct gthulhu_settings")
@@ -438,6 +484,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
             agent_tgid=settings.agent_tgid,
             nr_cpus=nr_cpus,
             asym_capacity=int(len(set(capacities)) > 1),
+            nr_domains=max(domains) + 1,
         )
         rodata.set_initial_value(bytes(values))
         for prog in SLEEPABLE_PROGRAMS:
@@ -454,6 +501,10 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
                 caps_fd = obj.map("cpu_capacity").fd
                 for cpu, capacity in enumerate(capacities):
                     libbpf.map_update(caps_fd, ctypes.c_uint32(cpu), ctypes.c_uint32(capacity))
+            if values.nr_domains > 1:  # likewise: one domain needs no map
+                domain_fd = obj.map("cpu_domain").fd
+                for cpu, domain in enumerate(domains):
+                    libbpf.map_update(domain_fd, ctypes.c_uint32(cpu), ctypes.c_uint32(domain))
             try:
                 link = obj.map(OPS_MAP).attach_struct_ops()
             except OSError as exc:
@@ -479,6 +530,7 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         capacity=settings.map_capacity,
         cpus=nr_cpus,
         capacities=_runs(capacities) if len(set(capacities)) > 1 else "uniform",
+        fair_queues=values.nr_domains,
         timeout_ms=settings.watchdog_timeout_ms,
     )
     return loaded

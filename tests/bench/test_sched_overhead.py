@@ -8,7 +8,9 @@ than the spread"). The guest runs multi-threaded TCG, like the engine-step bench
 benchlab.py says why); at 8 vCPUs its eight vCPU threads share this machine's two cores, so those figures
 are reported without goals. Then, per workload, the scheduler's callbacks' own BPF run time in an extra,
 untimed run (kernel.bpf_stats_enabled), ours against scx_simple. GTHULHU_BENCH_ROUNDS (default 3) and
-GTHULHU_BENCH_REPS (default 2) size it.
+GTHULHU_BENCH_REPS (default 2) size it. On the two-node guest, ours with one fair queue for the host is a
+case too (what per-node queues change), and GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler REV)
+adds an earlier revision's scheduler (a scheduler change's before and after, same boot).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ pytestmark = pytest.mark.bench
 ROUNDS = int(os.environ.get("GTHULHU_BENCH_ROUNDS", "3"))
 REPS = int(os.environ.get("GTHULHU_BENCH_REPS", "2"))
 OURS = "ours (no policy)"
+#: cases ours is also compared with when a run has them (tests/vm/sched_overhead_bench.py)
+BEFORE_CASES = ("ours, one fair queue", "ours, earlier revision")
+EARLIER = os.environ.get("GTHULHU_BENCH_EARLIER", "")
 
 
 def spread(values: list[float]) -> str:
@@ -53,8 +58,9 @@ def print_table(data: dict[str, Any], goals: bool) -> None:
           f"{data.get('tcg_thread', '?')}), {data['rounds']} interleaved rounds x {data['reps']} runs;"
           " seconds, median [min-max]")
     cases = list(next(iter(runs.values())))
+    before = [c for c in BEFORE_CASES if c in cases]
     print(f"{'workload':34}" + "".join(f"{c:>24}" for c in cases)
-          + f"{'ours/EEVDF':>22}{'ours/scx_simple':>22}")
+          + f"{'ours/EEVDF':>22}{'ours/scx_simple':>22}" + "".join(f"{'ours/' + c[6:]:>26}" for c in before))
     for work, by_case in runs.items():
         ours, eevdf, simple = by_case[OURS], by_case["EEVDF"], by_case["scx_simple"]
         if goals:
@@ -62,8 +68,10 @@ def print_table(data: dict[str, Any], goals: bool) -> None:
         else:
             vs_eevdf = f"{statistics.median(ours) / statistics.median(eevdf):.2f}x"
             vs_simple = f"{statistics.median(ours) / statistics.median(simple):.2f}x"
+        vs_before = "".join(f"{statistics.median(ours) / statistics.median(by_case[c]):>25.2f}x"
+                            for c in before)
         print(f"{work:34}" + "".join(f"{spread(by_case[c]):>24}" for c in cases)
-              + f"{vs_eevdf:>22}{vs_simple:>22}")
+              + f"{vs_eevdf:>22}{vs_simple:>22}" + vs_before)
     if goals:
         print("goals: ours <= 1.10x EEVDF and <= scx_simple (\"within spread\": the medians miss it, the "
               "ranges overlap)")
@@ -80,7 +88,9 @@ def print_callbacks(data: dict[str, Any]) -> None:
     print("sched_ext callbacks in one run of each workload (mean of the profiled runs): BPF time ms "
           "(calls, ns per call); share of the median run's wall time x vCPUs")
     for work, by_case in data["callbacks"].items():
-        for case in (OURS, "scx_simple"):
+        for case in (OURS, *BEFORE_CASES, "scx_simple"):
+            if case not in by_case:
+                continue
             progs = by_case.get(case, {})
             total_ms = sum(ns for ns, _ in progs.values()) / 1e6 / n
             share = total_ms / 1e3 / (statistics.median(runs[work][case]) * data["cpus"])
@@ -100,8 +110,9 @@ def test_scheduling_overhead(bench_lab: Lab) -> None:
         progress = lab.scratch_host / "sched_overhead_progress.jsonl"
         progress.unlink(missing_ok=True)
         try:
+            earlier = ["--earlier", EARLIER] if EARLIER else []
             r = lab.python("tests/vm/sched_overhead_bench.py", "--rounds", str(ROUNDS), "--reps", str(REPS),
-                           "--peers-dir", str(peers_dir),
+                           "--peers-dir", str(peers_dir), *earlier,
                            "--progress", str(lab.scratch_guest / progress.name), timeout=5000)
             break
         except LabDied as exc:
@@ -111,5 +122,7 @@ def test_scheduling_overhead(bench_lab: Lab) -> None:
     data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     data["tcg_thread"] = lab.tcg_thread
     print(f"guest deaths started again after: {len(deaths)}")
+    if data.get("earlier"):
+        print(f"ours, earlier revision: {data['earlier']}")
     print_table(data, goals=data["cpus"] <= 2)
     assert all(t > 0 for by_case in data["runs"].values() for times in by_case.values() for t in times)

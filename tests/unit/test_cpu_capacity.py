@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gthulhu_node.scheduler.layout import STAT_NAMES, GthulhuSettings
+from gthulhu_node.scheduler.layout import STAT_COUNTERS, GthulhuSettings
 from gthulhu_node.scheduler.loader import _runs, cpu_capacities
 from tests.vm.devicetree import _without_sockets
 
@@ -43,7 +43,7 @@ def test_runs_names_each_stretch_once(caps: list[int], text: str) -> None:
 
 def test_the_settings_and_stats_carry_the_capacity_fields() -> None:
     assert "asym_capacity" in dict(GthulhuSettings._fields_)
-    assert "capacity_placements" in STAT_NAMES
+    assert "capacity_placements" in STAT_COUNTERS
 
 
 def test_the_device_tree_dump_drops_every_socket_device() -> None:

@@ -168,11 +168,12 @@ def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = ()) -> Iterator
 
 
 @contextlib.contextmanager
-def scheduler(active: bool, intent: dict[str, Any] | None) -> Iterator[SchedExtBackend | None]:
+def scheduler(active: bool, intent: dict[str, Any] | None,
+              config: SchedulerConfig | None = None) -> Iterator[SchedExtBackend | None]:
     if not active:
         yield None
         return
-    backend = SchedExtBackend(SchedulerConfig(), protect_agent=True)
+    backend = SchedExtBackend(config or SchedulerConfig(), protect_agent=True)
     backend.start()
     try:
         yield backend
@@ -201,12 +202,17 @@ def peer(name: str | None) -> Iterator[None]:
             time.sleep(0.1)
         yield
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc, 30)
+
+
+def interrupt(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGINT a scheduler's process (it unloads the scheduler on it) and reap it, killed after `timeout`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # Where the peers' binaries are in the guest: the host copies them into the scratch folder (the guest

@@ -5,7 +5,10 @@ time is mostly the scheduler's own path: `hackbench -p` (rt-tests: groups of 20 
 over pipes), `perf bench sched messaging` (the same design, Debian's linux-perf) and `perf bench sched
 pipe` (two tasks ping-ponging one pipe). Cases: EEVDF (no sched_ext scheduler), ours (the gthulhu
 scheduler loaded through the agent's backend, no policy: what every unboosted task pays) and the kernel's
-scx_simple (weighted vtime, one global queue). Rounds are interleaved case by case in one boot; each
+scx_simple (weighted vtime, one global queue); on a guest with more than one NUMA node also ours with one
+fair queue for the whole host (`scheduler.fair_queues: single`), and with --earlier DIR the scheduler of
+an earlier revision (scripts/bench-earlier-scheduler), loaded by that revision's own code in a process of
+its own: the before and after of a scheduler change in one boot. Rounds are interleaved case by case; each
 workload runs `--reps` times per case and round, then once more with kernel.bpf_stats_enabled on, not
 timed: the scheduler's callbacks' own run time and calls in that run (bpftool's run_time_ns and run_cnt
 of the struct_ops programs), summed over rounds. Prints one JSON document: seconds per timed run, and
@@ -27,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from gthulhu_node.config import SchedulerConfig
 from tests.vm import engine_step_bench  # the scheduler and peer context managers
 from tests.vm.guest_probe import bpftool_progs
 
@@ -35,6 +39,43 @@ CASES: dict[str, dict[str, str | bool]] = {
     "ours (no policy)": {"sched": True},
     "scx_simple": {"peer": "scx_simple"},
 }
+ONE_QUEUE = "ours, one fair queue"
+EARLIER = "ours, earlier revision"
+NODES = Path("/sys/devices/system/node")
+
+# Loads an earlier revision's scheduler with that revision's own code (its folder first on sys.path) and
+# holds it until SIGINT: the layouts of its maps are its own, which this revision's loader would refuse.
+HOLD_EARLIER = """
+import signal, sys
+sys.path.insert(0, sys.argv[1])
+from gthulhu_node.scheduler.backend import SchedExtBackend
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+backend = SchedExtBackend(protect_agent=True)
+backend.start()
+print("loaded", flush=True)
+signal.sigwait({signal.SIGINT, signal.SIGTERM})
+backend.stop()
+"""
+
+
+def numa_nodes() -> int:
+    return sum(1 for p in NODES.glob("node[0-9]*") if (p / "cpulist").read_text().strip())
+
+
+@contextlib.contextmanager
+def earlier(folder: Path) -> Iterator[None]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_EARLIER, str(folder)], stdout=subprocess.PIPE,
+                            text=True, cwd=folder)
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "loaded":
+            raise RuntimeError(f"the earlier scheduler ({folder}) did not load: exit {proc.wait(60)}")
+        yield
+        state = engine_step_bench._sched_ext()
+        if state != ("enabled", "gthulhu"):
+            raise RuntimeError(f"the earlier scheduler is no longer running: {state}")
+    finally:
+        engine_step_bench.interrupt(proc, 60)
 # name -> (command, pattern of its time in seconds). Sized for a few seconds each under TCG.
 WORKLOADS: dict[str, tuple[list[str], str]] = {
     "hackbench -p -g 2 -l 200": (["hackbench", "-p", "-g", "2", "-l", "200"], r"Time:\s*([\d.]+)"),
@@ -73,7 +114,12 @@ def timed(name: str) -> float:
 @contextlib.contextmanager
 def loaded(case: str) -> Iterator[None]:
     spec = CASES[case]
-    with (engine_step_bench.scheduler(bool(spec.get("sched")), None) as backend,
+    if "earlier" in spec:
+        with earlier(Path(str(spec["earlier"]))):
+            yield
+        return
+    config = SchedulerConfig(fair_queues="single") if spec.get("one_queue") else None
+    with (engine_step_bench.scheduler(bool(spec.get("sched")), None, config) as backend,
           engine_step_bench.peer(str(spec["peer"]) if "peer" in spec else None)):
         yield
         if backend is not None and backend.health().state.value != "running":
@@ -86,8 +132,14 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--peers-dir", type=Path, required=True, help="where scx_simple is")
     parser.add_argument("--progress", type=Path, default=None, help="append each result as a JSON line")
+    parser.add_argument("--earlier", type=Path, default=None,
+                        help="an earlier revision's folder (scripts/bench-earlier-scheduler): one more case")
     args = parser.parse_args()
     engine_step_bench.PEERS_DIR = args.peers_dir
+    if numa_nodes() > 1:
+        CASES[ONE_QUEUE] = {"sched": True, "one_queue": True}
+    if args.earlier is not None:
+        CASES[EARLIER] = {"earlier": str(args.earlier)}
     runs: dict[str, dict[str, list[float]]] = {w: {c: [] for c in CASES} for w in WORKLOADS}
     # per workload and case: callback -> [BPF run time ns, calls], summed over every run
     callbacks: dict[str, dict[str, dict[str, list[int]]]] = {w: {c: {} for c in CASES} for w in WORKLOADS}
@@ -118,7 +170,8 @@ def main() -> int:
             print(f"{case}: " + ", ".join(f"{w} {runs[w][case][-1]:.3f}" for w in WORKLOADS),
                   file=sys.stderr, flush=True)
     print(json.dumps({"kernel": os.uname().release, "cpus": os.cpu_count(), "rounds": args.rounds,
-                      "reps": args.reps, "runs": runs, "callbacks": callbacks}))
+                      "reps": args.reps, "runs": runs, "callbacks": callbacks,
+                      "earlier": str(args.earlier or "")}))
     return 0
 
 

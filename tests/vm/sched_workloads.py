@@ -521,6 +521,48 @@ def numa(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def node_balance(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU hogs that start bound to their NUMA node, three per CPU on the first node and one and a half on
+    the second, then may run anywhere. With a fair queue per node each keeps queueing in its node's queue,
+    and since neither queue empties, no CPU steals: only the second node's pulls from the more crowded first
+    one even them out (about nine and nine; without pulls the first node's hogs would get half of what the
+    second's do). Each hog's CPU share afterwards, and which nodes each ran on."""
+    nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    first, second = _node_cpus(nodes[0]), _node_cpus(nodes[1])
+    every = set(range(os.cpu_count() or 1))
+    node_of = {cpu: n for n in nodes for cpu in _node_cpus(n)}
+    out: dict[str, Any] = {"nodes": {n: sorted(_node_cpus(n)) for n in nodes}}
+    with scheduler(watchdog_timeout_ms=2000) as backend, workers() as pids:
+        hogs = {f"hog{i}": fork_worker(spin, f"hog{i}", first) for i in range(3 * len(first))}
+        hogs.update({f"hog{len(hogs) + i}": fork_worker(spin, f"hog{len(hogs) + i}", second)
+                     for i in range(3 * len(second) // 2)})
+        pids += hogs.values()
+        time.sleep(0.5)
+        before = backend.counters()
+        for pid in hogs.values():
+            os.sched_setaffinity(pid, every)
+        time.sleep(1.0)
+        ran_on: dict[str, set[int]] = {name: set() for name in hogs}
+        t0 = time.monotonic()
+        start = {name: run_ns(pid) for name, pid in hogs.items()}
+        while time.monotonic() < t0 + args.seconds:
+            for name, pid in hogs.items():
+                cpu = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36])
+                ran_on[name].add(node_of.get(cpu, -1))
+            time.sleep(0.02)
+        elapsed = time.monotonic() - t0
+        shares = {name: (run_ns(pid) - start[name]) / 1e9 / elapsed for name, pid in hogs.items()}
+        after = backend.counters()
+        out.update(
+            shares=shares, min_over_max=min(shares.values()) / max(shares.values()),
+            nodes_seen={name: sorted(seen) for name, seen in ran_on.items()},
+            domain_pulls=after["domain_pulls"] - before["domain_pulls"],
+            domain_steals=after["domain_steals"] - before["domain_steals"],
+            health=backend.health().state.value, state=state(),
+        )
+    return out
+
+
 KHUGEPAGED_SLEEP = Path("/sys/kernel/mm/transparent_hugepage/khugepaged/scan_sleep_millisecs")
 
 
@@ -1217,6 +1259,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "starvation": starvation,
     "affinity": affinity,
     "numa": numa,
+    "node-balance": node_balance,
     "kthread-lock-holder": kthread_lock_holder,
     "cpu-max": cpu_max,
     "group-share": group_share,
