@@ -39,8 +39,8 @@
  *    whose budget is back to their queue. No task stays parked longer than BW_MAX_PARK_NS: one that would
  *    runs for BW_MIN_RUN_NS, so the watchdog never sees it wait.
  *
- * Nothing on the scheduling path writes a cache line all CPUs write: counters are per CPU, queues per node,
- * the boosted-CPU mask changes only when a CPU turns boosted or back.
+ * For many CPUs: counters are per CPU, unboosted queues per node, and the mask of CPUs running nothing
+ * boosted changes only when a CPU turns boosted or back (what stays shared: docs/scheduler.md).
  *
  * docs/scheduler.md explains each choice and states the bounded wait.
  */
@@ -287,7 +287,7 @@ struct cpu_ctx {
 	u32 bw_stop_ready; /* bw_stop initialised */
 	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
-	u32 pad;
+	u32 offline;       /* between cpu_offline and cpu_online (or offline at init): prio stays ~0 */
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
@@ -460,14 +460,18 @@ static __always_inline struct bpf_cpumask *unboosted_mask(void)
 }
 
 /*
- * What a CPU runs changes (under its rq lock): the mask is written only when the CPU turns boosted or back,
- * so CPUs switching between unboosted tasks never write its shared cache line.
+ * What a CPU runs changes (running and stopping, under its rq lock; the hotplug callbacks): the mask is
+ * written only when the CPU turns boosted or back, so CPUs switching between unboosted tasks never write
+ * its shared cache line. An offline CPU stays at ~0, out of the mask: tasks still stop on a CPU going
+ * down after cpu_offline, and a boosted waker must not be sent there.
  */
 static __always_inline void set_cpu_prio(s32 cpu, struct cpu_ctx *c, u32 prio)
 {
 	struct bpf_cpumask *mask;
 	bool was_unboosted = !c->prio;
 
+	if (c->offline)
+		prio = ~0U;
 	c->prio = prio;
 	if (was_unboosted == !prio)
 		return;
@@ -536,6 +540,21 @@ static __always_inline s64 domain_online(u32 domain)
 	return n && *n > 0 ? *n : 0;
 }
 
+/* Each domain's CPUs, made by init (multi-node hosts only): a boosted waker looks in its own node first. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_DOMAINS);
+	__type(key, u32);
+	__type(value, struct cpumask_slot);
+} domain_masks SEC(".maps");
+
+static __always_inline struct bpf_cpumask *domain_mask(u32 domain)
+{
+	struct cpumask_slot *slot = bpf_map_lookup_elem(&domain_masks, &domain);
+
+	return slot ? slot->mask : NULL;
+}
+
 static __always_inline void domain_cpu_change(s32 cpu, s32 delta)
 {
 	u32 domain = domain_of(cpu);
@@ -570,14 +589,15 @@ static __always_inline void kick_idle(struct task_struct *p)
 #define VICTIM_SCAN 32
 
 /*
- * An online CPU the task may use that runs something less important than prio; -1 if none. First any CPU
- * running nothing boosted (the unboosted_cpus mask, taken in turn so wakers spread); only when every CPU
+ * An online CPU the task may use that runs something less important than prio; -1 if none. First a CPU
+ * running nothing boosted (the unboosted_cpus mask, taken in turn so wakers spread), on the node of
+ * `from` (the default pick: the task's cache and memory) if one is, else anywhere; only when every CPU
  * the task may use runs a boosted task, a lesser boost among the VICTIM_SCAN CPUs after `from`. An offline
- * CPU's prio is ~0, so it never qualifies.
+ * CPU's prio is ~0 (set_cpu_prio), so it never qualifies.
  */
 static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 {
-	struct bpf_cpumask *unboosted = unboosted_mask();
+	struct bpf_cpumask *unboosted = unboosted_mask(), *node;
 	const struct cpumask *online;
 	u32 n = settings.nr_cpus;
 	struct bpf_iter_num it;
@@ -585,6 +605,13 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 	int *i;
 
 	if (unboosted) {
+		node = nr_domains() > 1 ? domain_mask(domain_of(from)) : NULL;
+		if (node) {
+			cpu = bpf_cpumask_any_and_distribute((const struct cpumask *)unboosted,
+							     (const struct cpumask *)node);
+			if ((u32)cpu < n && prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
+				return cpu;
+		}
 		cpu = bpf_cpumask_any_and_distribute((const struct cpumask *)unboosted, p->cpus_ptr);
 		if ((u32)cpu < n && prio_on(cpu) < prio)
 			return cpu;
@@ -1554,8 +1581,14 @@ static bool serve_reserve(s32 cpu, struct cpu_ctx *c, u64 now)
 	if (have_boosted && (!have_head || before(least, head)) && take_boosted(cpu, floor, least)) {
 		count(reserve_boosted);
 		served = least;
-	} else if (have_head && dsq_move_to_local(fair_dsq(head_domain))) {
+	} else if (have_head && (dsq_move_to_local(fair_dsq(head_domain)) ||
+				 /* nothing there this CPU may run (a cpuset): the next unboosted task it may */
+				 (nr_domains() > 1 && consume_fair(cpu, c, now)))) {
 		served = head;
+	} else if (have_boosted && take_boosted(cpu, floor, least)) {
+		/* every unboosted task waiting is bound away from this CPU: the boosted one served least */
+		count(reserve_boosted);
+		served = least;
 	} else {
 		return false;
 	}
@@ -1922,14 +1955,15 @@ void OP(gthulhu_tick, struct task_struct *p)
  * CPU hotplug: a scheduler without these callbacks is ejected by the kernel on every hotplug event. A CPU
  * coming or going starts clean: no priority, a fresh boost window, the reserve due at once.
  */
-static void reset_cpu(s32 cpu, u32 prio)
+static void reset_cpu(s32 cpu, bool offline)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 
 	count(hotplug_events);
 	if (!c)
 		return;
-	set_cpu_prio(cpu, c, prio);
+	c->offline = offline;
+	set_cpu_prio(cpu, c, offline ? ~0U : 0);
 	c->boost_used = 0;
 	c->window_start = 0;
 	c->last_reserve = 0;
@@ -1937,14 +1971,14 @@ static void reset_cpu(s32 cpu, u32 prio)
 
 void OP(gthulhu_cpu_online, s32 cpu)
 {
-	reset_cpu(cpu, 0);
+	reset_cpu(cpu, false);
 	domain_cpu_change(cpu, 1);
 }
 
 /* An offline CPU looks as busy as can be, so no boosted waker is sent there. */
 void OP(gthulhu_cpu_offline, s32 cpu)
 {
-	reset_cpu(cpu, ~0U);
+	reset_cpu(cpu, true);
 	domain_cpu_change(cpu, -1);
 }
 
@@ -2082,8 +2116,8 @@ void OP(gthulhu_exit_task, struct task_struct *p, struct scx_exit_task_args *arg
 
 /*
  * The CPUs as init finds them (the kernel holds CPU hotplug off from here until the hotplug callbacks
- * are armed): the online ones run nothing boosted yet, each counts in its domain, and an offline one's
- * prio is ~0 as cpu_offline leaves it.
+ * are armed): the online ones run nothing boosted yet, each counts in its domain, and an offline one is
+ * marked as cpu_offline leaves it.
  */
 static s32 init_cpus(void)
 {
@@ -2105,6 +2139,7 @@ static s32 init_cpus(void)
 			bpf_cpumask_set_cpu(*i, mask);
 			domain_cpu_change(*i, 1);
 		} else if ((c = cpu_ctx_of(*i))) {
+			c->offline = 1;
 			c->prio = ~0U;
 		}
 	}
@@ -2119,6 +2154,45 @@ static s32 init_cpus(void)
 	if (old)
 		bpf_cpumask_release(old);
 	return 0;
+}
+
+/* Each domain's CPUs as a cpumask (domain_masks), on a host with more than one. */
+static s32 init_domain_masks(void)
+{
+	struct bpf_cpumask *mask, *old;
+	struct cpumask_slot *slot;
+	struct bpf_iter_num doms, cpus;
+	int *d, *i;
+	s32 ret = 0;
+	u32 key;
+
+	if (nr_domains() <= 1)
+		return 0;
+	bpf_iter_num_new(&doms, 0, nr_domains());
+	while ((d = bpf_iter_num_next(&doms))) {
+		mask = bpf_cpumask_create();
+		if (!mask) {
+			ret = -12; /* -ENOMEM */
+			break;
+		}
+		bpf_iter_num_new(&cpus, 0, settings.nr_cpus);
+		while ((i = bpf_iter_num_next(&cpus)))
+			if (domain_of(*i) == (u32)*d)
+				bpf_cpumask_set_cpu(*i, mask);
+		bpf_iter_num_destroy(&cpus);
+		key = *d;
+		slot = bpf_map_lookup_elem(&domain_masks, &key);
+		if (!slot) {
+			bpf_cpumask_release(mask);
+			ret = -2; /* -ENOENT */
+			break;
+		}
+		old = bpf_kptr_xchg(&slot->mask, mask);
+		if (old)
+			bpf_cpumask_release(old);
+	}
+	bpf_iter_num_destroy(&doms);
+	return ret;
 }
 
 /* Sleepable (the loader sets BPF_F_SLEEPABLE): creating a DSQ may allocate. */
@@ -2140,6 +2214,9 @@ s32 OP(gthulhu_init)
 	if (ret)
 		return ret;
 	ret = init_cpus();
+	if (ret)
+		return ret;
+	ret = init_domain_masks();
 	if (ret)
 		return ret;
 	return bw_init();

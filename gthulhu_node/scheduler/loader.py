@@ -199,16 +199,22 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
+def node_cpus(node: Path) -> set[int]:
+    """A NUMA node's CPUs: its `cpulist` (the online ones, on x86 and arm64) and its `cpuN` links (every
+    present CPU, online or not, so a CPU offline when the agent starts is still put in its node)."""
+    cpus = {int(link.name[3:]) for link in node.glob("cpu[0-9]*")}
+    with contextlib.suppress(OSError, ValueError):  # the links alone then
+        cpus.update(parse_cpulist((node / "cpulist").read_text()))
+    return cpus
+
+
 def cpu_domains(nr_cpus: int, root: Path = Path("/sys/devices/system/node")) -> list[int]:
     """Each CPU's fair-queue domain: its NUMA node, numbered densely over the nodes that have CPUs (a
     memory-only node, such as a GPU's or CXL memory, gets no queue), folded into MAX_DOMAINS. A CPU no node
     lists, and every CPU of a host without NUMA nodes in sysfs, is in domain 0."""
     nodes: list[tuple[int, list[int]]] = []
     for path in root.glob("node[0-9]*"):
-        try:
-            cpus = [c for c in parse_cpulist((path / "cpulist").read_text()) if c < nr_cpus]
-        except (OSError, ValueError):
-            continue
+        cpus = sorted(c for c in node_cpus(path) if c < nr_cpus)
         if cpus:
             nodes.append((int(path.name.removeprefix("node")), cpus))
     domains = [0] * nr_cpus

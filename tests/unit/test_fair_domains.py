@@ -43,6 +43,14 @@ def test_memory_only_and_sparse_nodes_get_no_domain_of_their_own(tmp_path: Path)
     assert cpu_domains(4, root) == [0, 0, 1, 1]
 
 
+def test_a_cpu_offline_at_load_is_found_by_its_node_link(tmp_path: Path) -> None:
+    """x86 and arm64 drop an offline CPU from its node's cpulist; its cpuN link stays, so a CPU brought
+    online later queues in its own node, not in domain 0."""
+    root = nodes(tmp_path, {0: "0-1", 1: "2"})
+    (root / "node1" / "cpu3").mkdir()  # stands for the symlink to ../../cpu/cpu3
+    assert cpu_domains(4, root) == [0, 0, 1, 1]
+
+
 def test_no_nodes_in_sysfs_is_one_domain(tmp_path: Path) -> None:
     assert cpu_domains(4, tmp_path / "absent") == [0, 0, 0, 0]
 
