@@ -84,18 +84,17 @@ def print_callbacks(data: dict[str, Any]) -> None:
     run (its wall time x vCPUs), ours against scx_simple. Under single-threaded TCG a callback's run time
     also holds time the emulator spent on other vCPUs meanwhile: an upper bound, not a measurement."""
     runs: dict[str, dict[str, list[float]]] = data["runs"]
-    n = data["rounds"]
-    print("sched_ext callbacks in one run of each workload (mean of the profiled runs): BPF time ms "
+    print("sched_ext callbacks in one profiled run of each workload (after the timed rounds): BPF time ms "
           "(calls, ns per call); share of the median run's wall time x vCPUs")
     for work, by_case in data["callbacks"].items():
         for case in (OURS, *BEFORE_CASES, "scx_simple"):
             if case not in by_case:
                 continue
             progs = by_case.get(case, {})
-            total_ms = sum(ns for ns, _ in progs.values()) / 1e6 / n
+            total_ms = sum(ns for ns, _ in progs.values()) / 1e6
             share = total_ms / 1e3 / (statistics.median(runs[work][case]) * data["cpus"])
             top = sorted(progs.items(), key=lambda kv: -kv[1][0])[:5]
-            cells = ", ".join(f"{name} {ns / 1e6 / n:.1f} ({cnt // n}, {ns / max(cnt, 1):.0f})"
+            cells = ", ".join(f"{name} {ns / 1e6:.1f} ({cnt}, {ns / max(cnt, 1):.0f})"
                               for name, (ns, cnt) in top)
             print(f"  {work:34} {case:18} {total_ms:7.1f} ms {share:6.1%}: {cells}")
 
@@ -116,7 +115,7 @@ def test_scheduling_overhead(bench_lab: Lab) -> None:
                            "--progress", str(lab.scratch_guest / progress.name), timeout=5000)
             break
         except LabDied as exc:
-            # the callbacks' statistics are summed over the whole run: a death starts it again
+            # the rounds' figures are not resumed after a death: the run starts again
             benchlab.survive(lab, deaths, exc, "during the run, which starts again in a fresh guest")
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])

@@ -1,4 +1,5 @@
-"""The benchmarks' progress files as a dead guest leaves them (tests/bench/benchlab.py)."""
+"""The benchmarks' progress files as a dead guest leaves them, and how a benchmark goes on after a guest death
+(tests/bench/benchlab.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import benchlab
 from tests.bench.benchlab import _progress_rows
+from tests.vm.lab import LabBootError, LabDied
 
 
 def _row(case: str, rate: float) -> str:
@@ -29,3 +32,32 @@ def test_a_torn_line_before_the_last_is_an_error(tmp_path: Path) -> None:
 
 def test_no_file_means_no_runs_yet(tmp_path: Path) -> None:
     assert _progress_rows(tmp_path / "missing.jsonl") == []
+
+
+class _Lab:
+    """Stands in for the lab: its boots fail `hangs` times, then succeed."""
+
+    def __init__(self, hangs: int) -> None:
+        self.hangs = hangs
+        self.boots = 0
+
+    def ensure_alive(self) -> None:
+        self.boots += 1
+        if self.boots <= self.hangs:
+            raise LabBootError("guest did not start its agent within 180 s", "SeaBIOS\nBooting from ROM...")
+
+
+def test_a_boot_that_hangs_after_a_death_is_a_death_too_and_booted_again() -> None:
+    """Before, survive's own boot raised LabBootError to the benchmark, which lost the run (2026-12-05)."""
+    lab, deaths = _Lab(hangs=1), ["an earlier death"]
+    benchlab.survive(lab, deaths, LabDied("kernel panic", "Oops: int3"), "during the run")  # type: ignore[arg-type]
+    assert lab.boots == 2 and deaths == ["an earlier death", "kernel panic",
+                                         "guest did not start its agent within 180 s"]
+
+
+def test_past_the_allowance_the_last_death_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(benchlab, "DEATHS_ALLOWED", 2)
+    lab, deaths = _Lab(hangs=5), []
+    with pytest.raises(LabBootError):
+        benchlab.survive(lab, deaths, LabDied("kernel panic", "Oops"), "during the run")  # type: ignore[arg-type]
+    assert len(deaths) == 3 and lab.boots == 2

@@ -9,10 +9,10 @@ scx_simple (weighted vtime, one global queue); on a guest with more than one NUM
 fair queue for the whole host (`scheduler.fair_queues: single`), and with --earlier DIR the scheduler of
 an earlier revision (scripts/bench-earlier-scheduler), loaded by that revision's own code in a process of
 its own: the before and after of a scheduler change in one boot. Rounds are interleaved case by case; each
-workload runs `--reps` times per case and round, then once more with kernel.bpf_stats_enabled on, not
-timed: the scheduler's callbacks' own run time and calls in that run (bpftool's run_time_ns and run_cnt
-of the struct_ops programs), summed over rounds. Prints one JSON document: seconds per timed run, and
-the callbacks.
+workload runs `--reps` times per case and round; after the rounds each case runs each workload once more
+with kernel.bpf_stats_enabled on, not timed: the scheduler's callbacks' own run time and calls in that run
+(bpftool's run_time_ns and run_cnt of the struct_ops programs). Prints one JSON document: seconds per
+timed run, and the callbacks.
 """
 
 from __future__ import annotations
@@ -68,7 +68,11 @@ def earlier(folder: Path) -> Iterator[None]:
                             text=True, cwd=folder)
     try:
         assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "loaded":
+        # its log lines (structlog prints to stdout) come first; EOF means it exited
+        for line in proc.stdout:
+            if line.strip() == "loaded":
+                break
+        else:
             raise RuntimeError(f"the earlier scheduler ({folder}) did not load: exit {proc.wait(60)}")
         yield
         state = engine_step_bench._sched_ext()
@@ -141,7 +145,7 @@ def main() -> int:
     if args.earlier is not None:
         CASES[EARLIER] = {"earlier": str(args.earlier)}
     runs: dict[str, dict[str, list[float]]] = {w: {c: [] for c in CASES} for w in WORKLOADS}
-    # per workload and case: callback -> [BPF run time ns, calls], summed over every run
+    # per workload and case: callback -> [BPF run time ns, calls] in the profiled run
     callbacks: dict[str, dict[str, dict[str, list[int]]]] = {w: {c: {} for c in CASES} for w in WORKLOADS}
     for _ in range(args.rounds):
         for case in CASES:
@@ -154,21 +158,24 @@ def main() -> int:
                             with args.progress.open("a") as f:
                                 f.write(json.dumps({"workload": work, "case": case,
                                                     "seconds": runs[work][case][-1]}) + "\n")
-                    # one more run, not timed: the statistics cost the callbacks two clock reads each
-                    BPF_STATS.write_text("1")
-                    try:
-                        before = struct_ops_stats()
-                        timed(work)
-                        after = struct_ops_stats()
-                    finally:
-                        BPF_STATS.write_text("0")
-                    for name, (ns, cnt) in after.items():
-                        b_ns, b_cnt = before.get(name, (0, 0))
-                        acc = callbacks[work][case].setdefault(name, [0, 0])
-                        acc[0] += ns - b_ns
-                        acc[1] += cnt - b_cnt
             print(f"{case}: " + ", ".join(f"{w} {runs[w][case][-1]:.3f}" for w in WORKLOADS),
                   file=sys.stderr, flush=True)
+    # Then one more run per case and workload, not timed (the statistics cost the callbacks two clock
+    # reads each), with the statistics switched on once for all of them: each switch patches the kernel's
+    # code live, and under multi-threaded TCG such patching is what kills guests (docs/lab.md, the int3
+    # hazard; switched per workload, it killed the 8-vCPU guest twice in one run).
+    BPF_STATS.write_text("1")
+    try:
+        for case in CASES:
+            with loaded(case):
+                for work in WORKLOADS:
+                    before = struct_ops_stats()
+                    timed(work)
+                    for name, (ns, cnt) in struct_ops_stats().items():
+                        b_ns, b_cnt = before.get(name, (0, 0))
+                        callbacks[work][case][name] = [ns - b_ns, cnt - b_cnt]
+    finally:
+        BPF_STATS.write_text("0")
     print(json.dumps({"kernel": os.uname().release, "cpus": os.cpu_count(), "rounds": args.rounds,
                       "reps": args.reps, "runs": runs, "callbacks": callbacks,
                       "earlier": str(args.earlier or "")}))
