@@ -32,6 +32,7 @@ from gthulhu_node.scheduler.loader import possible_cpus
 from tests.prom_support import Prometheus, dashboard_queries, rules, selectors
 from tests.vm import warm
 from tests.vm.sched_workloads import (
+    _node_cpus,
     busy_fraction,
     cpu_shares,
     fork_worker,
@@ -336,6 +337,60 @@ def hotplug(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def stranded(args: argparse.Namespace) -> dict[str, Any]:
+    """A task waiting in its node's fair queue for the one CPU of that node it may use, when that CPU goes
+    offline: it may still run on the other node's CPUs, but their own queue never empties (three hogs per
+    CPU bound there) and its node is not more crowded than theirs, so they neither steal nor pull from it.
+    `st-victim` shares the first node's last CPU with three `st-share` hogs bound to that node's last two
+    CPUs (they have somewhere to go), so it is queued there most of the time; the CPU goes offline and
+    online `--threads` times, the victim put back on it before each round.
+
+    Long boost windows with a small share: a CPU that has not taken an unboosted task for (window - share)
+    takes a reserve turn, which serves the least-served task of any node. On a real host a busy CPU takes
+    one every slice and never gets there without boosted work; under TCG a vCPU the host leaves waiting
+    25 ms (the default reserve period) does, which would hide what the test is about."""
+    nodes = sorted(int(n.name[4:]) for n in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    first, second = _node_cpus(nodes[0]), _node_cpus(nodes[1])
+    cpu = max(first)
+    pair = {cpu - 1, cpu}
+    online = Path(CPU_ONLINE.format(cpu))
+    out: dict[str, Any] = {"cpu": cpu, "nodes": [sorted(first), sorted(second)]}
+    mark = _dmesg_mark()
+    cfg = {"watchdog_timeout_ms": 10_000, "boost_window_ns": 1_000_000_000, "boost_share_percent": 50}
+    with scheduler(**cfg) as backend, workers() as pids:
+        busy = [fork_worker(spin, f"st-busy{i}", second) for i in range(3 * len(second))]
+        sharers = [fork_worker(spin, f"st-share{i}", pair) for i in range(3)]
+        victim = fork_worker(spin, "st-victim", {cpu})
+        pids += [*busy, *sharers, victim]
+        durations: list[float] = []
+        victim_cpus: list[int] = []
+        with _state_watch() as left_enabled:
+            for _ in range(args.threads):
+                os.sched_setaffinity(victim, {cpu})
+                time.sleep(0.3)
+                os.sched_setaffinity(victim, {cpu} | second)
+                time.sleep(0.2)
+                t0 = time.monotonic()
+                online.write_text("0")  # blocks while a task still counted on that CPU cannot run anywhere
+                durations.append(time.monotonic() - t0)
+                time.sleep(0.3)
+                stat = Path(f"/proc/{victim}/stat").read_text()
+                victim_cpus.append(int(stat.rsplit(")", 1)[1].split()[36]))
+                online.write_text("1")
+                time.sleep(0.2)
+                if left_enabled:
+                    break
+        out["left_enabled"] = left_enabled
+        out["cycles"] = len(durations)
+        out["offline_s"] = durations
+        out["victim_cpus_after"] = victim_cpus
+        out["counters"] = backend.counters()
+        out["health"] = backend.health().state.value
+        out["state"] = state()
+        out["dmesg_disabled"] = [line for line in _dmesg_since(mark) if "disabled" in line]
+    return out
+
+
 def _rt_ticker() -> None:
     """A SCHED_FIFO 99 task waking every millisecond, as threaded IRQs, audio and RT control loops do."""
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
@@ -590,6 +645,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "priorities": priorities,
     "after_boosted_phase": after_boosted_phase,
     "hotplug": hotplug,
+    "stranded": stranded,
     "cpuset": cpuset,
     "rt_ticker": rt_ticker,
     "ejections": ejections,
