@@ -262,8 +262,12 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
     # measures the host, not the scheduler.
     if not six_twelve:
         assert ours["small"] <= 0.03 + 0.012 and ours["boosted_small"] <= 0.03 + 0.012, ours
-        assert 0.6 * eevdf["small_by_work"] <= ours["small_by_work"], (eevdf, ours)
-        assert 0.7 * ours["small_by_work"] <= ours["boosted_small_by_work"], ours
+        # By work done, seven runs on 2026-12-02 gave ours against EEVDF 0.69-1.16 and boosted against
+        # unboosted 0.73-1.12; four on the noisier 2026-12-05 (a make test, three alone) 0.60-1.05 and
+        # 0.67-1.87, EEVDF itself 0.018-0.043 under the 0.03 quota. The measure swings with the host by more
+        # than 30 %, so these catch a quota that starves the task (boosted or not), not a 30 % difference.
+        assert 0.5 * eevdf["small_by_work"] <= ours["small_by_work"], (eevdf, ours)
+        assert 0.5 * ours["small_by_work"] <= ours["boosted_small_by_work"], ours
     # 50 cgroups at 3 % each: none over its cap, all of them run, and together no more than the caps allow.
     # Not compared with EEVDF's total: under TCG it gives them less than their caps (1.01-1.38 of 1.5
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
