@@ -342,13 +342,14 @@ def stranded(args: argparse.Namespace) -> dict[str, Any]:
     offline: it may still run on the other node's CPUs, but their own queue never empties (three hogs per
     CPU bound there) and its node is not more crowded than theirs, so they neither steal nor pull from it.
     `st-victim` shares the first node's last CPU with three `st-share` hogs bound to that node's last two
-    CPUs (they have somewhere to go), so it is queued there most of the time; the CPU goes offline and
-    online `--threads` times, the victim put back on it before each round.
+    CPUs (they have somewhere to go), so it waits in the queue about half the time; the CPU goes offline
+    and online `--threads` times, the victim put back on it before each round.
 
-    Long boost windows with a small share: a CPU that has not taken an unboosted task for (window - share)
+    A long boost window: a CPU that has not taken an unboosted task for the window less its boost share
     takes a reserve turn, which serves the least-served task of any node. On a real host a busy CPU takes
     one every slice and never gets there without boosted work; under TCG a vCPU the host leaves waiting
-    25 ms (the default reserve period) does, which would hide what the test is about."""
+    25 ms (the default) does, which would hide what the test is about. Here it is 500 ms, and a boost
+    share of 50 % keeps the driver's own boosted threads from throttling a CPU into reserve turns."""
     nodes = sorted(int(n.name[4:]) for n in Path("/sys/devices/system/node").glob("node[0-9]*"))
     first, second = _node_cpus(nodes[0]), _node_cpus(nodes[1])
     cpu = max(first)
