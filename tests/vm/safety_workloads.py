@@ -32,15 +32,17 @@ from gthulhu_node.scheduler.loader import possible_cpus
 from tests.prom_support import Prometheus, dashboard_queries, rules, selectors
 from tests.vm import warm
 from tests.vm.sched_workloads import (
-    _node_cpus,
     busy_fraction,
     cpu_shares,
     fork_worker,
     key_for,
     load_intruder,
+    node_cpus,
+    numa_nodes,
     scheduler,
     spin,
     state,
+    task_cpu,
     workers,
 )
 
@@ -350,8 +352,8 @@ def stranded(args: argparse.Namespace) -> dict[str, Any]:
     one every slice and never gets there without boosted work; under TCG a vCPU the host leaves waiting
     25 ms (the default) does, which would hide what the test is about. Here it is 500 ms, and a boost
     share of 50 % keeps the driver's own boosted threads from throttling a CPU into reserve turns."""
-    nodes = sorted(int(n.name[4:]) for n in Path("/sys/devices/system/node").glob("node[0-9]*"))
-    first, second = _node_cpus(nodes[0]), _node_cpus(nodes[1])
+    nodes = numa_nodes()
+    first, second = node_cpus(nodes[0]), node_cpus(nodes[1])
     cpu = max(first)
     pair = {cpu - 1, cpu}
     online = Path(CPU_ONLINE.format(cpu))
@@ -375,8 +377,7 @@ def stranded(args: argparse.Namespace) -> dict[str, Any]:
                 online.write_text("0")  # blocks while a task still counted on that CPU cannot run anywhere
                 durations.append(time.monotonic() - t0)
                 time.sleep(0.3)
-                stat = Path(f"/proc/{victim}/stat").read_text()
-                victim_cpus.append(int(stat.rsplit(")", 1)[1].split()[36]))
+                victim_cpus.append(task_cpu(victim))
                 online.write_text("1")
                 time.sleep(0.2)
                 if left_enabled:

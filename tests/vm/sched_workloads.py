@@ -467,7 +467,7 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
         end = time.monotonic() + args.seconds
         while time.monotonic() < end:
             for name, pid in (("waker", waker), ("hog", hog)):
-                seen[name].add(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36]))
+                seen[name].add(task_cpu(pid))
             time.sleep(0.01)
         after = backend.counters()
         out["cpus_seen"] = {k: sorted(v) for k, v in seen.items()}
@@ -476,21 +476,32 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _node_cpus(node: int) -> set[int]:
-    cpus: set[int] = set()
-    for part in Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip().split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
+NODES = Path("/sys/devices/system/node")
+
+
+def numa_nodes() -> list[int]:
+    """The NUMA nodes sysfs lists, by number."""
+    return sorted(int(p.name[4:]) for p in NODES.glob("node[0-9]*"))
+
+
+def node_cpus(node: int) -> set[int]:
+    """The online CPUs of a NUMA node."""
+    return set(loader.parse_cpulist((NODES / f"node{node}" / "cpulist").read_text()))
+
+
+def task_cpu(pid: int) -> int:
+    """The CPU a task runs or last ran on (/proc/<pid>/stat's 39th field; the command before it may hold
+    spaces and parentheses, so fields are counted from its closing one)."""
+    return task_cpu(pid)
 
 
 def numa(args: argparse.Namespace) -> dict[str, Any]:
     """Tasks bound to one NUMA node's CPUs (as `numactl --cpunodebind` or a cpuset does), boosted and not,
     beside hogs everywhere: they run only on that node, and the kernel keeps the scheduler."""
-    nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
-    out: dict[str, Any] = {"nodes": {n: sorted(_node_cpus(n)) for n in nodes}}
+    nodes = numa_nodes()
+    out: dict[str, Any] = {"nodes": {n: sorted(node_cpus(n)) for n in nodes}}
     node = nodes[-1]
-    allowed = _node_cpus(node)
+    allowed = node_cpus(node)
     ncpu = os.cpu_count() or 1
     with scheduler(watchdog_timeout_ms=2000) as backend, workers() as pids:
         for i in range(2 * ncpu):
@@ -510,7 +521,7 @@ def numa(args: argparse.Namespace) -> dict[str, Any]:
         end = time.monotonic() + args.seconds
         while time.monotonic() < end:
             for pid in bound.values():
-                seen.add(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36]))
+                seen.add(task_cpu(pid))
             time.sleep(0.01)
         out.update(
             node=node, allowed=sorted(allowed), cpus_seen=sorted(seen),
@@ -527,11 +538,11 @@ def node_balance(args: argparse.Namespace) -> dict[str, Any]:
     and since neither queue empties, no CPU steals: only the second node's pulls from the more crowded first
     one even them out (about nine and nine; without pulls the first node's hogs would get half of what the
     second's do). Each hog's CPU share afterwards, and which nodes each ran on."""
-    nodes = sorted(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
-    first, second = _node_cpus(nodes[0]), _node_cpus(nodes[1])
+    nodes = numa_nodes()
+    first, second = node_cpus(nodes[0]), node_cpus(nodes[1])
     every = set(range(os.cpu_count() or 1))
-    node_of = {cpu: n for n in nodes for cpu in _node_cpus(n)}
-    out: dict[str, Any] = {"nodes": {n: sorted(_node_cpus(n)) for n in nodes}}
+    node_of = {cpu: n for n in nodes for cpu in node_cpus(n)}
+    out: dict[str, Any] = {"nodes": {n: sorted(node_cpus(n)) for n in nodes}}
     with scheduler(watchdog_timeout_ms=2000) as backend, workers() as pids:
         hogs = {f"hog{i}": fork_worker(spin, f"hog{i}", first) for i in range(3 * len(first))}
         hogs.update({f"hog{len(hogs) + i}": fork_worker(spin, f"hog{len(hogs) + i}", second)
@@ -547,7 +558,7 @@ def node_balance(args: argparse.Namespace) -> dict[str, Any]:
         start = {name: run_ns(pid) for name, pid in hogs.items()}
         while time.monotonic() < t0 + args.seconds:
             for name, pid in hogs.items():
-                cpu = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36])
+                cpu = task_cpu(pid)
                 ran_on[name].add(node_of.get(cpu, -1))
             time.sleep(0.02)
         elapsed = time.monotonic() - t0
@@ -1191,8 +1202,7 @@ def _placement(pids: dict[str, int], big: set[int], seconds: float) -> dict[str,
         time.sleep(0.02)
         for name, pid in pids.items():
             ran = run_ns(pid)
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cpu = int(stat[stat.rindex(")") + 2:].split()[36])
+            cpu = task_cpu(pid)
             total[name] += ran - last[name]
             on_big[name] += (ran - last[name]) if cpu in big else 0
             last[name] = ran
