@@ -492,7 +492,7 @@ def node_cpus(node: int) -> set[int]:
 def task_cpu(pid: int) -> int:
     """The CPU a task runs or last ran on (/proc/<pid>/stat's 39th field; the command before it may hold
     spaces and parentheses, so fields are counted from its closing one)."""
-    return task_cpu(pid)
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36])
 
 
 def numa(args: argparse.Namespace) -> dict[str, Any]:
