@@ -11,8 +11,6 @@ Figures and what they showed: docs/scheduler.md, "cpu.max".
 from __future__ import annotations
 
 import json
-import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -31,35 +29,20 @@ from tests.vm.sched_workloads import (
     run_ns,
     workers,
 )
+from tests.vm.switch_trace import switches
 
-TRACING = Path("/sys/kernel/tracing")
-SWITCH = re.compile(r"\s([\d.]+): sched_switch: .*?prev_pid=(\d+) .*?next_pid=(\d+)")
 LIMITS = ("20000 100000", "50000 100000", "10000 100000", "3000 100000")
 
 
 def held_share(pid: int, seconds: float, work: WorkCounter) -> dict[str, float]:
     """One window: the share by sched_switch timestamps, by schedstat and by work."""
-    if not (TRACING / "trace").exists():
-        os.system("mount -t tracefs nodev /sys/kernel/tracing")
-    event = TRACING / "events/sched/sched_switch/enable"
-    (TRACING / "trace").write_text("")
-    event.write_text("1")
-    run0, t0 = run_ns(pid), time.monotonic()
-    rate = work.rate(seconds)
-    elapsed = time.monotonic() - t0
-    run1 = run_ns(pid)
-    event.write_text("0")
-    held, start = 0.0, None
-    for line in (TRACING / "trace").read_text().splitlines():
-        if m := SWITCH.search(line):
-            stamp, prev, nxt = float(m[1]), int(m[2]), int(m[3])
-            if nxt == pid:
-                start = stamp
-            elif prev == pid and start is not None:
-                held += stamp - start
-                start = None
-    return {"switch": round(held / elapsed, 4), "schedstat": round((run1 - run0) / 1e9 / elapsed, 4),
-            "work": round(rate / work.full_rate, 4)}
+    with switches([pid]) as seen:
+        run0, t0 = run_ns(pid), time.monotonic()
+        rate = work.rate(seconds)
+        elapsed = time.monotonic() - t0
+        run1 = run_ns(pid)
+    return {"switch": round(seen.seconds(pid) / elapsed, 4),
+            "schedstat": round((run1 - run0) / 1e9 / elapsed, 4), "work": round(rate / work.full_rate, 4)}
 
 
 def windows(cg: Path, pid: int, work: WorkCounter, count: int = 3) -> list[dict[str, float]]:

@@ -40,6 +40,7 @@ from gthulhu_node.config import SchedulerConfig
 from gthulhu_node.limits import PRIORITY_MAX
 from gthulhu_node.scheduler import libbpf, loader
 from gthulhu_node.scheduler.backend import SchedExtBackend, task_start_time
+from tests.vm.switch_trace import switches
 
 # stdout carries the JSON result only
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -1192,21 +1193,11 @@ def _capacities() -> dict[int, int]:
 
 
 def _placement(pids: dict[str, int], big: set[int], seconds: float) -> dict[str, float]:
-    """Fraction of each task's run time spent on a CPU of `big`: every 20 ms, the run time a task gained
-    since the last look is put on the CPU it was last seen on (field 39 of /proc/<pid>/stat)."""
-    on_big = dict.fromkeys(pids, 0)
-    total = dict.fromkeys(pids, 0)
-    last = {name: run_ns(pid) for name, pid in pids.items()}
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        for name, pid in pids.items():
-            ran = run_ns(pid)
-            cpu = task_cpu(pid)
-            total[name] += ran - last[name]
-            on_big[name] += (ran - last[name]) if cpu in big else 0
-            last[name] = ran
-    return {name: round(on_big[name] / total[name], 3) if total[name] else 0.0 for name in pids}
+    """Fraction of each task's run time spent on a CPU of `big`, by sched_switch (switch_trace.py)."""
+    with switches(pids.values()) as seen:
+        time.sleep(seconds)
+    assert not seen.lost, f"the trace lost {seen.lost} events"
+    return {name: seen.share_on(pid, big) for name, pid in pids.items()}
 
 
 def _busy(cpus: set[int], seconds: float) -> dict[int, float]:

@@ -1,0 +1,94 @@
+"""Where tasks ran and who took the CPU from them, from the kernel's sched_switch tracepoint (tracefs, guest
+side): run time per task and CPU to the switch, and every switch away from a task that was still runnable.
+
+Sampling /proc instead (the CPU a task was last seen on, every 20 ms) puts a whole interval on one CPU, and
+a boosted sampler's own wake-ups move the task it samples: in the arm64 capacity scenario the engines'
+share on the big CPUs read 0.71-0.87 sampled against 0.87-0.95 traced in the same windows (2026-12-05).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRACING = Path("/sys/kernel/tracing")
+EVENT = TRACING / "events/sched/sched_switch"
+SWITCH = re.compile(r"\[(\d+)\]\s.*?\s(\d+\.\d+): sched_switch: prev_comm=.*? prev_pid=(\d+) prev_prio=-?\d+ "
+                    r"prev_state=(\S+) ==> next_comm=.*? next_pid=(\d+)")
+
+
+@dataclass
+class Switches:
+    """What the trace of a window showed for the traced tasks (filled when the window ends)."""
+
+    ran: dict[int, collections.Counter[int]] = field(default_factory=dict)  # pid -> cpu -> seconds
+    runs: collections.Counter[int] = field(default_factory=collections.Counter)  # pid -> times switched in
+    # pid -> the task switched in while it was still runnable (preempted, or its slice ended) -> times
+    preempted_by: dict[int, collections.Counter[int]] = field(default_factory=dict)
+    lost: int = 0  # events the ring buffer dropped: the figures are then incomplete
+
+    def seconds(self, pid: int) -> float:
+        return sum(self.ran.get(pid, {}).values())
+
+    def share_on(self, pid: int, cpus: set[int]) -> float:
+        """Fraction of the task's run time spent on `cpus`."""
+        total = self.seconds(pid)
+        on = sum(s for cpu, s in self.ran.get(pid, {}).items() if cpu in cpus)
+        return round(on / total, 3) if total else 0.0
+
+    def parse(self, text: str, pids: set[int]) -> None:
+        since: dict[int, tuple[float, int]] = {}
+        for pid in pids:
+            self.ran[pid] = collections.Counter()
+            self.preempted_by[pid] = collections.Counter()
+        for line in text.splitlines():
+            m = SWITCH.search(line)
+            if not m:
+                continue
+            cpu, stamp, prev, state, nxt = int(m[1]), float(m[2]), int(m[3]), m[4], int(m[5])
+            if prev in pids:
+                if prev in since:
+                    start, on = since.pop(prev)
+                    if on == cpu:
+                        self.ran[prev][cpu] += stamp - start
+                if state.startswith("R"):
+                    self.preempted_by[prev][nxt] += 1
+            if nxt in pids:
+                since[nxt] = (stamp, cpu)
+                self.runs[nxt] += 1
+
+
+def _overruns() -> int:
+    total = 0
+    for stats in TRACING.glob("per_cpu/cpu*/stats"):
+        for line in stats.read_text().splitlines():
+            if line.startswith("overrun:"):
+                total += int(line.split()[1])
+    return total
+
+
+@contextlib.contextmanager
+def switches(pids: Iterable[int], buffer_kb: int = 4096) -> Iterator[Switches]:
+    """Trace the switches in and out of `pids` for the body of the with block."""
+    traced = set(pids)
+    if not (TRACING / "trace").exists():
+        os.system("mount -t tracefs nodev /sys/kernel/tracing")
+    (TRACING / "trace_clock").write_text("mono")
+    (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
+    (EVENT / "filter").write_text(" || ".join(f"prev_pid == {p} || next_pid == {p}" for p in sorted(traced)))
+    (TRACING / "trace").write_text("")
+    out = Switches()
+    (EVENT / "enable").write_text("1")
+    try:
+        yield out
+    finally:
+        (EVENT / "enable").write_text("0")
+        out.lost = _overruns()
+        out.parse((TRACING / "trace").read_text(), traced)
+        (EVENT / "filter").write_text("0")
+        (TRACING / "trace").write_text("")
