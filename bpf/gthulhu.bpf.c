@@ -592,8 +592,8 @@ static __always_inline void kick_idle(struct task_struct *p)
  * An online CPU the task may use that runs something less important than prio; -1 if none. First a CPU
  * running nothing boosted (the unboosted_cpus mask, taken in turn so wakers spread), on the node of
  * `from` (the default pick: the task's cache and memory) if one is, else anywhere; only when every CPU
- * the task may use runs a boosted task, a lesser boost among the VICTIM_SCAN CPUs after `from`. An offline
- * CPU's prio is ~0 (set_cpu_prio), so it never qualifies.
+ * the task may use runs a boosted task, a lesser boost: `from`'s, else one among the VICTIM_SCAN CPUs
+ * after it. An offline CPU's prio is ~0 (set_cpu_prio), so it never qualifies.
  */
 static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 {
@@ -616,6 +616,8 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 		if ((u32)cpu < n && prio_on(cpu) < prio)
 			return cpu;
 	}
+	if (prio_on(from) < prio)
+		return from;
 	count(victim_scans);
 	online = scx_bpf_get_online_cpumask();
 	bpf_iter_num_new(&it, 1, n < VICTIM_SCAN ? n : VICTIM_SCAN + 1);
@@ -674,9 +676,12 @@ static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
 	return c && c->prio < prio && !cpu_throttled(c, now);
 }
 
+/* What a CPU offers a boosted task, least first: a lesser boost to preempt, nothing boosted, idle. */
+enum offer { OFFER_NONE, OFFER_LESSER, OFFER_UNBOOSTED, OFFER_IDLE };
+
 /*
  * The most capable online CPU the task may use that is idle or preemptible_for it, if more capable than
- * `floor`: at equal capacity an idle one wins, then the first from `from` (its cache). An idle one is
+ * `floor`: at equal capacity the best offer wins, then the first from `from` (its cache). An idle one is
  * claimed (*idle set); -1 if none.
  */
 static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bool *idle)
@@ -684,8 +689,8 @@ static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bo
 	const struct cpumask *idle_cpus = scx_bpf_get_idle_cpumask();
 	const struct cpumask *online = scx_bpf_get_online_cpumask();
 	u32 n = settings.nr_cpus, best_cap = floor, cap;
+	enum offer best_offer = OFFER_NONE, offer;
 	u64 now = bpf_ktime_get_ns();
-	bool best_idle = false, free;
 	struct bpf_iter_num it;
 	s32 best = -1, cpu;
 	int *i;
@@ -695,23 +700,26 @@ static s32 find_capable(struct task_struct *p, s32 from, u32 prio, u32 floor, bo
 		cpu = ((u32)from + (u32)*i) % n;
 		cap = capacity_of(cpu);
 		/* An offline CPU can stay in the idle mask: its last switch was to its idle task. */
-		if (cap < best_cap || (cap == best_cap && (best < 0 || best_idle)) ||
+		if (cap < best_cap || (cap == best_cap && (best < 0 || best_offer == OFFER_IDLE)) ||
 		    !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) || !bpf_cpumask_test_cpu(cpu, online))
 			continue;
-		free = bpf_cpumask_test_cpu(cpu, idle_cpus);
-		if (!free && !preemptible_for(cpu, prio, now))
+		if (bpf_cpumask_test_cpu(cpu, idle_cpus))
+			offer = OFFER_IDLE;
+		else if (preemptible_for(cpu, prio, now))
+			offer = prio_on(cpu) ? OFFER_LESSER : OFFER_UNBOOSTED;
+		else
 			continue;
-		if (cap == best_cap && !free)
+		if (cap == best_cap && offer <= best_offer)
 			continue;
 		best = cpu;
 		best_cap = cap;
-		best_idle = free;
+		best_offer = offer;
 	}
 	bpf_iter_num_destroy(&it);
 	scx_bpf_put_cpumask(online);
 	scx_bpf_put_idle_cpumask(idle_cpus);
 	/* Another waker may have claimed it since: then it is a target only if preemptible_for us. */
-	*idle = best >= 0 && best_idle && scx_bpf_test_and_clear_cpu_idle(best);
+	*idle = best >= 0 && best_offer == OFFER_IDLE && scx_bpf_test_and_clear_cpu_idle(best);
 	if (best >= 0 && !*idle && !preemptible_for(best, prio, now))
 		return -1;
 	return best;
@@ -1178,14 +1186,16 @@ static s32 bw_init(void)
 }
 
 /*
- * Boosted wakers go straight to a CPU that runs something less important (prefer the one the default
- * policy picked), so enqueue can insert them into that CPU's local DSQ and preempt.
+ * Boosted wakers go straight to a CPU that runs something less important, so enqueue can insert them into
+ * that CPU's local DSQ and preempt: the default pick if it runs nothing boosted, else one that runs
+ * nothing boosted, else a lesser boost (find_victim); on big.LITTLE the most capable such CPU.
  */
 s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 {
 	struct task_ctx *tctx = ctx_of(p);
 	struct strategy s;
 	bool idle = false;
+	bool placed = false;
 	s32 cpu, victim;
 	u32 prio;
 	u64 now;
@@ -1196,7 +1206,8 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	cpu = -1;
 	if (seeks_capacity(p, prio) && !bw_held(tctx, now)) {
 		cpu = find_capable(p, prev_cpu, prio, 0, &idle);
-		if (cpu >= 0 && capacity_of(cpu) > capacity_of(prev_cpu))
+		placed = cpu >= 0;
+		if (placed && capacity_of(cpu) > capacity_of(prev_cpu))
 			count(capacity_placements);
 	}
 	if (cpu < 0)
@@ -1225,7 +1236,8 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	tctx->cached_prio = s.prio;
 	tctx->cached_slice = s.slice;
 	tctx->cached = 1;
-	if (!prio || prio_on(cpu) < prio || p->nr_cpus_allowed == 1)
+	/* A lesser boost on the default pick keeps its CPU while another runs nothing boosted. */
+	if (!prio || placed || !prio_on(cpu) || p->nr_cpus_allowed == 1)
 		return cpu;
 	victim = find_victim(p, cpu, prio);
 	return victim >= 0 ? victim : cpu;

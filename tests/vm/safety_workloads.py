@@ -26,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
+from gthulhu_node.limits import PRIORITY_MAX
 from gthulhu_node.scheduler import loader
 from gthulhu_node.scheduler.backend import SchedExtBackend
 from gthulhu_node.scheduler.loader import possible_cpus
@@ -45,6 +46,7 @@ from tests.vm.sched_workloads import (
     task_cpu,
     workers,
 )
+from tests.vm.switch_trace import switches
 
 WATCHDOG_MS = 2000
 OURS = {"state": "enabled", "ops": "gthulhu"}  # what state() reads while our scheduler is attached
@@ -393,6 +395,37 @@ def stranded(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def lesser_boost(args: argparse.Namespace) -> dict[str, Any]:
+    """A boosted engine bound to CPU 0 (priority 10, 60 % busy) and a priority-20 thread that wakes every
+    5 ms for 0.5 ms (a networking thread; or the agent's own, boosted above every intent), last run on CPU
+    0, beside one CPU hog per CPU. While a CPU runs nothing boosted, the priority-20 thread must take that
+    one, not the engine's: switched out, the engine waits while unboosted hogs run on. Traced
+    (sched_switch): how often the engine was switched out for it, against how often it ran."""
+    out: dict[str, Any] = {}
+    cpus = os.sched_getaffinity(0)
+    with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
+        pids += [fork_worker(spin, f"lb-hog{i}") for i in range(len(cpus))]
+        engine = fork_worker(busy_fraction(6, 4), "lb-engine", {min(cpus)})
+        waker = fork_worker(busy_fraction(0.5, 4.5), "lb-waker", {min(cpus)})
+        pids += [engine, waker]
+        boost(backend, {engine: 10, waker: PRIORITY_MAX})
+        time.sleep(0.2)
+        os.sched_setaffinity(waker, cpus)
+        time.sleep(0.3)
+        with switches([engine, waker]) as seen:
+            time.sleep(args.seconds)
+        out["waker_runs"] = seen.runs[waker]
+        out["engine_runs"] = seen.runs[engine]
+        out["engine_switched_out_for_waker"] = seen.preempted_by[engine][waker]
+        out["engine_switched_out"] = sum(seen.preempted_by[engine].values())
+        out["engine_cpu_s"] = round(seen.seconds(engine), 2)
+        out["lost"] = seen.lost
+        out["counters"] = backend.counters()
+        out["health"] = backend.health().state.value
+        out["state"] = state()
+    return out
+
+
 def _rt_ticker() -> None:
     """A SCHED_FIFO 99 task waking every millisecond, as threaded IRQs, audio and RT control loops do."""
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
@@ -648,6 +681,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "after_boosted_phase": after_boosted_phase,
     "hotplug": hotplug,
     "stranded": stranded,
+    "lesser_boost": lesser_boost,
     "cpuset": cpuset,
     "rt_ticker": rt_ticker,
     "ejections": ejections,

@@ -23,7 +23,7 @@ from tests.vm.test_matrix import ENGINE_PRIORITY, smoke
 pytestmark = pytest.mark.vm
 on_arm64 = pytest.mark.parametrize("lab", matrix.ARM64, indirect=True)
 
-SECONDS = 15.0  # each measurement phase: ~600 placement samples per engine under emulation
+SECONDS = 15.0  # each measurement phase: ~1,500 traced runs per engine under emulation
 SERVICE_DIR = "/run/gthulhu-lab"
 
 
@@ -73,9 +73,10 @@ def test_boosted_threads_run_on_the_big_cpus_and_unboosted_work_keeps_them(lab: 
     assert out["big"] == [0, 1] and not out["apply_failed"], out
     off, on = out["off"], out["on"]
     mean_off, mean_on = sum(off.values()) / len(off), sum(on.values()) / len(on)
-    # measured (2026-12-03, quiet machine): off 0.35-0.59, on 0.73-0.88 per engine
-    assert mean_on >= 0.7 and all(share >= 0.6 for share in on.values()), f"on {on}, off {off}"
-    assert mean_on >= mean_off + 0.15, f"on {on}, off {off}"
+    # by sched_switch (2026-12-05, four runs, two with the host loaded): off 0.47-0.52, on 0.94-0.97 per
+    # engine. Sampled from /proc, as before that day, on read 0.59-0.61 in two clean-clone runs.
+    assert mean_on >= 0.8 and all(share >= 0.7 for share in on.values()), f"on {on}, off {off}"
+    assert mean_on >= mean_off + 0.25, f"on {on}, off {off}"
     assert out["capacity_placements"] > 0, out
     assert all(busy >= 0.85 for busy in out["hogs_only_busy"].values()), out
     assert out["health"] == "running", out

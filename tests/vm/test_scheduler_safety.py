@@ -138,6 +138,19 @@ def test_a_task_queued_for_a_cpu_going_offline_runs_on_the_other_node(lab: Any) 
 
 
 @both_kernels
+def test_a_higher_boost_takes_a_cpu_from_unboosted_work_not_from_a_lesser_boost(lab: Any) -> None:
+    """A priority-20 thread waking every 5 ms, last run on the CPU a priority-10 engine is bound to, beside
+    a hog per CPU. Before 2026-12-05 a boosted waker preempted whatever its default pick ran that was less
+    important, a lesser boost included, though another CPU ran only a hog: the engine was switched out for
+    it at 95-211 of ~640 of its runs (15-33 %, three 5 s runs on 7.3), and waited while the hogs ran on.
+    A waker now preempts a boosted task only when every CPU it may use runs one: 2-6 of ~670 (< 1 %)."""
+    out = scenario(lab, "lesser_boost", "--seconds", "5")
+    assert_still_ours(out)
+    assert out["lost"] == 0 and out["waker_runs"] >= 300, out
+    assert out["engine_switched_out_for_waker"] <= 0.05 * out["waker_runs"], out
+
+
+@both_kernels
 def test_a_cpuset_confined_boost_leaves_the_cpus_reserve_to_unboosted_tasks(lab: Any) -> None:
     # Two boosted threads, each under its own 75 %, filled the CPU together: the node-wide guard saw
     # 2 CPUs and never acted, so the unboosted tasks there got only the per-CPU floor's single ticks.
