@@ -585,17 +585,25 @@ static __always_inline void kick_idle(struct task_struct *p)
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
+/* Whether a CPU runs something less important than prio and its boost share is not spent. */
+static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	return c && c->prio < prio && !cpu_throttled(c, now);
+}
+
 /* CPUs a boosted waker looks at for a lesser boost to preempt when every CPU it may use runs a boosted task. */
 #define VICTIM_SCAN 32
 
 /*
- * An online CPU the task may use that runs something less important than prio; -1 if none. First a CPU
- * running nothing boosted (the unboosted_cpus mask, taken in turn so wakers spread), on the node of
- * `from` (the default pick: the task's cache and memory) if one is, else anywhere; only when every CPU
- * the task may use runs a boosted task, a lesser boost: `from`'s, else one among the VICTIM_SCAN CPUs
- * after it. An offline CPU's prio is ~0 (set_cpu_prio), so it never qualifies.
+ * An online CPU the task may use that is preemptible_for it; -1 if none. First a CPU running nothing
+ * boosted (the unboosted_cpus mask, taken in turn so wakers spread), on the node of `from` (the default
+ * pick: the task's cache and memory) if one is, else anywhere; only when none of those qualifies, a
+ * lesser boost: `from`'s, else one among the VICTIM_SCAN CPUs after it. An offline CPU's prio is ~0
+ * (set_cpu_prio), so it never qualifies.
  */
-static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
+static s32 find_victim(struct task_struct *p, s32 from, u32 prio, u64 now)
 {
 	struct bpf_cpumask *unboosted = unboosted_mask(), *node;
 	const struct cpumask *online;
@@ -609,21 +617,21 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio)
 		if (node) {
 			cpu = bpf_cpumask_any_and_distribute((const struct cpumask *)unboosted,
 							     (const struct cpumask *)node);
-			if ((u32)cpu < n && prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
+			if ((u32)cpu < n && preemptible_for(cpu, prio, now) && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
 				return cpu;
 		}
 		cpu = bpf_cpumask_any_and_distribute((const struct cpumask *)unboosted, p->cpus_ptr);
-		if ((u32)cpu < n && prio_on(cpu) < prio)
+		if ((u32)cpu < n && preemptible_for(cpu, prio, now))
 			return cpu;
 	}
-	if (prio_on(from) < prio)
+	if (preemptible_for(from, prio, now) && bpf_cpumask_test_cpu(from, p->cpus_ptr))
 		return from;
 	count(victim_scans);
 	online = scx_bpf_get_online_cpumask();
 	bpf_iter_num_new(&it, 1, n < VICTIM_SCAN ? n : VICTIM_SCAN + 1);
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
-		if (prio_on(cpu) < prio && bpf_cpumask_test_cpu(cpu, p->cpus_ptr) &&
+		if (preemptible_for(cpu, prio, now) && bpf_cpumask_test_cpu(cpu, p->cpus_ptr) &&
 		    bpf_cpumask_test_cpu(cpu, online)) {
 			found = cpu;
 			break;
@@ -666,14 +674,6 @@ static __always_inline bool seeks_capacity(struct task_struct *p, u32 prio)
 static __always_inline bool migration_disabled(struct task_struct *p)
 {
 	return p->migration_disabled > (p == bpf_get_current_task_btf() ? 1 : 0);
-}
-
-/* Whether a CPU runs something less important than prio and its boost share is not spent. */
-static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
-{
-	struct cpu_ctx *c = cpu_ctx_of(cpu);
-
-	return c && c->prio < prio && !cpu_throttled(c, now);
 }
 
 /* What a CPU offers a boosted task, least first: a lesser boost to preempt, nothing boosted, idle. */
@@ -1194,8 +1194,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 {
 	struct task_ctx *tctx = ctx_of(p);
 	struct strategy s;
-	bool idle = false;
-	bool placed = false;
+	bool idle = false, placed = false;
 	s32 cpu, victim;
 	u32 prio;
 	u64 now;
@@ -1237,9 +1236,9 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	tctx->cached_slice = s.slice;
 	tctx->cached = 1;
 	/* A lesser boost on the default pick keeps its CPU while another runs nothing boosted. */
-	if (!prio || placed || !prio_on(cpu) || p->nr_cpus_allowed == 1)
+	if (!prio || placed || p->nr_cpus_allowed == 1 || (!prio_on(cpu) && preemptible_for(cpu, prio, now)))
 		return cpu;
-	victim = find_victim(p, cpu, prio);
+	victim = find_victim(p, cpu, prio, now);
 	return victim >= 0 ? victim : cpu;
 }
 

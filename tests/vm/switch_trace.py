@@ -18,8 +18,10 @@ from pathlib import Path
 
 TRACING = Path("/sys/kernel/tracing")
 EVENT = TRACING / "events/sched/sched_switch"
-SWITCH = re.compile(r"\[(\d+)\]\s.*?\s(\d+\.\d+): sched_switch: prev_comm=.*? prev_pid=(\d+) prev_prio=-?\d+ "
-                    r"prev_state=(\S+) ==> next_comm=.*? next_pid=(\d+)")
+# "<comm>-<pid> [(<tgid>)] [<cpu>] <flags> <secs>: sched_switch: ...": the CPU is the one after the pid
+SWITCH = re.compile(r"^\s*.*?-\d+\s+(?:\(\s*[\d-]+\)\s+)?\[(\d+)\]\s+\S+\s+(\d+\.\d+): sched_switch: "
+                    r"prev_comm=.*? prev_pid=(\d+) prev_prio=-?\d+ prev_state=(\S+) "
+                    r"==> next_comm=.*? next_pid=(\d+)")
 
 
 @dataclass
@@ -63,13 +65,22 @@ class Switches:
                 self.runs[nxt] += 1
 
 
-def _overruns() -> int:
+def _lost() -> int:
+    """Events overwritten (the default) or dropped (options/overwrite 0) since the buffer was cleared."""
     total = 0
     for stats in TRACING.glob("per_cpu/cpu*/stats"):
         for line in stats.read_text().splitlines():
-            if line.startswith("overrun:"):
-                total += int(line.split()[1])
+            if line.startswith(("overrun:", "dropped events:")):
+                total += int(line.rsplit(maxsplit=1)[1])
     return total
+
+
+def _setting(name: str) -> str:
+    """What to write back to a tracefs file to restore it: trace_clock lists every clock with the current
+    one in brackets; buffer_size_kb reads "7 (expanded: 1408)" before the buffer was first used."""
+    text = (TRACING / name).read_text()
+    match = re.search(r"\[(\S+)\]", text) or re.search(r"expanded: (\d+)", text)
+    return match[1] if match else text.split()[0]
 
 
 @contextlib.contextmanager
@@ -78,17 +89,21 @@ def switches(pids: Iterable[int], buffer_kb: int = 4096) -> Iterator[Switches]:
     traced = set(pids)
     if not (TRACING / "trace").exists():
         os.system("mount -t tracefs nodev /sys/kernel/tracing")
+    saved = {name: _setting(name) for name in ("trace_clock", "buffer_size_kb", "tracing_on")}
     (TRACING / "trace_clock").write_text("mono")
     (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
     (EVENT / "filter").write_text(" || ".join(f"prev_pid == {p} || next_pid == {p}" for p in sorted(traced)))
     (TRACING / "trace").write_text("")
     out = Switches()
+    (TRACING / "tracing_on").write_text("1")
     (EVENT / "enable").write_text("1")
     try:
         yield out
     finally:
         (EVENT / "enable").write_text("0")
-        out.lost = _overruns()
+        out.lost = _lost()
         out.parse((TRACING / "trace").read_text(), traced)
         (EVENT / "filter").write_text("0")
         (TRACING / "trace").write_text("")
+        for name, value in saved.items():
+            (TRACING / name).write_text(value)

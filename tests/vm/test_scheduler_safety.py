@@ -141,13 +141,14 @@ def test_a_task_queued_for_a_cpu_going_offline_runs_on_the_other_node(lab: Any) 
 def test_a_higher_boost_takes_a_cpu_from_unboosted_work_not_from_a_lesser_boost(lab: Any) -> None:
     """A priority-20 thread waking every 5 ms, last run on the CPU a priority-10 engine is bound to, beside
     a hog per CPU. Before 2026-12-05 a boosted waker preempted whatever its default pick ran that was less
-    important, a lesser boost included, though another CPU ran only a hog: the engine was switched out for
-    it at 95-211 of ~640 of its runs (15-33 %, three 5 s runs on 7.3), and waited while the hogs ran on.
-    A waker now preempts a boosted task only when every CPU it may use runs one: 2-6 of ~670 (< 1 %)."""
+    important, a lesser boost included, though another CPU ran only a hog: the engine was switched out at
+    15-48 % of the priority-20 thread's runs on 7.3 (95-211 of ~640 in three 5 s runs, 302 of 631 in a
+    fourth), 7.7 % on 6.12 (63 of 822), and waited while the hogs ran on. A waker now preempts a boosted
+    task only when no CPU it may use runs just unboosted work: 2-7 of ~650 on 7.3, 3-4 of ~833 on 6.12."""
     out = scenario(lab, "lesser_boost", "--seconds", "5")
     assert_still_ours(out)
     assert out["lost"] == 0 and out["waker_runs"] >= 300, out
-    assert out["engine_switched_out_for_waker"] <= 0.05 * out["waker_runs"], out
+    assert out["engine_switched_out_for_waker"] <= 0.03 * out["waker_runs"], out
 
 
 @both_kernels
