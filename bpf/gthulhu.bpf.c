@@ -593,7 +593,7 @@ static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
 	return c && c->prio < prio && !cpu_throttled(c, now);
 }
 
-/* CPUs a boosted waker looks at for a lesser boost to preempt when every CPU it may use runs a boosted task. */
+/* CPUs a boosted waker scans for a lesser boost when no other CPU qualifies (find_victim). */
 #define VICTIM_SCAN 32
 
 /*
