@@ -10,3 +10,9 @@ from __future__ import annotations
 PRIORITY_MAX = 20
 SLICE_MIN_NS = 50_000
 SLICE_MAX_NS = 1_000_000_000
+
+
+def boost_levels_strongest_first() -> list[int]:
+    """Every boost level (0 is no boost), strongest first: the one place that says which way the scale
+    runs, so code and tests that compare levels by strength never compare their numbers."""
+    return list(range(PRIORITY_MAX, 0, -1))

@@ -231,18 +231,22 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def priorities(args: argparse.Namespace) -> dict[str, Any]:
-    """Boosted demand within budget: one periodic thread at each of priorities 20, 15, 10, 5 (2 ms busy,
-    6 ms asleep: a quarter of a CPU each, one CPU of the 1.5 the guard allows on 2) beside CPU-bound
-    unboosted hogs; each priority's wait percentiles from the probe, pooled over `arg` rounds (3) in one
-    boot, with the emulator's stalls measured beside them."""
+    """Boosted demand within budget: one periodic thread at each of four levels spread over the scale, the
+    strongest and the weakest as the agent ranks them (limits.boost_levels_strongest_first) among them
+    (2 ms busy, 6 ms asleep: a quarter of a CPU each, one CPU of the 1.5 the guard allows on 2) beside
+    CPU-bound unboosted hogs; each level's waits from the probe, per round and pooled over `arg` rounds (5)
+    in one boot, with the emulator's stalls measured beside them. The per-round mean wait is exact (the
+    probe's sum and count), where its percentiles are log2 buckets."""
+    from gthulhu_node.limits import boost_levels_strongest_first
     from gthulhu_node.probe.histogram import WaitHistogram
     from gthulhu_node.probe.loader import RunqueueProbe
 
     ncpu = os.cpu_count() or 1
-    prios = (20, 15, 10, 5)
-    rounds = int(args.arg) if args.arg else 3
+    levels = boost_levels_strongest_first()
+    prios = (levels[0], levels[len(levels) // 4], levels[len(levels) // 2], levels[-1])
+    rounds = int(args.arg) if args.arg else 5
     mix = [(p, "periodic") for p in prios] + [(0, "spin")] * (2 * ncpu)
-    out: dict[str, Any] = {"rounds": []}
+    out: dict[str, Any] = {"rounds": [], "strongest": prios[0], "weakest": prios[-1], "levels": prios}
     per_prio: dict[int, WaitHistogram] = {}
     with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, RunqueueProbe(per_thread=True) as probe:
         for _ in range(rounds):
@@ -254,9 +258,12 @@ def priorities(args: argparse.Namespace) -> dict[str, Any]:
                     this.setdefault(prio, WaitHistogram()).merge(w["hist"])
                     per_prio.setdefault(prio, WaitHistogram()).merge(w["hist"])
             out["rounds"].append({"p99_ms": {p: h.percentile_ns(0.99) / 1e6 for p, h in this.items()},
+                                  "mean_ms": {p: h.sum_ns / max(h.count, 1) / 1e6 for p, h in this.items()},
+                                  "counts": {p: h.count for p, h in this.items()},
                                   "emulator_stalls": res["stalls"]})
         for q in (50, 90, 99):
             out[f"p{q}_ms"] = {p: per_prio[p].percentile_ns(q / 100) / 1e6 for p in prios if p in per_prio}
+        out["mean_ms"] = {p: h.sum_ns / max(h.count, 1) / 1e6 for p, h in per_prio.items()}
         out["max_ms"] = {p: per_prio[p].max_ns / 1e6 for p in prios if p in per_prio}
         out["counts"] = {p: per_prio[p].count for p in prios if p in per_prio}
         out["boosted_demand_cpus"] = sum(0.25 for p, _ in mix if p)

@@ -22,6 +22,11 @@ both_kernels = pytest.mark.parametrize("lab", matrix.BOTH_KERNELS, indirect=True
 SCRIPT = "tests/vm/safety_workloads.py"
 ENABLED = {"state": "enabled", "ops": "gthulhu"}
 WATCHDOG_MS = 2000  # what every scenario lowers the watchdog to (safety_workloads.py)
+# The strongest level's mean wait over the weakest's, median of five rounds: 0.79, 0.81, 0.79, 0.84 and
+# 0.89 in five runs (2026-12-05, 7.3, load average 6: beside another lab guest and a kernel build), single
+# rounds 0.61-1.45. The bound says what users rely on, a stronger boost never waits longer, 0.11 above
+# the worst median measured; the same runs read the other way round (weakest over strongest) give 1.12-1.27.
+PRIORITY_ORDER_MARGIN = 1.0
 
 
 def scenario(lab: Any, name: str, *args: str, timeout: float = 300) -> dict[str, Any]:
@@ -82,17 +87,19 @@ def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
     assert min(worst) >= 0.5, (worst, out)
 
 
-def test_higher_priorities_wait_no_longer_within_budget(lab: Any) -> None:
-    out = scenario(lab, "priorities", "3", "--seconds", "4", timeout=600)
+def test_stronger_levels_wait_no_longer_within_budget(lab: Any) -> None:
+    """The strongest boost level waits no longer than the weakest (as the agent ranks them, not by their
+    numbers), within budget beside unboosted hogs. Per round, the ratio of the two levels' mean waits (exact:
+    the probe's sum and count); the median of five rounds. It once compared the pooled p99 of levels 20
+    and 5 directly: on a loaded 2-core machine all four levels fell within 13.4-16.2 ms and one round read
+    15.53 against 15.16 (issue 37), a coin toss. PRIORITY_ORDER_MARGIN is the measured spread."""
+    out = scenario(lab, "priorities", "5", "--seconds", "3", timeout=900)
     assert_still_ours(out)
-    p99 = {int(k): v for k, v in out["p99_ms"].items()}
-    assert set(p99) == {20, 15, 10, 5} and min(out["counts"].values()) >= 150, out
-    # Before: the scenario asked percentile_ns for its 99th percentile as `99`, which returned the
-    # maximum, so this compared single worst waits (emulator stalls of 35-75 ms, in any order).
-    # Measured (7.3, quiet machine): p99 12.8 / 13.7 / 15.8 / 20.1 ms, p90 4.6 / 4.8 / 7.0 / 8.0 ms at
-    # 20 / 15 / 10 / 5; adjacent priorities are within a log2 bucket of each other, the extremes are not.
-    assert p99[20] <= p99[5], out
-    assert out["p90_ms"]["20"] <= out["p90_ms"]["5"], out
+    strongest, weakest = str(out["strongest"]), str(out["weakest"])
+    assert min(out["counts"].values()) >= 150, out
+    ratios = [r["mean_ms"][strongest] / r["mean_ms"][weakest] for r in out["rounds"]]
+    print(f"[priorities] mean wait strongest/weakest per round: {[round(x, 2) for x in ratios]}", flush=True)
+    assert statistics.median(ratios) <= PRIORITY_ORDER_MARGIN, (ratios, out)
 
 
 @both_kernels
