@@ -1,8 +1,12 @@
-"""Guest side of tests/vm/test_service.py and tests/vm/demo.py: installs the unit in the lab guest and reads
-back what a user (or an independent tool) would see. Run in the guest with the repo's .venv python.
+"""Guest side of tests/vm/test_service.py, tests/vm/test_arm64.py and tests/vm/test_deb_lab.py: installs the
+agent in the lab guest as a host gets it and reads back what a user (or an independent tool) would see.
+Run in the guest with the repo's .venv python.
 
-  guest_service.py install DIR          the shipped unit + a drop-in for the lab (ExecStart = this
-                                        repo's .venv, --config DIR/config.yaml), daemon-reload
+  guest_service.py install STAGE TAR    `make install`'s layout built on the host (tests/lab_install.py):
+                                        STAGE/opt/gthulhu-node bound at /opt/gthulhu-node, /etc made
+                                        writable from TAR (the guest root's /etc), then the installed
+                                        `gthulhu-node install-service`: the shipped unit, no drop-in
+  guest_service.py uninstall            all of that undone (the service stopped first)
   guest_service.py wait-applied KEY N   poll `gthulhu-node status -o json` until intent KEY is Applied with N
                                         matched tasks; print that intent's status (JSON)
   guest_service.py kernel-tids          the scheduler's TID map as the kernel holds it (bpftool), as JSON
@@ -13,7 +17,6 @@ back what a user (or an independent tool) would see. Run in the guest with the r
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -26,36 +29,57 @@ from tests.prom import sample_lines, scrape
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT_DIR = Path("/etc/systemd/system")
-EXE = REPO / ".venv" / "bin" / "gthulhu-node"
+CLI = Path("/opt/gthulhu-node/venv/bin/gthulhu-node")
 
 
-def install(directory: Path) -> int:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "policies.d").mkdir(exist_ok=True)
-    (directory / "config.yaml").write_text(
-        f"policies: {{directory: {directory / 'policies.d'}}}\n"
-        "log: {format: auto}\n"
-        'metrics: {listen: "127.0.0.1:9812"}\n'
-    )
-    shutil.copy(REPO / "systemd" / "gthulhu-node.service", UNIT_DIR / "gthulhu-node.service")
-    dropin = UNIT_DIR / "gthulhu-node.service.d"
-    dropin.mkdir(exist_ok=True)
-    # The guest's root is the host's, read-only: the agent runs from this repository, configured from DIR.
-    # The unit's PrivateTmp=/ProtectHome= would hide a checkout under /tmp or /root (CI clones anywhere):
-    # bind the repository back in, read-only, at its own path.
-    (dropin / "lab.conf").write_text(
-        "[Service]\nExecStart=\n"
-        f"ExecStart={EXE} run --config {directory / 'config.yaml'}\n"
-        f"BindReadOnlyPaths={REPO}\n"
-    )
-    # (`systemd-analyze verify` of the unit runs on the host: tests/host/test_install.py; here it takes
-    # minutes under emulation.)
-    subprocess.run(["systemctl", "daemon-reload"], check=True)
+INSTALLED = Path("/opt/gthulhu-node")
+ETC_COPY = Path("/run/lab/etc")
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True)
+
+
+def mounted(path: Path) -> bool:
+    return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+
+
+def writable_etc(tar: Path) -> None:
+    """/etc as a tmpfs copy of the guest root's (overlayfs is a module the lab kernel lacks; a tar the host
+    wrote extracts in seconds where a copy file by file through virtiofs takes minutes). The lab's own
+    writable /etc/systemd/system (its agent unit, its masks) is carried over into the copy."""
+    ETC_COPY.mkdir(parents=True, exist_ok=True)
+    sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", str(ETC_COPY))
+    sh("tar", "-xf", str(tar), "-C", str(ETC_COPY), "--strip-components=1", "etc")
+    sh("mount", "--bind", "/etc/systemd/system", str(ETC_COPY / "systemd" / "system"))
+    sh("mount", "--rbind", str(ETC_COPY), "/etc")
+
+
+def install(stage: Path, tar: Path) -> int:
+    if not mounted(INSTALLED):
+        if not mounted(Path("/etc")):
+            writable_etc(tar)
+        # /opt is the root's, read-only: a tmpfs gives the mount point (nothing in the lab uses /opt)
+        sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/opt")
+        INSTALLED.mkdir()
+        sh("mount", "--bind", "-o", "ro", str(stage / "opt" / "gthulhu-node"), str(INSTALLED))
+    # what `make install` runs after putting the environment in place (scripts/install)
+    sh(str(CLI), "install-service", "--documentation", f"file://{INSTALLED}/README.md")
+    return 0
+
+
+def uninstall() -> int:
+    subprocess.run(["systemctl", "stop", "gthulhu-node"], check=False)
+    Path("/etc/systemd/system/gthulhu-node.service").unlink(missing_ok=True)
+    for path in (INSTALLED, Path("/opt"), Path("/etc"), ETC_COPY):
+        if mounted(path):
+            sh("umount", "-l", str(path))
+    sh("systemctl", "daemon-reload")
     return 0
 
 
 def status_json() -> dict[str, Any]:
-    out = subprocess.run([str(EXE), "status", "-o", "json"], capture_output=True, text=True, check=False)
+    out = subprocess.run([str(CLI), "status", "-o", "json"], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {}
     return dict(json.loads(out.stdout))
@@ -134,7 +158,9 @@ def wait_probe(timeout: float = 600.0) -> int:
 def main(argv: list[str]) -> int:
     cmd, *rest = argv
     if cmd == "install":
-        return install(Path(rest[0]))
+        return install(Path(rest[0]), Path(rest[1]))
+    if cmd == "uninstall":
+        return uninstall()
     if cmd == "wait-applied":
         return wait_applied(rest[0], int(rest[1]))
     if cmd == "kernel-tids":

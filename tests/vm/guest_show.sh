@@ -7,12 +7,12 @@ cd "$(dirname "$0")/../.."
 show() { echo "\$ $*"; "$@" 2>&1; echo; }
 systemctl start gthulhu-node
 cp systemd/policies.d/vllm.yaml.example "$dir/vllm.yaml"
-show .venv/bin/gthulhu-node apply -f "$dir/vllm.yaml"
+show /opt/gthulhu-node/venv/bin/gthulhu-node apply -f "$dir/vllm.yaml"
 systemd-run --unit vllm-like --quiet .venv/bin/python "$PWD/tests/vm/vllm_engine.py" --idle --tids "$dir/tids.json"
 .venv/bin/python tests/vm/guest_service.py wait-applied cli/vllm 2 >/dev/null
 show systemctl status gthulhu-node --no-pager -n 0
-show .venv/bin/gthulhu-node status
-show .venv/bin/gthulhu-node matches
+show /opt/gthulhu-node/venv/bin/gthulhu-node status
+show /opt/gthulhu-node/venv/bin/gthulhu-node matches
 show journalctl -u gthulhu-node --no-pager -o cat EVENT=task_matched
 show journalctl -u gthulhu-node --no-pager -o json-pretty EVENT=task_matched -n 1 \
     --output-fields=MESSAGE,EVENT,INTENT_ID,TID,TGID,COMM,SCHED_PRIORITY,SLICE_NS,SCOPE,PRIORITY,SYSLOG_IDENTIFIER,CODE_FILE,CODE_LINE,CODE_FUNC,LOGGER

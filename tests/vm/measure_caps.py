@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from tests.lab_install import install_in_guest
 from tests.vm.lab import Lab
 
 DIR = "/run/gthulhu-lab"
@@ -16,7 +17,7 @@ DIR = "/run/gthulhu-lab"
 
 def main() -> int:
     with Lab("systemd") as lab:
-        lab.run(f".venv/bin/python tests/vm/guest_service.py install {DIR}", timeout=120).check("install")
+        install_in_guest(lab)
         narrow = " --narrow-only" if "--narrow-only" in sys.argv[1:] else ""
         r = lab.run(f"bash tests/vm/guest_caps.sh {DIR}{narrow}", timeout=3000)
         print(r.stdout, r.stderr[-2000:], sep="\n", flush=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.lab_install import install_in_guest, uninstall_in_guest
 from tests.vm import matrix
 from tests.vm.lab import Lab
 from tests.vm.test_matrix import ENGINE_PRIORITY, smoke
@@ -24,7 +25,6 @@ pytestmark = pytest.mark.vm
 on_arm64 = pytest.mark.parametrize("lab", matrix.ARM64, indirect=True)
 
 SECONDS = 15.0  # each measurement phase: ~1,500 traced runs per engine under emulation
-SERVICE_DIR = "/run/gthulhu-lab"
 
 
 def workload(lab: Lab, scenario: str, seconds: float = SECONDS) -> dict[str, Any]:
@@ -86,11 +86,11 @@ def test_boosted_threads_run_on_the_big_cpus_and_unboosted_work_keeps_them(lab: 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("lab_systemd", matrix.ARM64, indirect=True)
 def test_the_service_starts_and_stops_under_systemd(lab_systemd: Lab) -> None:
-    """The shipped unit (with the lab's drop-in: the agent from this repository), under systemd as PID 1
-    on the arm64 guest: `systemctl start` returns once the aarch64 scheduler is loaded (Type=notify),
-    journald has the agent's lines, `systemctl stop` unloads it."""
+    """The shipped unit, no drop-in, with the wheel installed under /opt (tests/lab_install.py), under
+    systemd as PID 1 on the arm64 guest: `systemctl start` returns once the aarch64 scheduler is loaded
+    (Type=notify), journald has the agent's lines, `systemctl stop` unloads it."""
     lab = lab_systemd
-    lab.run(f".venv/bin/python tests/vm/guest_service.py install {SERVICE_DIR}", timeout=600).check("install")
+    install_in_guest(lab)
     started = lab.run("systemctl start gthulhu-node && systemctl is-active gthulhu-node && "
                       "cat /sys/kernel/sched_ext/state /sys/kernel/sched_ext/root/ops", timeout=900)
     assert started.check("start").stdout.split() == ["active", "enabled", "gthulhu"], started.stdout
@@ -99,3 +99,4 @@ def test_the_service_starts_and_stops_under_systemd(lab_systemd: Lab) -> None:
     stopped = lab.run("systemctl stop gthulhu-node; systemctl is-active gthulhu-node; "
                       "cat /sys/kernel/sched_ext/state", timeout=300)
     assert stopped.stdout.split() == ["inactive", "disabled"], stopped.stdout + stopped.stderr
+    uninstall_in_guest(lab)

@@ -17,14 +17,17 @@ from typing import Any
 
 import pytest
 
+from tests.lab_install import install_in_guest, uninstall_in_guest
 from tests.prom import parse_samples
-from tests.vm.lab import Lab
+from tests.vm.lab import REPO, Lab
 
 pytestmark = pytest.mark.vm
 
 DIR = "/run/gthulhu-lab"
 PY = ".venv/bin/python"
 HELPER = f"{PY} tests/vm/guest_service.py"
+CLI = "/opt/gthulhu-node/venv/bin/gthulhu-node"  # the installed CLI, as a host's admin runs it
+CONFIG = "/etc/gthulhu-node/config.yaml"
 INTENT = "cli/vllm"
 
 
@@ -41,7 +44,7 @@ class Shared:
         """The live guest, with the package installed; a new boot forgets what the old one had."""
         self.lab.ensure_alive()
         if self.lab.boot_id != self.boot_id:
-            run(self.lab, f"{HELPER} install {DIR}", timeout=300)
+            install_in_guest(self.lab)
             self.boot_id = self.lab.boot_id
             self.is_started = self.is_applied = False
         return self.lab
@@ -83,6 +86,7 @@ def shared(lab_systemd_session: Lab) -> Iterator[Shared]:
     state.fresh()
     yield state
     state.lab.run("systemctl stop vllm-like gthulhu-node", timeout=120)
+    uninstall_in_guest(state.lab)
 
 
 @pytest.mark.timeout(1800)
@@ -108,6 +112,32 @@ def test_start_returns_once_the_scheduler_is_loaded(shared: Shared) -> None:
     bounding = run(lab, f"grep CapBnd /proc/{shared.main_pid}/status").split()[1]
     # CAP_SYS_ADMIN (21), CAP_SYS_NICE (23), CAP_PERFMON (38), CAP_BPF (39)
     assert int(bounding, 16) == (1 << 21) | (1 << 23) | (1 << 38) | (1 << 39)
+
+
+def shipped(key: str) -> str:
+    """A [Service] setting of the unit as this repository ships it."""
+    unit = (REPO / "gthulhu_node" / "share" / "gthulhu-node.service").read_text()
+    values = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(f"{key}=")]
+    assert len(values) == 1, (key, values)
+    return values[0]
+
+
+def test_the_service_runs_the_shipped_unit_from_the_installed_package(shared: Shared) -> None:
+    """The unit systemd runs is the shipped one, untouched: no drop-in, its sandbox as shipped (a checkout
+    under /root or /tmp is invisible to it), and nothing in it names the checkout; the agent runs from the
+    installed package under /opt, not from the repository."""
+    lab = shared.started()
+    props = show(lab, "ProtectHome", "PrivateTmp", "DropInPaths", "FragmentPath", "ExecStart")
+    assert (props["ProtectHome"], props["PrivateTmp"]) == (shipped("ProtectHome"), shipped("PrivateTmp"))
+    assert props["DropInPaths"] == "", props
+    assert props["FragmentPath"] == "/etc/systemd/system/gthulhu-node.service", props
+    assert f"path={CLI} " in props["ExecStart"], props
+    unit = run(lab, "systemctl cat gthulhu-node")
+    assert str(lab.repo) not in unit, unit
+    pid = int(show(lab, "MainPID")["MainPID"])
+    cmdline = run(lab, f"tr '\\0' ' ' < /proc/{pid}/cmdline").split()
+    assert cmdline[0].startswith("/opt/gthulhu-node/venv/bin/python"), cmdline
+    assert cmdline[1:3] == [CLI, "run"], cmdline
 
 
 CAP_SYS_ADMIN = 1 << 21
@@ -139,7 +169,7 @@ def test_sys_admin_is_dropped_and_a_reload_after_ejection_works_without_it(share
           f"{sorted({tuple(hex(v) for v in c.values()) for c in before.values()})}", flush=True)
     dropped = journal(lab, "EVENT=capabilities_dropped")
     assert dropped and "CAP_SYS_ADMIN" in dropped[-1]["DROPPED"], dropped
-    assert "CAP_SYS_ADMIN dropped" in run(lab, ".venv/bin/gthulhu-node status")
+    assert "CAP_SYS_ADMIN dropped" in run(lab, f"{CLI} status")
     counters = ("scheduler_ejections_total", "scheduler_reloads_total", "scheduler_reload_failures_total")
     got = parse_samples(run(lab, "curl -sf http://127.0.0.1:9812/metrics"))
     start = {name: got[f"gthulhu_node_{name}"][()] for name in counters}
@@ -169,7 +199,7 @@ def apply_vllm_intent(shared: Shared) -> None:
     """Intent from the example file, then a vLLM-like service; until both engine threads are Applied."""
     lab = shared.lab
     run(lab, f"mkdir -p {DIR} && cp systemd/policies.d/vllm.yaml.example {DIR}/vllm.yaml && "
-             f".venv/bin/gthulhu-node apply -f {DIR}/vllm.yaml")
+             f"{CLI} apply -f {DIR}/vllm.yaml")
     run(lab, f"systemd-run --unit vllm-like --working-directory={lab.repo} "
              f"{lab.repo}/{PY} tests/vm/vllm_engine.py --idle --tids {DIR}/tids.json")
     shared.tids = json.loads(run(lab, f"{HELPER} wait-tids {DIR}/tids.json"))
@@ -186,7 +216,7 @@ def test_vllm_intent_applied_and_in_the_kernel(shared: Shared) -> None:
     held = kernel_tids(lab)
     assert set(held) == engine_tids, (held, shared.tids)
     assert all(v == {"priority": 10, "slice_ns": 2_000_000} for v in held.values()), held
-    matches = json.loads(run(lab, ".venv/bin/gthulhu-node matches -o json"))
+    matches = json.loads(run(lab, f"{CLI} matches -o json"))
     assert {int(r["tid"]) for r in matches["matches"]} == engine_tids, matches
 
 
@@ -252,8 +282,8 @@ def test_the_continuous_probe_runs_in_the_service(shared: Shared) -> None:
     """`probe.enabled` in the packaged unit's sandbox: BCC must find the headers under /lib/modules (hidden
     by ProtectKernelModules=yes, which the unit had) and attach without CAP_SYS_ADMIN."""
     lab = shared.started()
-    run(lab, f"grep -q '^probe:' {DIR}/config.yaml || "
-             f"echo 'probe: {{enabled: true, poll_interval_s: 1.0}}' >> {DIR}/config.yaml")
+    run(lab, f"grep -q '^probe:' {CONFIG} || "
+             f"echo 'probe: {{enabled: true, poll_interval_s: 1.0}}' >> {CONFIG}")
     run(lab, "systemctl restart gthulhu-node", timeout=600)
     shared.is_applied = False  # a restart: the intents come back from the state file, checked elsewhere
     out = json.loads(run(lab, f"{HELPER} wait-probe", timeout=900))
