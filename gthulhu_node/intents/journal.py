@@ -154,11 +154,17 @@ class Journal:
                 os.ftruncate(fd, self.size)  # a torn record of a killed writer, never acknowledged
             view = memoryview(line)
             offset = 0 if fresh else self.size
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view = view[written:]
-                offset += written
-            os.fdatasync(fd)
+            try:
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view = view[written:]
+                    offset += written
+                os.fdatasync(fd)
+            except OSError:
+                # Not acknowledged, so not to be found by a restart either: the store keeps the old set.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0 if fresh else self.size)
+                raise
         finally:
             os.close(fd)
         if fresh:

@@ -406,6 +406,36 @@ def test_push_is_persisted(tmp_path: Path) -> None:
         env2.server.stop()
 
 
+@pytest.mark.parametrize("field", ["policyID", "commandRegex", "nodeID"])
+def test_lone_surrogate_changes_nothing_and_the_api_keeps_answering(tmp_path: Path, field: str) -> None:
+    """A lone surrogate (JSON "\\ud800") decodes into a str that UTF-8 cannot hold. It used to replace
+    the set in memory, fail the journal write with an error the store did not catch (500), and leave
+    every later GET of the routes and the merkle root a 500 while disk kept the old set."""
+    env = start(tmp_path, insecure=True)
+    try:
+        token = env.token()
+        good = {"policies": [policy("a" * 24)]}
+        assert env.call("POST", "/api/v1/node-intents", good, token).status == 200
+        before = env.store.snapshot()
+        root = env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+        bad = policy("b" * 24)
+        bad[field] = "x\ud800"
+        body = json.dumps({"policies": [policy("a" * 24), bad]})  # ensure_ascii: the escape as sent
+        assert "\\ud800" in body
+        reply = env.call("POST", "/api/v1/node-intents", body, token)
+        assert reply.status == 400, reply.body
+        assert "not valid Unicode" in reply.body["error"]
+        assert env.store.snapshot() == before
+        for path in ("/api/v1/node-intents", "/api/v1/node-intents/merkle"):
+            assert env.call("GET", path, token=token).status == 200, path
+        assert env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"] == root
+    finally:
+        env.server.stop()
+    on_disk = IntentStore(tmp_path / "state")
+    on_disk.load()
+    assert {k: v.intents for k, v in on_disk.snapshot().items()} == {k: v.intents for k, v in before.items()}
+
+
 def test_state_from_before_entries_were_kept(tmp_path: Path) -> None:
     """A state file of the previous version: `manager` intents without entries still answer the root the
     Manager expects; `manager-pods` intents without entries cannot be hashed as it does, so they are
