@@ -30,6 +30,8 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gthulhu_node.intents.documents import STATE_LIMITS, DocumentError, load_json
+
 JOURNAL_FILE = "intents.journal"
 JOURNAL_FORMAT = "gthulhu-node-intents-journal"
 # A journal smaller than this is never compacted, whatever the snapshot's size.
@@ -66,8 +68,8 @@ def decode_lines(blob: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
         if zlib.crc32(body) != crc:
             return
         try:
-            doc = json.loads(body)
-        except ValueError:
+            doc = load_json(body, STATE_LIMITS)
+        except DocumentError:
             return
         if not isinstance(doc, dict):
             return

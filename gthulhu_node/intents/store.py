@@ -49,7 +49,7 @@ import structlog
 from pydantic import ValidationError
 
 from gthulhu_node.errors import Conflict, GthulhuError, LimitExceeded, NotFound
-from gthulhu_node.intents.documents import load_json
+from gthulhu_node.intents.documents import STATE_LIMITS, load_json, unencodable_path
 from gthulhu_node.intents.journal import (
     COMPACT_MIN_BYTES,
     JOURNAL_FILE,
@@ -565,7 +565,7 @@ READABLE_VERSIONS = (1, STATE_VERSION)
 def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet], str, int]:
     """Parse and validate a snapshot and the valid prefix of its journal: (sources, the snapshot's
     journal id, valid journal bytes). ValueError says what is wrong."""
-    doc = load_json(blob)
+    doc = load_json(blob, STATE_LIMITS)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
     _check_version(doc.get("version"), "state")
@@ -603,34 +603,6 @@ def _refuse_unencodable(source: str, doc: Any) -> NoReturn:
     where = unencodable_path(doc) or "?"
     raise UnencodableError(f"sources.{source}.{where}".rstrip("."),
                            "not valid Unicode text (a lone surrogate such as \\ud800): not stored")
-
-
-def unencodable_path(doc: Any, prefix: str = "") -> str | None:
-    """The path (`intents[2].commandRegex`) of the first string, key or value, in `doc` that cannot be
-    encoded as UTF-8; None when there is none. Iterative: no recursion to exhaust."""
-    stack: list[tuple[Any, str]] = [(doc, prefix)]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, str):
-            if not _utf8_ok(node):
-                return path
-        elif isinstance(node, Mapping):
-            for key, value in reversed(list(node.items())):
-                sub = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and not _utf8_ok(key):
-                    return f"{path}.<key>" if path else "<key>"
-                stack.append((value, sub))
-        elif isinstance(node, list | tuple):
-            stack.extend((item, f"{path}[{n}]") for n, item in reversed(list(enumerate(node))))
-    return None
-
-
-def _utf8_ok(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _source_doc(ss: SourceSet, docs: _Docs) -> dict[str, Any]:

@@ -151,6 +151,55 @@ def test_directory_reload_bad_file_keeps_last_good_and_spares_others(tmp_path: P
     assert local.errors() == {}
 
 
+# Files that stopped the agent (issue 38): the reader raised ReaderError or ValueError out of the reload,
+# so no later edit of any file was applied, and the agent did not start.
+ONE_BAD_BYTE = {
+    "nul.yaml": ("id: nul\x00\ncommandRegex: x\n", "line 1, column 8: character #x0000 is not allowed"),
+    "esc.yaml": ("# \x1b[1m comment\nid: esc\ncommandRegex: x\n", "character #x001b is not allowed"),
+    "digits.yaml": ("id: d\ncommandRegex: x\npriority: " + "9" * 5000 + "\n",
+                    "an integer of 5000 characters"),
+    "digits.json": ('{"id": "j", "commandRegex": "x", "priority": ' + "9" * 5000 + "}",
+                    "an integer of 5000 digits"),
+    "surrogate.json": ('{"id": "s", "commandRegex": "x\\ud800"}', "commandRegex: not valid Unicode text"),
+}
+
+
+def test_one_bad_byte_refuses_that_file_only(tmp_path: Path) -> None:
+    store = IntentStore(None)
+    write(tmp_path / "a.yaml", "id: a\ncommandRegex: x\n")
+    for name, (text, _) in ONE_BAD_BYTE.items():
+        write(tmp_path / name, text)
+    local = LocalPolicies(tmp_path, store)
+    local.reload()  # what start-up does: it used to raise here
+    assert [i.id for i in store.get("local").intents] == ["a"]  # type: ignore[union-attr]
+    errors = local.errors()
+    for name, (_, words) in ONE_BAD_BYTE.items():
+        assert words in errors[str(tmp_path / name)], (name, errors[str(tmp_path / name)])
+    write(tmp_path / "b.yaml", "id: b\ncommandRegex: y\n")  # root's edits to other files still apply
+    local.reload(force=False)
+    assert [i.id for i in store.get("local").intents] == ["a", "b"]  # type: ignore[union-attr]
+
+
+def test_whatever_a_parser_raises_is_that_files_refusal(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The boundary holds for errors nobody foresaw: a parser bug is the file's refusal (its type only:
+    its words may quote the file), logged with where it was raised, and the other files are loaded."""
+    from gthulhu_node.intents import localfiles
+
+    def broken(text: str) -> Any:
+        raise KeyError("SECRET words of the file")
+
+    monkeypatch.setattr(localfiles, "load_yaml", broken)
+    write(tmp_path / "a.json", '{"id": "a", "commandRegex": "x"}')
+    write(tmp_path / "b.yaml", "id: b\ncommandRegex: x\n")
+    store = IntentStore(None)
+    local = LocalPolicies(tmp_path, store)
+    local.reload()
+    assert [i.id for i in store.get("local").intents] == ["a"]  # type: ignore[union-attr]
+    assert local.errors()[str(tmp_path / "b.yaml")] == "could not be parsed (KeyError): not loaded"
+    assert local.stats().bad_files == 1
+
+
 def test_id_clash_between_files(tmp_path: Path) -> None:
     store = IntentStore(None)
     write(tmp_path / "1.yaml", "id: same\ncommandRegex: x\n")
