@@ -26,6 +26,8 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
@@ -339,6 +341,18 @@ HOSTILE_FILES: list[tuple[str, Callable[[Agent, Path], Path], str]] = [
                    (a.policies / "to-theirs.yaml").symlink_to(d / "theirs.yaml"),
                    a.policies / "to-theirs.yaml")[-1],
      "is owned by uid 65534 (nobody): it must be owned by root"),
+    ("to-cmdline.yaml",  # issue 38: the NUL-separated command line stopped the agent
+     lambda a, d: ((a.policies / "to-cmdline.yaml").symlink_to("/proc/self/cmdline"),
+                   a.policies / "to-cmdline.yaml")[-1],
+     "/cmdline, which is on procfs, a kernel interface, not a file: not read"),
+    ("to-kmsg.yaml",  # issue 38: it was read, consuming the kernel log
+     lambda a, d: ((a.policies / "to-kmsg.yaml").symlink_to("/proc/kmsg"), a.policies / "to-kmsg.yaml")[-1],
+     "symlink to /proc/kmsg, which is on procfs, a kernel interface, not a file: not read"),
+    ("left-by-nobody.yaml",  # issue 38: the link's own owner was not checked
+     lambda a, d: ((a.policies / "left-by-nobody.yaml").symlink_to(a.policies / "vllm.yaml"),
+                   os.lchown(a.policies / "left-by-nobody.yaml", NOBODY, -1),
+                   a.policies / "left-by-nobody.yaml")[-1],
+     "left-by-nobody.yaml is owned by uid 65534 (nobody): it must be owned by root"),
     ("to-secret.yaml",
      lambda a, d: ((d / "secret").write_text("root:$6$SECRET-HASH-NOT-TO-LEAK:19000:0:99999:7:::\n[\n"),
                    os.chmod(d / "secret", 0o600),
@@ -496,6 +510,40 @@ def test_odd_rest_bodies_are_400_and_the_api_keeps_answering(agent: Agent) -> No
         assert root() == before
     assert not [e for e in agent.events() if e.get("event") == "rest_handler_failed"]
     call(base, "DELETE", "/api/v1/node-intents", json.dumps({"all": True}), headers, ctx)
+
+
+ODD_TEXT = st.text(alphabet=st.characters(codec=None), max_size=12)  # surrogates and control characters
+ODD_VALUE = st.recursive(
+    st.none() | st.booleans() | ODD_TEXT | st.integers(-(10**30), 10**30) | st.floats(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ODD_TEXT, inner, max_size=4), max_leaves=20)
+FIELDS = ("policyID", "nodeID", "commandRegex", "priority", "executionTime", "podID", "podName", "client_id",
+          "expired_at", "public_key", "policyId", "all", "podLabels")
+HUGE_INTEGERS = st.tuples(st.sampled_from(FIELDS), st.integers(4000, 6000)).map(  # past Python's 4,300
+    lambda f: f'{{"{f[0]}": {"9" * f[1]}, "policies": [{{"{f[0]}": -{"7" * f[1]}}}]}}'.encode())
+ODD_BODY = st.one_of(
+    st.binary(max_size=200),
+    HUGE_INTEGERS,
+    st.dictionaries(st.sampled_from(FIELDS), ODD_VALUE, max_size=5).map(lambda d: {"policies": [d], **d}),
+    ODD_VALUE,
+).map(lambda b: b if isinstance(b, bytes) else json.dumps(b, default=str).encode())  # ensure_ascii: \udxxx
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=ODD_BODY, route=st.sampled_from([
+    ("POST", "/api/v1/auth/token"), ("POST", "/api/v1/node-intents"), ("DELETE", "/api/v1/node-intents"),
+    ("POST", "/api/v1/intents"), ("POST", "/api/v1/runtime-config")]))
+def test_random_rest_bodies_never_break_the_api(agent: Agent, body: bytes, route: tuple[str, str]) -> None:
+    """Property: whatever body reaches a route of the real agent over its real socket (random bytes,
+    random Unicode with surrogates, huge integers, deep and wide values), the answer is not a 500, and the
+    node-policy routes keep answering."""
+    ctx = client_context(agent.pki)
+    base = f"https://localhost:{agent.rest_port}"
+    token = agent.manager_token().body["data"]["token"]
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    reply = call(base, route[0], route[1], body, headers, ctx)
+    assert reply.status < 500, (route, body[:200], reply.body)
+    assert call(base, "GET", "/api/v1/node-intents", None, headers, ctx).status == 200
+    assert call(base, "GET", "/api/v1/node-intents/merkle", None, headers, ctx).status == 200
 
 
 def test_insecure_rest_mode_is_in_status(tmp_path: Path) -> None:
