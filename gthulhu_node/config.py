@@ -278,6 +278,8 @@ def load(path: Path | None = None) -> AgentConfig:
         data = yaml.safe_load(target.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{target}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # a 5,000-digit integer (Python's int-digit limit), ...
+        raise ConfigError(f"{target}: not valid YAML: {type(exc).__name__}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{target}: expected a mapping at the top level")
     try:

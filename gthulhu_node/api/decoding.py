@@ -30,6 +30,8 @@ def _deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
             return parse(data)
         except DecodeError as exc:
             return Undecodable(str(exc))
+        except Exception as exc:  # the decoding boundary: nothing a parser raises escapes to gRPC
+            return Undecodable(type(exc).__name__)
 
     return deserialize
 

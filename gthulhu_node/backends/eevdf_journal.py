@@ -206,7 +206,7 @@ def _read_json(path: Path, data: bytes) -> list[JournalRecord]:
             )
             for r in doc["threads"]
         ]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         log.warning("eevdf_journal_unreadable", path=str(path), error=str(exc))
         return []
 

@@ -24,7 +24,7 @@ from gthulhu_node.api import convert
 from gthulhu_node.api.client import ConnectError, Target, describe_rpc_error, stub
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.cli import exit_code
-from gthulhu_node.intents.localfiles import PolicyFileError, read_file
+from gthulhu_node.intents.localfiles import PolicyFileError, read_guarded
 from gthulhu_node.intents.model import Intent, intent_key
 from gthulhu_node.intents.parse import IntentValidationError, intent_to_doc
 
@@ -160,7 +160,9 @@ def _ago(seconds: float) -> str:
 
 
 def _read_intents(path: Path) -> list[Intent]:
-    result = read_file(path)
+    result, error = read_guarded(path)
+    if result is None:
+        raise PolicyFileError(error or "not loaded")
     for note in result.notes:
         print(f"note: {path}: {note}", file=sys.stderr)
     return list(result.intents)

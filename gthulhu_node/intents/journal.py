@@ -30,6 +30,8 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gthulhu_node.intents.documents import STATE_LIMITS, DocumentError, load_json
+
 JOURNAL_FILE = "intents.journal"
 JOURNAL_FORMAT = "gthulhu-node-intents-journal"
 # A journal smaller than this is never compacted, whatever the snapshot's size.
@@ -66,8 +68,8 @@ def decode_lines(blob: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
         if zlib.crc32(body) != crc:
             return
         try:
-            doc = json.loads(body)
-        except ValueError:
+            doc = load_json(body, STATE_LIMITS)
+        except DocumentError:
             return
         if not isinstance(doc, dict):
             return
@@ -154,11 +156,17 @@ class Journal:
                 os.ftruncate(fd, self.size)  # a torn record of a killed writer, never acknowledged
             view = memoryview(line)
             offset = 0 if fresh else self.size
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view = view[written:]
-                offset += written
-            os.fdatasync(fd)
+            try:
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view = view[written:]
+                    offset += written
+                os.fdatasync(fd)
+            except OSError:
+                # Not acknowledged, so not to be found by a restart either: the store keeps the old set.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0 if fresh else self.size)
+                raise
         finally:
             os.close(fd)
         if fresh:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,23 @@ def read_file(path: Path) -> FileResult:
     return parse_document(doc, path.stem)
 
 
+def read_guarded(path: Path) -> tuple[FileResult | None, str | None]:
+    """read_file as the poller and start-up call it: (result, None) or (None, why). This is the policy
+    files' decoding boundary: whatever reading one file raises is that file's refusal, never an exception
+    that stops the reload of the others (or the agent's start). An error that is not a PolicyFileError
+    is a bug in a parser; it is logged with where it was raised, and only its type reaches the log and
+    the status, since its words may quote the file."""
+    try:
+        return read_file(path), None
+    except PolicyFileError as exc:
+        return None, str(exc)
+    except Exception as exc:
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        log.error("policy_file_parser_failed", path=str(path), error=type(exc).__name__,
+                  raised_at=f"{last.filename}:{last.lineno}")
+        return None, f"could not be parsed ({type(exc).__name__}): not loaded"
+
+
 class PolicyDirError(Unavailable, OSError):
     """The policy directory could not be listed, or is not trusted: nothing can be concluded from it."""
 
@@ -285,11 +303,7 @@ class LocalPolicies:
                 old = self._files.get(path)
                 if not force and old is not None and sig is not None and old.signature == sig:
                     continue
-                try:
-                    result: FileResult | None = read_file(path)
-                    error = None
-                except PolicyFileError as exc:
-                    result, error = None, str(exc)
+                result, error = read_guarded(path)
                 new = _FileState(sig, result if result is not None else (old.good if old else None), error)
                 if error:
                     self._stats.load_errors += 1

@@ -20,9 +20,12 @@ checksummed, fsync'd record of what it changed (intents/journal.py). When the jo
 snapshot (or 1 MiB, whichever is larger), the next change writes a new snapshot instead: a change costs
 its own size on disk, amortized. After a crash (SIGKILL, power loss) reading finds either the old or the
 new set, never a mix. The `local` source is not persisted: the policy files are its persistence.
-A snapshot (or a journal record) that cannot be read is logged, renamed aside with a timestamp, and the
-store starts empty. A snapshot of version 1 (release 0.1.0, no journal) is read as it is, and the first
-change writes it in the current version.
+A change is encoded for the disk before it replaces the set in memory: one that cannot be encoded (text
+that is not valid Unicode, a state past STATE_MAX_BYTES) is refused and nothing changes; a write that
+fails puts the old set back. Memory and disk hold the same set whatever fails, so what the APIs serve is
+what a restart finds. A snapshot (or a journal record) that cannot be read is logged, renamed aside with a
+timestamp, and the store starts empty. A snapshot of version 1 (release 0.1.0, no journal) is read as it
+is, and the first change writes it in the current version.
 
 Thread-safe: gRPC handlers, the REST server and the local-file watcher call it concurrently. Listeners
 are told "source X changed" after the change is stored and persisted; they read `snapshot()` for the rest.
@@ -40,13 +43,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 from pydantic import ValidationError
 
 from gthulhu_node.errors import Conflict, GthulhuError, LimitExceeded, NotFound
-from gthulhu_node.intents.documents import load_json
+from gthulhu_node.intents.documents import STATE_LIMITS, load_json, unencodable_path
 from gthulhu_node.intents.journal import (
     COMPACT_MIN_BYTES,
     JOURNAL_FILE,
@@ -98,6 +101,11 @@ class LimitError(StoreError, LimitExceeded):
 
 class StateTooLargeError(LimitError, ValueError):
     """The state would be (or is) larger than STATE_MAX_BYTES."""
+
+
+class UnencodableError(IntentValidationError):
+    """A set holding text that cannot be written as UTF-8 (a lone surrogate): refused before it replaces
+    the stored set, since it could be neither saved nor served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +273,15 @@ class IntentStore:
             self._count("refused_invalid")
             raise
         docs = _Docs.of(intents, entries)
-        new_digest = _digest_docs(docs)
+        try:
+            new_digest = _digest_docs(docs)
+        except UnicodeEncodeError:
+            self._count("refused_invalid")
+            try:
+                _refuse_unencodable(source, {"intents": docs.intents, "entries": docs.entries})
+            except UnencodableError as exc:
+                log.warning("intents_refused_unencodable", source=source, error=str(exc))
+                raise
         with self._lock:
             current = self._sources.get(source)
             cur_gen = current.generation if current else 0
@@ -355,19 +371,29 @@ class IntentStore:
         return known
 
     def _commit(self, source: str, new: SourceSet, docs: _Docs | None = None, content: str = "") -> None:
-        """Swap in `new` and persist; on a write error the old set stays (lock held by the caller).
+        """Encode `new` for the disk, swap it in and persist (lock held by the caller). Encoding comes
+        first: a set that cannot be encoded (a lone surrogate, too large) is refused before it touches
+        memory; a write error puts the old set back, so memory and disk always hold the same set.
         `docs`, `content`: new's documents and digest when the caller has them."""
         old = self._sources.get(source)
+        try:
+            write = self._encode(source, old, new, docs)
+        except UnencodableError as exc:
+            self._stats.refused_invalid += 1
+            log.warning("intents_refused_unencodable", source=source, error=str(exc))
+            raise
+        except StateTooLargeError as exc:
+            self._stats.persist_errors += 1
+            log.error("intents_persist_failed", source=source, error=str(exc))
+            raise
         old_json = self._source_json.pop(source, None)
         self._sources[source] = new
         self._digests.pop(source, None)
         if content:
             self._digests[source] = content
-        if source in NOT_PERSISTED:
-            return
         try:
-            self._persist(source, old, new, docs)
-        except (OSError, StateTooLargeError) as exc:
+            write()
+        except OSError as exc:
             self._digests.pop(source, None)
             if old_json is not None:
                 self._source_json[source] = old_json
@@ -394,40 +420,56 @@ class IntentStore:
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def _persist(self, source: str, old: SourceSet | None, new: SourceSet, docs: _Docs | None) -> None:
-        """Append the change to the journal, or write a snapshot when the journal has grown past it (or
-        there is no snapshot of this version yet: the first change after a start on an older one)."""
+    def _encode(
+        self, source: str, old: SourceSet | None, new: SourceSet, docs: _Docs | None
+    ) -> Callable[[], None]:
+        """The bytes that record `new` on disk, made before anything changes: a journal record, or a
+        snapshot when the journal has grown past it (or there is no snapshot of this version yet: the first
+        change after a start on an older one). Returns what writes them. Raises UnencodableError or
+        StateTooLargeError (nothing written, nothing changed)."""
         journal = self._journal
-        if journal is None:
-            return
+        if journal is None or source in NOT_PERSISTED:
+            return _nothing
+        known = {source: docs} if docs is not None else {}
         if not journal.journal_id:  # no snapshot of this version yet (a first start, or an older file)
-            self._save({source: docs} if docs is not None else {})
-            return
-        line = encode_line(_change_record(source, old, new, docs))
+            return self._encode_snapshot(source, new, known)
+        record = _change_record(source, old, new, docs)
+        try:
+            line = encode_line(record)
+        except UnicodeEncodeError:
+            full = docs or _Docs.of(new.intents, new.entries)  # named as the set has it, not the diff
+            _refuse_unencodable(source, {"intents": full.intents, "entries": full.entries})
         grown = journal.size + len(line)
         if (
             grown > max(COMPACT_MIN_BYTES, self._snapshot_bytes)
             or self._snapshot_bytes + grown > STATE_MAX_BYTES  # an upper bound of the state's size
         ):
-            self._save({source: docs} if docs is not None else {})
-            return
-        journal.append(line)
-        self._stats.persist_writes += 1
+            return self._encode_snapshot(source, new, known)
 
-    def _save(self, known: Mapping[str, _Docs]) -> None:
-        """Write the whole state as a new snapshot, which starts a new journal. `known`: documents of
-        sources the caller has made already."""
+        def append() -> None:
+            journal.append(line)
+            self._stats.persist_writes += 1
+
+        return append
+
+    def _encode_snapshot(self, source: str, new: SourceSet, known: Mapping[str, _Docs]) -> Callable[[], None]:
+        """The whole state with `new` as `source`'s set, as a new snapshot (which starts a new journal).
+        `known`: documents of sources the caller has made already."""
         target = self.state_file
-        if target is None or self._journal is None:
-            return
+        journal = self._journal
+        assert target is not None and journal is not None
         journal_id = new_journal_id()
         parts: dict[str, bytes] = {}
-        for name, ss in sorted(self._sources.items()):
+        for name, ss in sorted({**self._sources, source: new}.items()):
             if name in NOT_PERSISTED:
                 continue
-            part = self._source_json.get(name)
+            part = self._source_json.get(name) if name != source else None
             if part is None:
-                part = _dumps(_source_doc(ss, known.get(name) or _Docs.of(ss.intents, ss.entries)))
+                doc = _source_doc(ss, known.get(name) or _Docs.of(ss.intents, ss.entries))
+                try:
+                    part = _dumps(doc)
+                except UnicodeEncodeError:
+                    _refuse_unencodable(name, doc)
             parts[name] = part
         head = _dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "journal": journal_id})
         body = b",".join(_dumps(name) + b":" + part for name, part in parts.items())
@@ -436,11 +478,15 @@ class IntentStore:
             raise StateTooLargeError(
                 f"the intents of all sources would take {len(data)} bytes of state, at most {STATE_MAX_BYTES}"
             )
-        atomic_write(target, data)
-        self._source_json = parts
-        self._snapshot_bytes = len(data)
-        self._journal.reset(journal_id)
-        self._stats.persist_writes += 1
+
+        def save() -> None:
+            atomic_write(target, data)
+            self._source_json = parts
+            self._snapshot_bytes = len(data)
+            journal.reset(journal_id)
+            self._stats.persist_writes += 1
+
+        return save
 
     def load(self) -> int:
         """Load the last accepted intents (call once, before any traffic). Returns how many were loaded.
@@ -519,7 +565,7 @@ READABLE_VERSIONS = (1, STATE_VERSION)
 def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet], str, int]:
     """Parse and validate a snapshot and the valid prefix of its journal: (sources, the snapshot's
     journal id, valid journal bytes). ValueError says what is wrong."""
-    doc = load_json(blob)
+    doc = load_json(blob, STATE_LIMITS)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
     _check_version(doc.get("version"), "state")
@@ -545,6 +591,18 @@ def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet],
 
 def _dumps(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _refuse_unencodable(source: str, doc: Any) -> NoReturn:
+    """Raise UnencodableError naming the first field of `doc` whose text is not valid Unicode (UTF-8
+    cannot hold a lone surrogate such as "\\ud800", which JSON's escapes can carry and a str can hold)."""
+    where = unencodable_path(doc) or "?"
+    raise UnencodableError(f"sources.{source}.{where}".rstrip("."),
+                           "not valid Unicode text (a lone surrogate such as \\ud800): not stored")
 
 
 def _source_doc(ss: SourceSet, docs: _Docs) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from gthulhu_node.intents.documents import STATE_LIMITS, load_json
 from gthulhu_node.intents.model import SLICE_MAX_NS, SLICE_MIN_NS
 from gthulhu_node.intents.store import atomic_write
 from gthulhu_node.rest.translate import BodyError
@@ -133,7 +134,7 @@ def load_applied(state_dir: Path | None, allowed: frozenset[str]) -> dict[str, V
     if state_dir is None:
         return {}
     try:
-        doc = json.loads((state_dir / STATE_FILE).read_text())
+        doc = load_json((state_dir / STATE_FILE).read_bytes(), STATE_LIMITS)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:

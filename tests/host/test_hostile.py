@@ -26,6 +26,8 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
@@ -33,6 +35,7 @@ from tests.host import unprivileged
 from tests.host.agent_support import PYTHON, REPO, NamedThread, run_cli, short_dir, wait_for
 from tests.prom import scrape
 from tests.unit.rest_support import Pki, call, client_context, make_pki, public_pem, write_rsa_key
+from tests.unit.test_localfiles import ONE_BAD_BYTE
 
 pytestmark = pytest.mark.host
 
@@ -338,6 +341,18 @@ HOSTILE_FILES: list[tuple[str, Callable[[Agent, Path], Path], str]] = [
                    (a.policies / "to-theirs.yaml").symlink_to(d / "theirs.yaml"),
                    a.policies / "to-theirs.yaml")[-1],
      "is owned by uid 65534 (nobody): it must be owned by root"),
+    ("to-cmdline.yaml",  # issue 38: the NUL-separated command line stopped the agent
+     lambda a, d: ((a.policies / "to-cmdline.yaml").symlink_to("/proc/self/cmdline"),
+                   a.policies / "to-cmdline.yaml")[-1],
+     "/cmdline, which is on procfs, a kernel interface, not a file: not read"),
+    ("to-kmsg.yaml",  # issue 38: it was read, consuming the kernel log
+     lambda a, d: ((a.policies / "to-kmsg.yaml").symlink_to("/proc/kmsg"), a.policies / "to-kmsg.yaml")[-1],
+     "symlink to /proc/kmsg, which is on procfs, a kernel interface, not a file: not read"),
+    ("left-by-nobody.yaml",  # issue 38: the link's own owner was not checked
+     lambda a, d: ((a.policies / "left-by-nobody.yaml").symlink_to(a.policies / "vllm.yaml"),
+                   os.lchown(a.policies / "left-by-nobody.yaml", NOBODY, -1),
+                   a.policies / "left-by-nobody.yaml")[-1],
+     "left-by-nobody.yaml is owned by uid 65534 (nobody): it must be owned by root"),
     ("to-secret.yaml",
      lambda a, d: ((d / "secret").write_text("root:$6$SECRET-HASH-NOT-TO-LEAK:19000:0:99999:7:::\n[\n"),
                    os.chmod(d / "secret", 0o600),
@@ -413,6 +428,122 @@ def test_hostile_rest_bodies_are_400_naming_the_limit(agent: Agent) -> None:
     assert reply.status == 400, reply.body
     assert "10001" in reply.body["error"] and "at most 10000" in reply.body["error"]
     assert agent.proc.poll() is None and agent.states()["local/engine"] == pb.INTENT_STATE_APPLIED
+
+
+# -- issue 38: one bad byte, one odd body --------------------------------------------------------------
+
+# ONE_BAD_BYTE (tests/unit/test_localfiles.py): each of these stopped the agent before.
+
+
+def test_one_bad_byte_in_a_policy_file_refuses_that_file_only(agent: Agent) -> None:
+    planted = [_plant(agent, name, text) for name, (text, _) in ONE_BAD_BYTE.items()]
+    try:
+        def all_reported() -> dict[str, str] | None:
+            errors = agent.local_errors()
+            return errors if all(str(p) in errors for p in planted) else None
+
+        errors = wait_for(all_reported, what="every bad file reported")
+        for path, (_, words) in zip(planted, ONE_BAD_BYTE.values(), strict=True):
+            assert words in errors[str(path)], (path.name, errors[str(path)])
+        samples = scrape("127.0.0.1", agent.metrics_port)
+        assert samples["gthulhu_node_policy_files_invalid"][()] == len(planted)
+        still_itself(agent, "gn-hostile-b")  # root's edit of another file is applied
+        assert not [e for e in agent.events() if e.get("event") == "policy_files_poll_failed"]
+    finally:
+        for path in planted:
+            path.unlink()
+    wait_for(lambda: not agent.local_errors(), what="errors gone with the files")
+
+
+def test_agent_starts_with_every_valid_input_it_has() -> None:
+    """The same files at start: the agent used to exit 1 (agent_start_failed); `apply -f` of one printed
+    a traceback."""
+    from tests.host.agent_support import agent_process, client, statuses
+
+    base = short_dir()
+    policies = base / "policies.d"
+    policies.mkdir(mode=0o755)
+    (policies / "good.yaml").write_text("id: good\ncommandRegex: '^gn-good$'\npriority: 3\n")
+    for name, (text, _) in ONE_BAD_BYTE.items():
+        (policies / name).write_text(text)
+    try:
+        with agent_process(base) as p:
+            with client(p.socket) as stub:
+                assert statuses(stub)["local/good"].state == pb.INTENT_STATE_APPLIED
+                (local,) = [s for s in stub.GetStatus(pb.GetStatusRequest(), timeout=10).sources
+                            if s.source == "local"]
+                assert len(local.errors) == len(ONE_BAD_BYTE)
+            for name, (_, words) in ONE_BAD_BYTE.items():
+                out = run_cli("apply", "-f", str(policies / name), "--socket", str(p.socket))
+                assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+                assert f"{policies / name}: " in out.stderr and words in out.stderr, out.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_odd_rest_bodies_are_400_and_the_api_keeps_answering(agent: Agent) -> None:
+    """A 5,000-digit integer was a 500 on every route, the token route included; a lone surrogate in a
+    policyID or commandRegex replaced the set in memory, was never saved, and made GET /node-intents and
+    the merkle route answer 500 until the next good push."""
+    ctx = client_context(agent.pki)
+    base = f"https://localhost:{agent.rest_port}"
+    json_headers = {"Content-Type": "application/json"}
+    digits = '{"client_id": "manager", "expired_at": ' + "9" * 5000 + "}"
+    reply = call(base, "POST", "/api/v1/auth/token", digits, json_headers, ctx)
+    assert reply.status == 400 and "an integer of 5000 digits" in reply.body["error"]
+    token = agent.manager_token().body["data"]["token"]
+    headers = {**json_headers, "Authorization": f"Bearer {token}"}
+    good = {"policyID": "ok", "nodeID": "test-node", "commandRegex": "^x$", "priority": 1}
+
+    def root() -> str:
+        reply = call(base, "GET", "/api/v1/node-intents/merkle", None, headers, ctx)
+        return str(reply.body["data"]["rootHash"])
+
+    pushed = call(base, "POST", "/api/v1/node-intents", json.dumps({"policies": [good]}), headers, ctx)
+    assert pushed.status == 200
+    before = root()
+    for field in ("policyID", "commandRegex"):
+        body = json.dumps({"policies": [good, {**good, field: "\ud800"}]})
+        reply = call(base, "POST", "/api/v1/node-intents", body, headers, ctx)
+        assert reply.status == 400 and f"policies[1].{field}: not valid Unicode" in reply.body["error"]
+        assert call(base, "GET", "/api/v1/node-intents", None, headers, ctx).status == 200
+        assert root() == before
+    assert not [e for e in agent.events() if e.get("event") == "rest_handler_failed"]
+    call(base, "DELETE", "/api/v1/node-intents", json.dumps({"all": True}), headers, ctx)
+
+
+ODD_TEXT = st.text(alphabet=st.characters(codec=None), max_size=12)  # surrogates and control characters
+ODD_VALUE = st.recursive(
+    st.none() | st.booleans() | ODD_TEXT | st.integers(-(10**30), 10**30) | st.floats(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ODD_TEXT, inner, max_size=4), max_leaves=20)
+FIELDS = ("policyID", "nodeID", "commandRegex", "priority", "executionTime", "podID", "podName", "client_id",
+          "expired_at", "public_key", "policyId", "all", "podLabels")
+HUGE_INTEGERS = st.tuples(st.sampled_from(FIELDS), st.integers(4000, 6000)).map(  # past Python's 4,300
+    lambda f: f'{{"{f[0]}": {"9" * f[1]}, "policies": [{{"{f[0]}": -{"7" * f[1]}}}]}}'.encode())
+ODD_BODY = st.one_of(
+    st.binary(max_size=200),
+    HUGE_INTEGERS,
+    st.dictionaries(st.sampled_from(FIELDS), ODD_VALUE, max_size=5).map(lambda d: {"policies": [d], **d}),
+    ODD_VALUE,
+).map(lambda b: b if isinstance(b, bytes) else json.dumps(b, default=str).encode())  # ensure_ascii: \udxxx
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=ODD_BODY, route=st.sampled_from([
+    ("POST", "/api/v1/auth/token"), ("POST", "/api/v1/node-intents"), ("DELETE", "/api/v1/node-intents"),
+    ("POST", "/api/v1/intents"), ("POST", "/api/v1/runtime-config")]))
+def test_random_rest_bodies_never_break_the_api(agent: Agent, body: bytes, route: tuple[str, str]) -> None:
+    """Property: whatever body reaches a route of the real agent over its real socket (random bytes,
+    random Unicode with surrogates, huge integers, deep and wide values), the answer is not a 500, and the
+    node-policy routes keep answering."""
+    ctx = client_context(agent.pki)
+    base = f"https://localhost:{agent.rest_port}"
+    token = agent.manager_token().body["data"]["token"]
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    reply = call(base, route[0], route[1], body, headers, ctx)
+    assert reply.status < 500, (route, body[:200], reply.body)
+    assert call(base, "GET", "/api/v1/node-intents", None, headers, ctx).status == 200
+    assert call(base, "GET", "/api/v1/node-intents/merkle", None, headers, ctx).status == 200
 
 
 def test_insecure_rest_mode_is_in_status(tmp_path: Path) -> None:

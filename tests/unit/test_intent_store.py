@@ -233,6 +233,52 @@ def test_persist_failure_changes_nothing(tmp_path: Path) -> None:
         target.chmod(0o700)
 
 
+@pytest.mark.parametrize("first_write", [True, False], ids=["snapshot", "journal"])
+def test_unencodable_set_is_refused_before_it_replaces_the_stored_one(tmp_path: Path,
+                                                                       first_write: bool) -> None:
+    """Text UTF-8 cannot hold (a lone surrogate) used to be swapped into memory and then fail the write
+    with an error the commit did not catch: memory held a set disk did not, and nothing could serve it."""
+    store = IntentStore(tmp_path)
+    heard: list[str] = []
+    if not first_write:
+        store.apply("m", 0, [intent("x")], entries=[SenderEntry(record={"policyID": "x"}, key="x",
+                                                                  intent_id="x")])
+    before = store.snapshot()
+    store.subscribe(heard.append)
+    bad = SenderEntry(record={"policyID": "y\ud800"}, key="#1", failed="no pattern")
+    with pytest.raises(store_module.UnencodableError, match=r"sources\.m\.entries\[[01]\]\.record\.policyID"):
+        store.apply("m", 0, [intent("x")], entries=[*(before["m"].entries if before else ()), bad])
+    with pytest.raises(IntentValidationError, match=r"intents\[0\]\.commandRegex: not valid Unicode"):
+        store.apply("m", 0, [Intent.model_construct(id="z", command_regex="\udfff", priority=1)])
+    assert store.snapshot() == before and heard == []
+    assert store.stats().refused_invalid == 2
+    again = IntentStore(tmp_path)
+    again.load()
+    assert again.snapshot() == before
+    store.apply("m", 0, [intent("w")])  # the store still takes a good set
+    assert ids(store, "m") == ["w"]
+
+
+def test_failed_journal_write_is_not_found_by_a_restart(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record written but not synced (fdatasync fails: EIO) was refused to the caller yet could be
+    read back by the next start: the journal is cut back to what was acknowledged."""
+    store = IntentStore(tmp_path)
+    store.apply("a", 0, [intent("x")])
+    store.apply("a", 0, [intent("y")])  # the journal exists now
+
+    def eio(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(os, "fdatasync", eio)
+    with pytest.raises(OSError):
+        store.apply("a", 0, [intent("z")])
+    monkeypatch.undo()
+    assert ids(store, "a") == ["y"]
+    again = IntentStore(tmp_path)
+    again.load()
+    assert ids(again, "a") == ["y"]
+
+
 def test_listeners_hear_changes_not_noops(tmp_path: Path) -> None:
     store = IntentStore(None)
     heard: list[str] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,55 @@ def test_directory_reload_bad_file_keeps_last_good_and_spares_others(tmp_path: P
     local.reload()
     assert sorted(i.id for i in store.get("local").intents) == ["a", "c"]  # type: ignore[union-attr]
     assert local.errors() == {}
+
+
+# Files that stopped the agent (issue 38): the reader raised ReaderError or ValueError out of the reload,
+# so no later edit of any file was applied, and the agent did not start.
+ONE_BAD_BYTE = {
+    "nul.yaml": ("id: nul\x00\ncommandRegex: x\n", "line 1, column 8: character #x0000 is not allowed"),
+    "esc.yaml": ("# \x1b[1m comment\nid: esc\ncommandRegex: x\n", "character #x001b is not allowed"),
+    "digits.yaml": ("id: d\ncommandRegex: x\npriority: " + "9" * 5000 + "\n",
+                    "an integer of 5000 characters"),
+    "digits.json": ('{"id": "j", "commandRegex": "x", "priority": ' + "9" * 5000 + "}",
+                    "an integer of 5000 digits"),
+    "surrogate.json": ('{"id": "s", "commandRegex": "x\\ud800"}', "commandRegex: not valid Unicode text"),
+}
+
+
+def test_one_bad_byte_refuses_that_file_only(tmp_path: Path) -> None:
+    store = IntentStore(None)
+    write(tmp_path / "a.yaml", "id: a\ncommandRegex: x\n")
+    for name, (text, _) in ONE_BAD_BYTE.items():
+        write(tmp_path / name, text)
+    local = LocalPolicies(tmp_path, store)
+    local.reload()  # what start-up does: it used to raise here
+    assert [i.id for i in store.get("local").intents] == ["a"]  # type: ignore[union-attr]
+    errors = local.errors()
+    for name, (_, words) in ONE_BAD_BYTE.items():
+        assert words in errors[str(tmp_path / name)], (name, errors[str(tmp_path / name)])
+    write(tmp_path / "b.yaml", "id: b\ncommandRegex: y\n")  # root's edits to other files still apply
+    local.reload(force=False)
+    assert [i.id for i in store.get("local").intents] == ["a", "b"]  # type: ignore[union-attr]
+
+
+def test_whatever_a_parser_raises_is_that_files_refusal(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The boundary holds for errors nobody foresaw: a parser bug is the file's refusal (its type only:
+    its words may quote the file), logged with where it was raised, and the other files are loaded."""
+    from gthulhu_node.intents import localfiles
+
+    def broken(text: str) -> Any:
+        raise KeyError("SECRET words of the file")
+
+    monkeypatch.setattr(localfiles, "load_yaml", broken)
+    write(tmp_path / "a.json", '{"id": "a", "commandRegex": "x"}')
+    write(tmp_path / "b.yaml", "id: b\ncommandRegex: x\n")
+    store = IntentStore(None)
+    local = LocalPolicies(tmp_path, store)
+    local.reload()
+    assert [i.id for i in store.get("local").intents] == ["a"]  # type: ignore[union-attr]
+    assert local.errors()[str(tmp_path / "b.yaml")] == "could not be parsed (KeyError): not loaded"
+    assert local.stats().bad_files == 1
 
 
 def test_id_clash_between_files(tmp_path: Path) -> None:
@@ -333,3 +383,91 @@ def test_a_slower_older_reload_never_lands_after_a_newer_one(tmp_path: Path) -> 
     newer.join(5)
     (held,) = store.get("local").intents  # type: ignore[union-attr]
     assert held.priority == 7
+
+
+# -- trust by owner, on descriptors (issue 38, item 3) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("target", "words"), [
+    ("/proc/self/cmdline", "which is on procfs, a kernel interface, not a file: not read"),
+    ("/proc/kmsg", "which is on procfs, a kernel interface, not a file: not read"),
+    ("/sys/kernel/mm/transparent_hugepage/enabled", "which is on sysfs"),
+    ("/dev/null", "which is a character device: not read"),
+])
+def test_kernel_interfaces_and_devices_are_never_read(tmp_path: Path, target: str, words: str) -> None:
+    """A symlink to /proc/self/cmdline used to stop the agent (a NUL in YAML); one to /proc/kmsg was read,
+    consuming the kernel log. Root owns both: owner checks alone did not refuse them."""
+    if not Path(target).exists():
+        pytest.skip(f"{target} does not exist here")
+    (tmp_path / "k.yaml").symlink_to(target)
+    with pytest.raises(PolicyFileError, match=words):
+        read_file(tmp_path / "k.yaml")
+
+
+def test_a_symlink_must_be_roots_too(tmp_path: Path) -> None:
+    """A link nobody left (while the directory was briefly world-writable) was followed once the directory
+    was 0755 again: the link's own owner was not checked. It chooses what is read."""
+    good = write(tmp_path / "root.yaml", "id: r\ncommandRegex: x\n")
+    d = tmp_path / "policies.d"
+    d.mkdir()
+    (d / "left.yaml").symlink_to(good)
+    os.lchown(d / "left.yaml", NOBODY, -1)
+    with pytest.raises(PolicyFileError, match=f"symlink {d / 'left.yaml'} is owned by uid 65534"):
+        read_file(d / "left.yaml")
+
+
+def test_every_directory_on_the_way_is_checked(tmp_path: Path) -> None:
+    """A symlink through a directory nobody owns let nobody choose which root-owned file was loaded: the
+    resolved path's directories were root's, the hop through nobody's was not looked at."""
+    roots = write(tmp_path / "roots.yaml", "id: r\ncommandRegex: ^bash$\npriority: 20\n")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "inner").mkdir()
+    (theirs / "hop.yaml").symlink_to(roots)  # nobody may re-point it at any root-owned file
+    os.chown(theirs, NOBODY, -1)
+    d = tmp_path / "policies.d"
+    d.mkdir()
+    (d / "via.yaml").symlink_to(theirs / "hop.yaml")
+    (d / "rel.yaml").symlink_to("../theirs/inner/../hop.yaml")
+    for name in ("via.yaml", "rel.yaml"):
+        with pytest.raises(PolicyFileError, match=f"directory {theirs} .*owned by uid 65534"):
+            read_file(d / name)
+
+
+def test_a_swap_between_the_check_and_the_read_is_never_read(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check and the read use the same descriptors: a link re-pointed, or a file renamed over the
+    checked one, after the check and before the read, is refused or not seen, never read."""
+    from gthulhu_node.intents import trust
+
+    d = tmp_path / "policies.d"
+    d.mkdir()
+    checked = write(tmp_path / "checked.yaml", "id: checked\ncommandRegex: x\n")
+    other = write(tmp_path / "other.yaml", "id: other\ncommandRegex: ^bash$\npriority: 20\n")
+    os.chown(other, NOBODY, -1)
+    (d / "p.yaml").symlink_to(checked)
+    real = trust.filesystem_type
+    swaps: list[Callable[[], None]] = []
+
+    def swap_then_answer(fd: int) -> int:
+        for swap in swaps:
+            swap()
+        return real(fd)
+
+    monkeypatch.setattr(trust, "filesystem_type", swap_then_answer)
+
+    def repoint() -> None:  # the link now names nobody's file
+        (d / "p.yaml").unlink()
+        (d / "p.yaml").symlink_to(other)
+
+    swaps[:] = [repoint]
+    assert [i.id for i in read_file(d / "p.yaml").intents] == ["checked"]  # the checked one, not other
+    (d / "p.yaml").unlink()
+    (d / "p.yaml").symlink_to(checked)
+
+    def rename_over() -> None:  # another file takes the checked one's name
+        os.rename(other, checked)
+
+    swaps[:] = [rename_over]
+    with pytest.raises(PolicyFileError, match="replaced while it was being checked: not read"):
+        read_file(d / "p.yaml")

@@ -352,6 +352,21 @@ def test_deeply_nested_bodies_are_400_naming_the_limit(plain: Env, path: str, de
         assert "nested more than 32 levels deep" in reply.body["error"]
 
 
+@pytest.mark.parametrize("path", ["/api/v1/auth/token", "/api/v1/node-intents", "/api/v1/intents",
+                                  "/api/v1/runtime-config"])
+def test_undecodable_numbers_are_400_naming_them(plain: Env, path: str) -> None:
+    """A 5,000-digit integer anywhere was a 500 on every route (Python's int-digit limit, raised by the
+    JSON decoder), the token route included, with a traceback logged each time."""
+    token = None if path.endswith("token") else plain.token()
+    before = plain.store.snapshot()
+    for body, words in (('{"policies": [{"priority": ' + "9" * 5000 + "}]}", "an integer of 5000 digits"),
+                        ('{"client_id": "x", "expired_at": NaN}', "NaN is not a JSON number")):
+        reply = plain.call("POST", path, body, token)
+        assert reply.status == 400, (path, reply.status)
+        assert words in reply.body["error"]
+    assert plain.store.snapshot() == before
+
+
 def test_body_size_limit(tmp_path: Path) -> None:
     env = start(tmp_path, insecure=True, max_body_bytes=4096)
     try:
@@ -404,6 +419,36 @@ def test_push_is_persisted(tmp_path: Path) -> None:
         assert root == shell_merkle(node_policy_rows(policies))
     finally:
         env2.server.stop()
+
+
+@pytest.mark.parametrize("field", ["policyID", "commandRegex", "nodeID"])
+def test_lone_surrogate_changes_nothing_and_the_api_keeps_answering(tmp_path: Path, field: str) -> None:
+    """A lone surrogate (JSON "\\ud800") decodes into a str that UTF-8 cannot hold. It used to replace
+    the set in memory, fail the journal write with an error the store did not catch (500), and leave
+    every later GET of the routes and the merkle root a 500 while disk kept the old set."""
+    env = start(tmp_path, insecure=True)
+    try:
+        token = env.token()
+        good = {"policies": [policy("a" * 24)]}
+        assert env.call("POST", "/api/v1/node-intents", good, token).status == 200
+        before = env.store.snapshot()
+        root = env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+        bad = policy("b" * 24)
+        bad[field] = "x\ud800"
+        body = json.dumps({"policies": [policy("a" * 24), bad]})  # ensure_ascii: the escape as sent
+        assert "\\ud800" in body
+        reply = env.call("POST", "/api/v1/node-intents", body, token)
+        assert reply.status == 400, reply.body
+        assert f"policies[1].{field}: not valid Unicode" in reply.body["error"], reply.body
+        assert env.store.snapshot() == before
+        for path in ("/api/v1/node-intents", "/api/v1/node-intents/merkle"):
+            assert env.call("GET", path, token=token).status == 200, path
+        assert env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"] == root
+    finally:
+        env.server.stop()
+    on_disk = IntentStore(tmp_path / "state")
+    on_disk.load()
+    assert {k: v.intents for k, v in on_disk.snapshot().items()} == {k: v.intents for k, v in before.items()}
 
 
 def test_state_from_before_entries_were_kept(tmp_path: Path) -> None:
