@@ -445,6 +445,14 @@ sys.stdin.read()
 """
 
 
+def base_with_policies(text: str) -> Path:
+    """A fresh agent directory whose policies.d holds one file with `text`."""
+    base = short_dir()
+    (base / "policies.d").mkdir(mode=0o755)
+    (base / "policies.d" / "policies.yaml").write_text(text)
+    return base
+
+
 @pytest.mark.parametrize("mode", ["allowed", "named_only"])
 def test_unprivileged_user_naming_threads_to_take_a_boost(mode: str) -> None:
     """A process of nobody names two threads like vLLM's engine. Before: it got the root daemon's boost,
@@ -454,9 +462,7 @@ def test_unprivileged_user_naming_threads_to_take_a_boost(mode: str) -> None:
     from tests.host.agent_support import running_agent
 
     tag = f"{os.getpid() % 10000:04d}"
-    base = short_dir()
-    (base / "policies.d").mkdir(mode=0o755)
-    (base / "policies.d" / "vllm.yaml").write_text(
+    base = base_with_policies(
         f"- id: engine\n  commandRegex: '^Eng{tag}_DP[0-9]$'\n  priority: 12\n"
         f"- id: nobodys\n  commandRegex: '^Eng{tag}_DP9$'\n  priority: 3\n  users: [nobody]\n"
     )
@@ -513,4 +519,63 @@ def test_grpc_tcp_flood_without_handshakes_as_nobody() -> None:
             finally:
                 flood.close()
     finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# Run as root: names its main thread, becomes nobody (setresuid), then execs with the same PID a program
+# that names its thread again. Each step waits for a line on stdin.
+ROOT_THEN_NOBODY = """
+import ctypes, os, sys
+name = sys.argv[1]
+ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)
+print("named", flush=True)
+sys.stdin.readline()
+os.setresgid(65534, 65534, 65534)
+os.setresuid(65534, 65534, 65534)
+print("nobody", flush=True)
+sys.stdin.readline()
+again = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0); "
+         "print('again', flush=True); sys.stdin.read()")
+os.execv("/usr/bin/python3", ["/usr/bin/python3", "-c", again, name + "x"])
+"""
+
+
+def test_a_root_process_turning_nobody_loses_a_named_only_boost() -> None:
+    """Issue 38 item 7: under named_only, a root process names a thread (boosted: root's), then
+    setresuid(nobody) and execve with the same PID, naming it again. Before: it stayed boosted, the owner
+    read at the first match was kept. Now the proc connector's uid and exec events make the agent read
+    the owner again: the thread moves to the intent that names nobody, and stays there after the exec."""
+    from tests.host.agent_support import running_agent
+
+    name = f"GnOwn{os.getpid() % 10000:04d}"
+    base = base_with_policies(
+        f"- id: roots\n  commandRegex: '^{name}x?$'\n  priority: 12\n"
+        f"- id: nobodys\n  commandRegex: '^{name}x?$'\n  priority: 1\n  users: [nobody]\n"
+    )
+    child = subprocess.Popen([str(PYTHON), "-c", ROOT_THEN_NOBODY, name], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd="/")
+    assert child.stdin is not None and child.stdout is not None
+
+    def step(expect: str) -> None:
+        assert child.stdout is not None and child.stdout.readline().strip() == expect
+
+    try:
+        step("named")
+        with running_agent(base, security={"unprivileged_tasks": "named_only"}) as a:
+            def winner() -> str:
+                return next((f"{m.comm} {m.intent}" for m in a.matches() if m.tid == child.pid), "")
+
+            wait_for(lambda: winner() == f"{name} local/roots", what="root's thread boosted by roots")
+            child.stdin.write("\n")
+            child.stdin.flush()
+            step("nobody")
+            wait_for(lambda: winner() == f"{name} local/nobodys", what="the thread, now nobody's, rematched")
+            child.stdin.write("\n")
+            child.stdin.flush()
+            step("again")
+            wait_for(lambda: winner() == f"{name}x local/nobodys",
+                     what="the exec'd program's thread, named again, on nobody's intent only")
+    finally:
+        child.kill()
+        child.wait()
         shutil.rmtree(base, ignore_errors=True)
