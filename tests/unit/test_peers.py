@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from gthulhu_node.peers import FdBudget, PeerTable, loopback_uid, peer_key
+from tests.host import unprivileged
 
 
 class Clock:
@@ -111,6 +115,25 @@ def test_a_loopback_peer_is_its_user_and_a_unix_peer_too() -> None:
     a, b = socket.socketpair()
     with a, b:
         assert peer_key(a) == f"uid:{os.geteuid()}"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_loopback_peer_of_another_user_is_that_user(host: str) -> None:
+    """The kernel is asked for the peer's socket, not ours (both ends are on this host: asked the wrong
+    way round, sock_diag answers with our own socket, uid 0, for every peer)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family) as server:
+        port = server.getsockname()[1]
+        client = subprocess.Popen(unprivileged.command(
+            "nobody", "", "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2])))"
+            "; sys.stdin.read()", host, str(port)), stdin=subprocess.PIPE, cwd="/")
+        try:
+            conn, _ = server.accept()
+            with conn:
+                assert peer_key(conn) == "uid:65534"
+        finally:
+            client.kill()
+            client.wait()
 
 
 def test_loopback_uid_reads_the_peer_row_of_the_kernel_table(tmp_path: Path) -> None:
