@@ -432,9 +432,9 @@ def test_fd_reserve_keeps_status_tasks_and_policies_working_under_a_flood(agent:
     the metrics and REST ports. Before: the listeners' caps (16 + 64) took more than the margin; status
     over the unix socket timed out 6 times of 6 for ~70 s, a new matching thread was never matched (195
     task_read_failed EMFILE) and a policy edit waited 48 s. Now no connection takes the last
-    peers.FD_RESERVE descriptors: every status call is answered (5 s timeout), a new thread is matched and
-    a policy edit applies during the flood. Timings against the same steps without the flood:
-    tests/bench/test_peers_bench.py."""
+    peers.FD_RESERVE descriptors: every status call is answered (5 s timeout), a new thread is matched, a
+    policy edit applies, and a scrape and a Manager call get through during the flood. Timings against
+    the same steps without the flood: tests/bench/test_peers_bench.py."""
     baseline = agent.fds()
     with nofile_limit(agent, baseline + 64):
         floods = [Flood(port, processes=1, each=300) for port in (agent.metrics_port, agent.rest_port)]
@@ -444,6 +444,7 @@ def test_fd_reserve_keeps_status_tasks_and_policies_working_under_a_flood(agent:
                 answered = sum(bool(stub.GetStatus(pb.GetStatusRequest(), timeout=5).agent.ready)
                                for _ in range(6))
             assert answered == 6
+            assert scraped(agent) and manager_call(agent)  # they timed out too, before
             still_itself(agent, "gn-hostile-fd")  # a new thread matched, a policy file added and removed
             during = agent.fds()
             assert during <= baseline + 64
