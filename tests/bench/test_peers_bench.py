@@ -2,7 +2,8 @@
 the clients that matter, against the same steps measured in the same run without it.
 
 Item 4: 15 scrapes and 25 Manager calls (a token over mutual TLS), 5 s timeout each, first alone, then
-with 200 never-finishing connections from `nobody` on each of the two ports (tests/host/test_hostile.py's
+with 200 never-finishing connections from `nobody` (then from root, the good clients' own user) on each
+of the two ports (tests/host/test_hostile.py's
 SlowFlood: the same address as the good client, 127.0.0.1). Figures: answered, medians, their ratio
 (goal: at most 3x); the agent's RSS before, during and after (goal: back within 20 MB).
 Item 5: the agent's fd limit at its baseline + 64; a status call over the unix socket (median of 10), a
@@ -48,13 +49,16 @@ def timed(fn: Callable[[], bool], rounds: int) -> tuple[int, float]:
     return ok, statistics.median(times)
 
 
-def test_clients_through_slow_peers(agent: Agent) -> None:  # noqa: F811
+@pytest.mark.parametrize("user", ["nobody", "root"])
+def test_clients_through_slow_peers(agent: Agent, user: str) -> None:  # noqa: F811
+    """From `nobody`, and from root: the same user as the good clients, so only the eviction of the
+    slowest unfinished connection keeps them in (no per-user share of their own)."""
     wait_for(lambda: token_again(agent), what="the Manager getting a token")
     rss_before = agent.rss_mb()
     base_scrapes, base_scrape_s = timed(lambda: scraped(agent), 15)
     base_calls, base_call_s = timed(lambda: manager_call(agent), 25)
-    floods = [SlowFlood(agent.metrics_port, 200, HTTP_HEAD_PREFIX),
-              SlowFlood(agent.rest_port, 200, TLS_RECORD_PREFIX)]
+    floods = [SlowFlood(agent.metrics_port, 200, HTTP_HEAD_PREFIX, user=user),
+              SlowFlood(agent.rest_port, 200, TLS_RECORD_PREFIX, user=user)]
     try:
         time.sleep(2.0)
         rss_during = agent.rss_mb()
@@ -65,7 +69,7 @@ def test_clients_through_slow_peers(agent: Agent) -> None:  # noqa: F811
     time.sleep(2.0)
     rss_after = agent.rss_mb()
     print(f"\nscrapes alone: {base_scrapes}/15, median {base_scrape_s * 1000:.1f} ms; with 200+200 slow "
-          f"peers: {scrapes}/15, median {scrape_s * 1000:.1f} ms ({scrape_s / base_scrape_s:.2f}x)")
+          f"peers of {user}: {scrapes}/15, median {scrape_s * 1000:.1f} ms ({scrape_s / base_scrape_s:.2f}x)")
     print(f"Manager calls alone: {base_calls}/25, median {base_call_s * 1000:.1f} ms; with the flood: "
           f"{calls}/25, median {call_s * 1000:.1f} ms ({call_s / base_call_s:.2f}x)")
     print(f"RSS {rss_before:.0f} -> {rss_during:.0f} (flood) -> {rss_after:.0f} MB "

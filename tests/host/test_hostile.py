@@ -348,11 +348,12 @@ TLS_RECORD_PREFIX = bytes.fromhex("1603010200").hex()  # a handshake record of 5
 
 
 class SlowFlood:
-    """`count` never-finishing connections from nobody to `port` (SLOW_FLOOD), until `close`."""
+    """`count` never-finishing connections from `user` to `port` (SLOW_FLOOD), until `close`."""
 
-    def __init__(self, port: int, count: int, prefix: str, interval: float = 1.0) -> None:
+    def __init__(self, port: int, count: int, prefix: str, interval: float = 1.0,
+                 user: str = "nobody") -> None:
         self.proc = subprocess.Popen(
-            unprivileged.command("nobody", "", SLOW_FLOOD, "127.0.0.1", str(port), str(count), prefix,
+            unprivileged.command(user, "", SLOW_FLOOD, "127.0.0.1", str(port), str(count), prefix,
                                  str(interval)),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
             env=dict(os.environ, PYTHONPATH=str(REPO)),
