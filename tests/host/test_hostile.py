@@ -729,3 +729,21 @@ def test_a_root_process_turning_nobody_loses_a_named_only_boost() -> None:
         child.kill()
         child.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_source_pushed_at_the_largest_generation_can_still_be_changed(agent: Agent) -> None:
+    """Issue 38 item 8: a gRPC source pushed at generation 2^64-1 (a client's -1 as uint64) could never be
+    changed again: every push was stale, and one at 0 had no next generation. Now a push at 0 is stored
+    with generation 1, and ordered pushes go on from there."""
+    channel, stub = agent.stub()
+    with channel:
+        def push(generation: int, regex: str) -> pb.ApplyIntentsResponse:
+            return stub.ApplyIntents(pb.ApplyIntentsRequest(source="gen-max", generation=generation, intents=[
+                pb.Intent(id="x", command_regex=regex, priority=1)]), timeout=10)
+
+        assert push(2**64 - 1, "^gn-gen-a$").generation == 2**64 - 1
+        with pytest.raises(grpc.RpcError) as stale:
+            push(2**64 - 1, "^gn-gen-b$")
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (push(0, "^gn-gen-b$").generation, push(2, "^gn-gen-c$").generation) == (1, 2)
+        stub.ApplyIntents(pb.ApplyIntentsRequest(source="gen-max", generation=3), timeout=10)  # emptied
