@@ -15,7 +15,8 @@ limit at its baseline + 64, the listeners' caps (16 + 64) took the descriptors t
   connection (unfinished: its TLS handshake or request head has not arrived; slowest: unfinished for the
   longest), or is refused when all of that peer's are finished;
 - at `max_total`, or when the process has fewer than `FdBudget.reserve` descriptors left, a new
-  connection evicts the slowest unfinished connection of any peer, or is refused when none is unfinished;
+  connection evicts the slowest unfinished connection of the peer holding the most connections, or is
+  refused when none is unfinished;
 - an unfinished connection past `deadline_s` is dropped (`expire`, called by the listener's loop).
 Leaf module (docs/design.md, "Layers"): it imports nothing of ours.
 """
@@ -216,10 +217,16 @@ class PeerTable:
         return self.budget is not None and self.budget.room() + freeing < 0
 
     def _evict_from(self, pool: list[Peer], evict: list[Peer]) -> bool:
+        """Evict the slowest unfinished connection of `pool`, taken from the peer that holds the most:
+        at the total (or the fd reserve) one user's flood gives up its own connections before another
+        user's single connection whose head is still on its way."""
         unfinished = [p for p in pool if not p.finished and p not in evict]
         if not unfinished:
             return False
-        victim = min(unfinished, key=lambda p: p.since)
+        held: dict[str, int] = {}
+        for p in self._peers:
+            held[p.key] = held.get(p.key, 0) + 1
+        victim = min(unfinished, key=lambda p: (-held[p.key], p.since))
         self._peers.remove(victim)
         evict.append(victim)
         return True
@@ -234,6 +241,7 @@ class PeerTable:
         peer.finished = True
 
     def release(self, peer: Peer) -> None:
+        """The connection is closed: its slot (and its fd) are free."""
         with self._lock:
             if peer in self._peers:
                 self._peers.remove(peer)

@@ -445,8 +445,12 @@ def test_fd_reserve_keeps_status_tasks_and_policies_working_under_a_flood(agent:
                 answered = sum(bool(stub.GetStatus(pb.GetStatusRequest(), timeout=5).agent.ready)
                                for _ in range(6))
             assert answered == 6
-            assert scraped(agent) and manager_call(agent)  # they timed out too, before
             still_itself(agent, "gn-hostile-fd")  # a new thread matched, a policy file added and removed
+            # Scrapes and Manager calls timed out too, before. (Within the first ~10 ms of the burst,
+            # while the agent closes what it dropped, a newcomer can still find no fd to spare.)
+            for port in (agent.metrics_port, agent.rest_port):
+                absorbed(agent, port)
+            assert scraped(agent) and manager_call(agent)
             during = agent.fds()
             assert during <= baseline + 64
         finally:

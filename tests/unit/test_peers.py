@@ -61,6 +61,18 @@ def test_at_the_total_the_slowest_unfinished_connection_of_anyone_goes() -> None
     assert t.stats().held == 2
 
 
+def test_at_the_total_the_biggest_holder_gives_first() -> None:
+    """One user's flood must not push out another user's single connection still sending its head."""
+    t, clock, closed = table(total=4, per_peer=4)
+    t.admit("uid:0", lambda: closed.append("scrape"))  # the oldest of all, unfinished
+    for n in range(3):
+        clock.now = 1 + n
+        t.admit("uid:65534", lambda n=n: closed.append(f"flood{n}"))
+    clock.now = 10
+    assert t.admit("uid:65534", lambda: None) is not None
+    assert closed == ["flood0"]
+
+
 def test_unfinished_connections_past_the_deadline_are_dropped() -> None:
     t, clock, closed = table()
     slow = t.admit("uid:65534", lambda: closed.append("slow"))
