@@ -348,8 +348,9 @@ class RestCollector(StatsCollector["RestStats"]):
                        "request head not in) dropped to admit a newer one.", stats.connections_evicted)
         yield _gauge("rest_connections", "Connections held now, handshaking or established.",
                      float(stats.connections_held))
-        yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
-                       "completed (timeout, no or bad certificate).", stats.handshakes_failed)
+        yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake and "
+                       "first request head were in (deadline, no or bad certificate).",
+                       stats.handshakes_failed)
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
                        stats.accept_errors)
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "

@@ -134,8 +134,8 @@ class BoundedListener:
             if conn.peer is None:
                 self.stats.refused += 1
                 sock.close()
-                log.warning("rest_connection_refused", reason="every slot of this peer, or every slot, is "
-                            "serving requests", limit=self.peers.max_total)
+                log.warning("rest_connection_refused", reason="no slot to spare: this peer's or every slot "
+                            "serves requests, or the fd reserve is reached", limit=self.peers.max_total)
                 continue
             conn.task = asyncio.create_task(self._admit(conn))
             # also when the task is cancelled before it ever ran (an eviction in the same burst of
