@@ -175,8 +175,9 @@ class RestConfig(_Section):
     insecure_allow_plain_http: bool = False
     insecure_warning_interval_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
-    # Per-peer bounds (docs/security.md): connections open at once (past it, a new one is closed at once),
-    # the time a peer gets to finish the TLS handshake, and how long an idle keep-alive connection stays.
+    # Bounds (docs/security.md): connections open at once, a quarter of them per peer (past either, a new
+    # one evicts the slowest unfinished one, or is closed when none is), the time from the connect to the
+    # end of the TLS handshake and of the first request head, and how long an idle keep-alive one stays.
     max_connections: int = Field(default=64, ge=1, le=4096)
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
     keepalive_timeout_s: float = Field(default=15.0, gt=0, le=3600)

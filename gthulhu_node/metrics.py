@@ -37,6 +37,7 @@ from gthulhu_node import metrics_server
 from gthulhu_node.backends.base import Backend, BackendHealth
 from gthulhu_node.engine import EngineStats
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.peers import PeerStats
 from gthulhu_node.reconciler import IntentStats, ReconcilerStats
 
 if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only needs their types
@@ -340,10 +341,16 @@ class RestCollector(StatsCollector["RestStats"]):
         yield _labelled(CounterMetricFamily, "rest_pushes_total", "Manager intent pushes, by outcome.",
                         "outcome", pushes)
         yield _counter("rest_deletes_total", "Manager intent deletions.", stats.deletes)
-        yield _counter("rest_connections_refused_total", "Connections closed at once: rest.max_connections "
-                       "were open.", stats.connections_refused)
-        yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
-                       "completed (timeout, no or bad certificate).", stats.handshakes_failed)
+        yield _counter("rest_connections_refused_total", "Connections closed at once: every slot of the "
+                       "peer, or every slot, was serving requests, or the fd reserve was reached.",
+                       stats.connections_refused)
+        yield _counter("rest_connections_evicted_total", "Unfinished connections (TLS handshake or first "
+                       "request head not in) dropped to admit a newer one.", stats.connections_evicted)
+        yield _gauge("rest_connections", "Connections held now, handshaking or established.",
+                     float(stats.connections_held))
+        yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake and "
+                       "first request head were in (deadline, no or bad certificate).",
+                       stats.handshakes_failed)
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
                        stats.accept_errors)
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "
@@ -627,7 +634,7 @@ class Metrics:
 
 
 class _EndpointCollector(Collector):
-    """The endpoint's own refusals (metrics_server.py: connections past its cap)."""
+    """The endpoint's own admission figures (metrics_server.py, peers.py)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -635,9 +642,20 @@ class _EndpointCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         server = self._metrics._server
         if server is not None:
-            yield _counter("metrics_connections_refused_total",
-                           "Connections to this endpoint closed at once: more than its cap were open.",
-                           server.refused)
+            yield from peer_families("metrics", server.peer_stats())
+
+
+def peer_families(listener: str, stats: PeerStats) -> Iterator[Metric]:
+    """A listener's admission figures (gthulhu_node/peers.py), as `<listener>_connections_*`."""
+    yield _counter(f"{listener}_connections_refused_total", "Connections closed at once: the peer's or every "
+                   "slot was serving a request, or the fd reserve was reached.", stats.refused)
+    yield _counter(f"{listener}_connections_evicted_total", "Unfinished connections (handshake or request "
+                   "head not in) dropped to admit a newer one.", stats.evicted)
+    yield _counter(f"{listener}_connections_expired_total", "Unfinished connections dropped at their "
+                   "deadline (handshake or request head too slow).", stats.expired)
+    yield _gauge(f"{listener}_connections", "Connections held now.", float(stats.held))
+    yield _gauge(f"{listener}_connection_peers", "Distinct peers (local users, remote addresses) holding "
+                 "them.", float(stats.peers))
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

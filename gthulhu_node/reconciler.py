@@ -360,6 +360,7 @@ class Reconciler:
         """Apply events in order, then write everything they changed as one batch."""
         counts = self._stats.events
         threads = self._threads
+        reowned: dict[int, int] = {}  # tgid -> event time: processes whose owner must be read again
         self.revision += 1
         for ev in events:
             kind = ev.kind
@@ -385,8 +386,28 @@ class Reconciler:
                 if proc is not None:
                     for tid in [t for t in proc.tids if t != ev.tgid]:
                         self._remove_task(tid, ev.timestamp_ns)
+                    self._forget_owner(proc, ev.timestamp_ns, reowned)  # another executable, maybe user
                 self._read_and_put(ev.tgid, ev.tgid, ev.timestamp_ns)
+            elif kind is EventKind.UID:
+                proc = self._procs.get(ev.tgid)
+                if proc is not None:
+                    self._forget_owner(proc, ev.timestamp_ns, reowned)
+        for tgid, ts in reowned.items():
+            if (proc := self._procs.get(tgid)) is not None and tgid not in self._stale:
+                self._rematch_proc(proc, ts)
         return self.flush()
+
+    def _forget_owner(self, proc: _Proc, ts: int, reowned: dict[int, int]) -> None:
+        """Who the process is may have changed (setuid, exec): the owner selectors are evaluated again,
+        with a fresh read, for every thread of it. Without this a root process that named a thread, then
+        dropped to nobody and exec'd, kept a boost `named_only` denies nobody (issue 38, item 7). The
+        rematch is done once per process at the end of the batch (a setuid is one event per thread)."""
+        if not proc.owner_known:
+            return  # never read, nothing cached: the next match reads it
+        proc.owner_known = False
+        proc.owner = None
+        if self._policy.has_owner_selectors:
+            reowned[proc.tgid] = ts
 
     def note_events_lost(self) -> None:
         """The event source dropped events; the engine rescans at once."""
@@ -988,8 +1009,9 @@ class Reconciler:
         else:
             self._set_desired(key, Entry(w.priority, w.slice_ns, task.start_time), w.key, ts)
 
-    def _rematch_proc(self, proc: _Proc) -> None:
-        """Recompute one process's and its threads' winners under the current policy (after a change)."""
+    def _rematch_proc(self, proc: _Proc, ts: int = 0) -> None:
+        """Recompute one process's and its threads' winners under the current policy (after a change, or
+        at `ts`, the time of the event that changed who the process is)."""
         self._stale.pop(proc.tgid, None)
         threads = self._threads
         for tid in proc.tids:
@@ -997,13 +1019,13 @@ class Reconciler:
         proc.pmatch.clear()
         if proc.winner is not None:
             proc.winner = None
-            self._set_desired(EntryKey(KeyKind.TGID, proc.tgid), None, "", 0)
+            self._set_desired(EntryKey(KeyKind.TGID, proc.tgid), None, "", ts)
         if self._policy.has_process_scope:
             for tid in proc.tids:
                 self._count_process_matches(proc, threads[tid].task.comm, +1)
             if proc.pmatch:
-                self._refresh_proc_winner(proc, 0)
-        self._assign_all(proc, 0)
+                self._refresh_proc_winner(proc, ts)
+        self._assign_all(proc, ts)
 
     def _count(self, th: _Thread, proc: _Proc) -> None:
         """Make the per-intent counts hold what this thread counts now: every intent it matches (its own

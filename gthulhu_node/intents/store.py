@@ -7,7 +7,9 @@ reads one consistent snapshot of all of them. A source's push replaces that sour
 Generations make retries and reordering safe. Per source the store keeps the generation of the last
 accepted push and the digest of its content:
 - generation 0: "no ordering" (people, the CLI, the REST push): a set equal to the stored one is a no-op,
-  any other set is stored with the next generation;
+  any other set is stored with the next generation; the next after the largest (2^64-1) is 1, so a
+  source a client pushed at 2^64-1 (a -1 sent as uint64) can still be changed: by a push at 0, after
+  which ordered pushes go on from 1 (issue 38, item 8; before, no push could ever change it again);
 - lower than the stored generation: refused (StaleGenerationError), nothing changes;
 - equal to it: the same content again is a no-op success (a retry), other content is refused;
 - higher: the set replaces the stored one.
@@ -291,13 +293,10 @@ class IntentStore:
                 if new_digest == cur_content:
                     self._stats.applies_unchanged += 1
                     return ApplyOutcome(source, cur_gen, changed=False)
-                if cur_gen >= GENERATION_MAX:
-                    self._stats.refused_stale += 1
-                    raise StaleGenerationError(
-                        f"source {source!r} is at the largest generation ({GENERATION_MAX}): "
-                        "it has no next one"
-                    )
-                new_gen = cur_gen + 1
+                # At the largest generation the numbering starts again (module docstring).
+                new_gen = cur_gen + 1 if cur_gen < GENERATION_MAX else 1
+                if new_gen == 1 and cur_gen:
+                    log.warning("source_generation_restarted", source=source, previous=cur_gen)
             elif generation < cur_gen:
                 self._stats.refused_stale += 1
                 raise StaleGenerationError(

@@ -71,6 +71,8 @@ class RestStats:
     deletes: int = 0
     # the listener's (rest/listener.py), copied in by RestServer.stats()
     connections_refused: int = 0
+    connections_evicted: int = 0
+    connections_held: int = 0
     handshakes_failed: int = 0
     accept_errors: int = 0
     entries_failed: int = 0  # pushed entries accepted but not honoured (failed), per changed push

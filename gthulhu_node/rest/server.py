@@ -18,6 +18,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -90,6 +91,19 @@ def prepare(cfg: RestConfig) -> tuple[TokenAuthority, ssl.SSLContext | None]:
         raise RestConfigError(str(exc)) from None
 
 
+def _report_request_heads(server: web.Server, listener: BoundedListener) -> None:
+    """Tell the listener when a connection's first request head is in: from then on it is finished (no
+    longer under the head deadline, no longer evicted for a newer peer). aiohttp builds each request
+    through `request_factory` once the head is parsed."""
+    make = server.request_factory
+
+    def factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+        listener.head_received(protocol)
+        return make(message, payload, protocol, writer, task)
+
+    server.request_factory = factory
+
+
 class RestServer:
     """`RestServer(config.rest, agent.store, node_name=...).start()` ... `.stop()`."""
 
@@ -118,6 +132,7 @@ class RestServer:
         self._start_error: BaseException | None = None
         self._port = 0
         self._api: DecisionMakerApi | None = None
+        self._listener: BoundedListener | None = None
 
     name = "rest"  # a lifecycle Component (gthulhu_node/lifecycle.py)
 
@@ -141,10 +156,13 @@ class RestServer:
     def stats(self) -> RestStats:
         """A copy of the counters (the listener's thread keeps counting in the original)."""
         ls = self._listener_stats
+        peers = self._listener.peers.stats() if self._listener is not None else None
         return dataclasses.replace(
             self._stats,
             requests=dict(self._stats.requests),
             connections_refused=ls.refused,
+            connections_evicted=peers.evicted if peers else 0,
+            connections_held=peers.held if peers else 0,
             handshakes_failed=ls.handshakes_failed,
             accept_errors=ls.accept_errors,
         )
@@ -237,6 +255,8 @@ class RestServer:
                 handshake_timeout_s=cfg.handshake_timeout_s,
                 stats=self._listener_stats,
             )
+            self._listener = listener
+            _report_request_heads(runner.server, listener)
             accepting = asyncio.create_task(listener.run())
             self._started.set()
             interval = cfg.insecure_warning_interval_s

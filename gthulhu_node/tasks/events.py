@@ -1,4 +1,5 @@
-"""Task events from the kernel's netlink proc connector: fork, exec, comm (rename) and exit, per thread.
+"""Task events from the kernel's netlink proc connector: fork, exec, comm (rename), uid change and exit,
+per thread.
 
 The constants (message codes, multicast group) come from pyroute2's `cn_proc` module, but the socket is
 read here with plain `socket` calls and `struct`: pyroute2 0.9's socket wraps an asyncio transport with
@@ -32,6 +33,7 @@ from pyroute2.netlink.connector.cn_proc import (
     PROC_EVENT_EXEC,
     PROC_EVENT_EXIT,
     PROC_EVENT_FORK,
+    PROC_EVENT_UID,
 )
 
 from gthulhu_node.errors import Unavailable
@@ -57,6 +59,7 @@ class EventKind(enum.IntEnum):
     FORK = PROC_EVENT_FORK
     EXEC = PROC_EVENT_EXEC
     COMM = PROC_EVENT_COMM
+    UID = PROC_EVENT_UID
     EXIT = PROC_EVENT_EXIT
 
 
@@ -94,7 +97,9 @@ class EventsUnavailable(Unavailable, OSError):
 def parse_datagram(buf: memoryview | bytes, size: int, out: list[ProcEvent]) -> None:
     """Append the task events in one datagram (one or more netlink messages) to `out`.
 
-    Events other than fork/exec/comm/exit (uid, gid, sid, ptrace, coredump, the listen ack) are skipped.
+    Events other than fork/exec/comm/uid/exit (gid, sid, ptrace, coredump, the listen ack) are skipped. A
+    uid event carries the new real and effective uid; only that it happened is kept: who the process is
+    is read again from /proc (the owner selectors, docs/security.md).
     """
     offset = 0
     while offset + _DATA_OFFSET <= size:
@@ -117,6 +122,9 @@ def parse_datagram(buf: memoryview | bytes, size: int, out: list[ProcEvent]) -> 
         elif what == PROC_EVENT_EXEC:
             tid, tgid = _PID_PAIR.unpack_from(buf, data)
             out.append(ProcEvent(EventKind.EXEC, tid, tgid, ts))
+        elif what == PROC_EVENT_UID:
+            tid, tgid = _PID_PAIR.unpack_from(buf, data)
+            out.append(ProcEvent(EventKind.UID, tid, tgid, ts))
         offset += (msg_len + 3) & ~3
 
 

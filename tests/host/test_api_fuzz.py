@@ -138,9 +138,7 @@ class Model:
         if gen == 0:
             if new == cur_content:
                 return grpc.StatusCode.OK, ""
-            if cur_gen == 2**64 - 1:
-                return grpc.StatusCode.FAILED_PRECONDITION, ""
-            gen = cur_gen + 1
+            gen = cur_gen + 1 if cur_gen < 2**64 - 1 else 1  # the numbering starts again
         elif gen < cur_gen:
             return grpc.StatusCode.FAILED_PRECONDITION, ""
         elif gen == cur_gen:

@@ -299,14 +299,22 @@ def test_ids_and_sources_with_a_trailing_newline_refused(bad: str) -> None:
         store.apply(bad.lower(), 0, [])
 
 
-def test_largest_generation_has_no_next(tmp_path: Path) -> None:
-    store = IntentStore(None)
+def test_a_source_at_the_largest_generation_can_still_be_changed(tmp_path: Path) -> None:
+    """Issue 38 item 8: a source pushed at 2^64-1 could never be changed again (a push at 0 had no next
+    generation; every other one was stale). Now a push at 0 starts its numbering again at 1."""
+    store = IntentStore(tmp_path)
     store.apply("a", 2**64 - 1, [intent("x")])
-    with pytest.raises(StaleGenerationError, match="largest"):
-        store.apply("a", 0, [intent("y")])
     with pytest.raises(IntentValidationError, match="generation"):
         store.apply("a", 2**64, [intent("y")])
+    with pytest.raises(StaleGenerationError):
+        store.apply("a", 2**64 - 1, [intent("y")])
     assert ids(store, "a") == ["x"]
+    outcome = store.apply("a", 0, [intent("y")])
+    assert (outcome.generation, outcome.changed) == (1, True)
+    assert store.apply("a", 5, [intent("z")]).generation == 5
+    again = IntentStore(tmp_path)
+    again.load()
+    assert ids(again, "a") == ["z"] and again.get("a").generation == 5  # and so it is saved
 
 
 def test_state_file_larger_than_the_limit_is_moved_aside_unread(

@@ -27,6 +27,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "gthulhu_node.lifecycle": COMPOSITION + EDGES + _modules(
         "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine",
         "limits", "errors"),
+    "gthulhu_node.peers": COMPOSITION + EDGES + _modules(
+        "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine",
+        "limits", "errors", "lifecycle"),
     "gthulhu_node.limits": COMPOSITION + EDGES + _modules(
         "tasks", "backends", "scheduler", "intents", "matching", "reconciler", "outbox", "feed", "engine"),
     "gthulhu_node.backends": COMPOSITION + EDGES + _modules(

@@ -461,6 +461,24 @@ def test_named_only_boosts_unprivileged_tasks_only_when_their_user_or_cgroup_is_
     assert {k.id for k in b.table} == matched
 
 
+@pytest.mark.parametrize("event", [EventKind.UID, EventKind.EXEC])
+def test_owner_selectors_follow_a_process_that_changes_user(owners: FakeProc, event: EventKind) -> None:
+    """Issue 38 item 7: root's process 100 is boosted under named_only, then becomes nobody's (setresuid,
+    then maybe execve with the same PID). Before, the owner read at the first match was kept for the
+    process's life, so it stayed boosted; now the uid and exec events make it read again."""
+    r, b = make(owners)
+    r.rescan()
+    r.set_policy(named_only(("local/vllm", {})))
+    assert {k.id for k in b.table} == {100}
+    (owners.root / "100" / "status").write_text("Name:\tx\nUid:\t65534\t65534\t65534\t65534\n")
+    r.handle_events([ev(event, 100, 100, ts=5)])
+    assert {k.id for k in b.table} == set()
+    (owners.root / "300" / "status").write_text("Name:\tx\nUid:\t0\t0\t0\t0\n")  # and the other way
+    r.handle_events([ev(event, 300, 300, ts=6)])
+    assert {k.id for k in b.table} == {300}
+    r.check_invariants()
+
+
 def test_unreadable_cgroup_is_not_remembered_as_no_pod(proc: FakeProc) -> None:
     """Before: any OSError reading /proc/<pid>/cgroup (EMFILE under an fd flood) was cached as "in no
     pod", so that process never got its pod's intent while it lived."""

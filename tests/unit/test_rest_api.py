@@ -683,3 +683,27 @@ def test_client_assertion_tokens(tmp_path: Path) -> None:
         assert env.server.stats().tokens_refused == len(refused) + 1
     finally:
         env.server.stop()
+
+
+def test_a_connection_that_sent_its_request_head_outlives_the_head_deadline(tmp_path: Path) -> None:
+    """Issue 38 item 4: the deadline is for the handshake and the first request head only. A peer that
+    sends nothing is dropped at it; a keep-alive connection that was served is not (its first head marks
+    it finished, through aiohttp's request factory)."""
+    import http.client
+    import socket
+    import time
+
+    env = start(tmp_path, insecure=True, handshake_timeout_s=0.5)
+    try:
+        served = http.client.HTTPConnection("127.0.0.1", env.server.port, timeout=5)
+        served.request("GET", "/health")
+        first = served.getresponse()
+        assert first.status == 200 and first.read()
+        with socket.create_connection(("127.0.0.1", env.server.port), timeout=5) as silent:
+            time.sleep(1.5)  # three deadlines' worth
+            assert silent.recv(1) == b""  # closed by the agent
+        served.request("GET", "/health")
+        assert served.getresponse().status == 200  # the same connection, still held
+        served.close()
+    finally:
+        env.server.stop()

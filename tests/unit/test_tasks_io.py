@@ -47,7 +47,8 @@ def test_parse_datagram_every_kind() -> None:
     data = (
         _msg(0x1, struct.pack("=IIII", 1, 1, 501, 500))
         + _msg(0x200, struct.pack("=II", 501, 500) + b"EngineCore_DP0\0\0")
-        + _msg(0x4, struct.pack("=IIII", 501, 500, 0, 0))  # uid change: skipped
+        + _msg(0x4, struct.pack("=IIII", 501, 500, 65534, 65534))  # uid change
+        + _msg(0x40, struct.pack("=IIII", 501, 500, 0, 0))  # gid change: skipped
         + _msg(0x2, struct.pack("=II", 500, 500))
         + _msg(0x80000000, struct.pack("=IIIIII", 501, 500, 0, 17, 1, 1), ts=9)
     )
@@ -56,6 +57,7 @@ def test_parse_datagram_every_kind() -> None:
     assert [(e.kind, e.tid, e.tgid, e.comm) for e in out] == [
         (EventKind.FORK, 501, 500, None),
         (EventKind.COMM, 501, 500, "EngineCore_DP0"),
+        (EventKind.UID, 501, 500, None),
         (EventKind.EXEC, 500, 500, None),
         (EventKind.EXIT, 501, 500, None),
     ]
