@@ -344,6 +344,9 @@ class RestCollector(StatsCollector["RestStats"]):
                        "were open.", stats.connections_refused)
         yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake "
                        "completed (timeout, no or bad certificate).", stats.handshakes_failed)
+        yield _counter("rest_plain_http_refused_total", "Plain HTTP requests on the mutual-TLS port, "
+                       "answered with a 400 naming the settings (a Manager with mTLS off).",
+                       stats.plain_http_refused)
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
                        stats.accept_errors)
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "

@@ -7,7 +7,9 @@ not finished its TLS handshake (~300 KB of buffers) for 60 s; plain TCP connects
   once and counted (`refused`);
 - a peer gets `handshake_timeout_s` to finish the TLS handshake, then it is dropped (`handshakes_failed`)
   and its buffers go with it;
-- an accept that fails (EMFILE) is counted and retried shortly, never the end of the listener.
+- an accept that fails (EMFILE) is counted and retried shortly, never the end of the listener;
+- plain HTTP on the TLS port (a Manager with mTLS off) gets an HTTP 400 saying what to set
+  (plainhttp.py), counted (`plain_http`).
 Idle keep-alive connections are aiohttp's to close (`keepalive_timeout`).
 """
 
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from gthulhu_node.rest.plainhttp import PlainHttpAnswer, first_bytes, is_plain_http
+
 log = structlog.get_logger(__name__)
 
 ACCEPT_RETRY_S = 0.1
@@ -32,6 +36,7 @@ class ListenerStats:
     refused: int = 0
     handshakes_failed: int = 0
     accept_errors: int = 0
+    plain_http: int = 0
 
 
 class BoundedListener:
@@ -57,6 +62,7 @@ class BoundedListener:
         # TLS after the closing handshake), so fileno() == -1 tells a slot is free again
         self._live: set[socket.socket] = set()
         self._admitting: set[asyncio.Task[None]] = set()
+        self._plain = PlainHttpAnswer()
 
     @property
     def held(self) -> int:
@@ -90,11 +96,15 @@ class BoundedListener:
             if self._ssl is None:
                 await loop.connect_accepted_socket(self._factory, conn)
             else:
+                started = loop.time()
+                if await self._answered_plain_http(conn):
+                    return
                 await loop.connect_accepted_socket(
                     self._factory,
                     conn,
                     ssl=self._ssl,
-                    ssl_handshake_timeout=self._handshake_timeout_s,
+                    # the peek's wait counts: one timeout in all for a peer to start and finish TLS
+                    ssl_handshake_timeout=max(0.1, self._handshake_timeout_s - (loop.time() - started)),
                     ssl_shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                 )
         except (OSError, ssl.SSLError, TimeoutError) as exc:
@@ -103,6 +113,18 @@ class BoundedListener:
             log.info("rest_handshake_failed", error=str(exc) or type(exc).__name__)
             return
         self._live.add(conn)
+
+    async def _answered_plain_http(self, conn: socket.socket) -> bool:
+        """Whether the peer spoke plain HTTP (and was answered); raises TimeoutError if it said nothing
+        within the handshake timeout."""
+        head = await first_bytes(conn, self._handshake_timeout_s)
+        if head is None:
+            raise TimeoutError("nothing received within rest.handshake_timeout_s")
+        if not is_plain_http(head):
+            return False
+        self.stats.plain_http += 1
+        await self._plain.answer(conn, self._handshake_timeout_s)
+        return True
 
     def close(self) -> None:
         """Stop handshakes in progress; established connections are the web server's to close."""

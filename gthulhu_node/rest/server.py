@@ -147,6 +147,7 @@ class RestServer:
             connections_refused=ls.refused,
             handshakes_failed=ls.handshakes_failed,
             accept_errors=ls.accept_errors,
+            plain_http_refused=ls.plain_http,
         )
 
     def start(self, timeout: float = 30.0) -> None:
