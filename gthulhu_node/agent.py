@@ -348,9 +348,10 @@ class Agent:
     def _apply_runtime_config(self) -> None:
         """Load-time settings the Manager set through runtime-config (only the allowed ones), before
         the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
-        from gthulhu_node.rest.runtime_config import load_applied
+        from gthulhu_node.rest.runtime_config import take_into_effect
 
-        applied = load_applied(self.config.state.directory, frozenset(self.config.rest.runtime_config_allow))
+        applied = take_into_effect(self.config.state.directory,
+                                   frozenset(self.config.rest.runtime_config_allow))
         slice_ns = applied.get("sliceNsDefault")
         if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
             log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,

@@ -75,6 +75,7 @@ class RestStats:
     handshakes_failed: int = 0
     accept_errors: int = 0
     plain_http_refused: int = 0  # plain HTTP requests answered with a 400 on the TLS port
+    node_name_mismatches: int = 0  # held Manager entries whose nodeID is not this node's name (now)
     entries_failed: int = 0  # pushed entries accepted but not honoured (failed), per changed push
     node_policies_expired: int = 0  # held node policies dropped (DecisionMakerApi._pod_contact)
     pod_intents_forgotten: int = 0  # pod intents of a state file without their pushed entries
@@ -427,19 +428,27 @@ class DecisionMakerApi:
     async def get_runtime_config(self, request: web.Request) -> web.Response:
         return success(self._runtime_view(self._runtime.state))
 
+    def node_name_mismatches(self) -> int:
+        """Held entries of both Manager sources that name another node (applied all the same)."""
+        held = (self._store.get(source) for source in (NODE_SOURCE, POD_SOURCE))
+        return sum(1 for ss in held if ss is not None for e in ss.entries if e.other_node(self._node_name))
+
     def runtime_notes(self) -> list[str]:
         return self._runtime.state.notes()
 
     @staticmethod
     def _runtime_view(state: RuntimeConfigState) -> dict[str, Any]:
-        """Upstream's status fields (configVersion, applied, appliedAt, configAvailable, the values)
-        plus ours: what is in effect, what waits for a scheduler reload, and why the rest is not."""
+        """Upstream's status fields (configVersion, applied, appliedAt, configAvailable, restartCount,
+        lastError, the values) plus ours: what is in effect, what waits for a scheduler reload, and why
+        the rest is not. `applied`: the agent runs with everything of it that can apply here."""
         version = state.received.get("configVersion", "")
         return {
             **{k: v for k, v in state.received.items() if k != "configVersion"},
             "configVersion": version,
             "configAvailable": bool(state.received),
-            "applied": bool(state.applied) and not state.pending_reload,
+            "applied": state.in_effect,
+            "restartCount": state.restart_count,
+            "lastError": state.last_error,
             "appliedAt": datetime.fromtimestamp(state.applied_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             if state.applied_at else "",
             "inEffect": {k: v for k, v in state.applied.items() if k not in state.pending_reload},

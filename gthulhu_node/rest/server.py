@@ -148,6 +148,7 @@ class RestServer:
             handshakes_failed=ls.handshakes_failed,
             accept_errors=ls.accept_errors,
             plain_http_refused=ls.plain_http,
+            node_name_mismatches=self._api.node_name_mismatches() if self._api is not None else 0,
         )
 
     def start(self, timeout: float = 30.0) -> None:

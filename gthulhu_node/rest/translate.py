@@ -223,7 +223,9 @@ def node_policies(body: Any, max_count: int) -> Push:
         record = records[index]
         values = honourable(record.priority, record.execution_time)
         failed = _too_long(nodeID=record.node_id, policyID=record.policy_id)
-        if not record.command_regex:
+        if failed:
+            pass
+        elif not record.command_regex:
             failed = (
                 "commandRegex is empty: upstream's Decision Maker skips a node policy without a pattern; "
                 "give one (^name$ for an exact thread name)"

@@ -324,7 +324,7 @@ def test_metrics_runtime_config_pods_and_version(lab: Lab) -> None:
                 labels = f'namespace="ml",node_name="{NODE}",pod_name="vllm-0",pod_uid="{uid_a}"'
                 assert f"gthulhu_pod_process_count{{{labels}}} 1.0" in text
                 assert f"gthulhu_pod_wait_time_nanoseconds_total{{{labels}}}" in text
-                assert "gthulhu_pod_cpu_migrations_total" not in text  # not measured: absent, never 0
+                assert f"gthulhu_pod_cpu_migrations_total{{{labels}}}" in text  # se.nr_migrations
                 with pytest.raises(OSError):  # no client certificate, no TLS, no metrics
                     call(manager.base, "GET", "/metrics", None, {}, client_context(lab.pki, with_cert=False))
 
