@@ -51,10 +51,15 @@ POLICY_IDS = [f"66{i:022x}" for i in range(10)]
 class Cycle:
     """What one reconcile cycle saw."""
 
-    pushes: int = 0
+    pod_pushes: int = 0
+    node_pushes: int = 0
     replies: list[Reply] = field(default_factory=list)
     metrics: str = ""
     runtime: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pushes(self) -> int:
+        return self.pod_pushes + self.node_pushes
 
 
 class StandInManager:
@@ -65,7 +70,6 @@ class StandInManager:
         self.policies: list[dict[str, Any]] = []
         self.pod_intents: list[dict[str, Any]] = []
         self.runtime: dict[str, Any] = {}
-        self.pushes = 0
 
     def call(self, method: str, path: str, body: Any = None) -> Reply:
         """A token first, then the call (deicison_maker.go does both for every request)."""
@@ -86,7 +90,7 @@ class StandInManager:
         seen.replies.append(pod_root)
         if not _root_is(pod_root, shell_merkle(pod_intent_rows(self.pod_intents))):
             seen.replies.append(self.call("POST", "/api/v1/intents", {"intents": self.pod_intents}))
-            seen.pushes += 1
+            seen.pod_pushes += 1
         if self.runtime:
             posted = self.call("POST", "/api/v1/runtime-config", self.runtime)
             seen.replies.append(posted)
@@ -96,11 +100,10 @@ class StandInManager:
             seen.replies.append(node_root)
             if not _root_is(node_root, shell_merkle(node_policy_rows(self.policies))):
                 seen.replies.append(self.call("POST", "/api/v1/node-intents", {"policies": self.policies}))
-                seen.pushes += 1
+                seen.node_pushes += 1
         scrape = call(self.base, "GET", "/metrics", None, {}, self.ctx)
         seen.replies.append(scrape)
         seen.metrics = scrape.body if isinstance(scrape.body, str) else ""
-        self.pushes += seen.pushes
         return seen
 
     def cycles(self, n: int) -> list[Cycle]:
@@ -173,86 +176,147 @@ def node() -> Iterator[Node]:
     it.close()
 
 
-def rows(manager: StandInManager) -> dict[str, dict[str, Any]]:
-    reply = manager.call("GET", "/api/v1/node-intents")
+# -- items 2, 5, 6: nothing the Manager can send starts a re-push loop or applies silently nothing -------
+# One agent process for these cases (each test pushes its own set; the limit per source is 5 here).
+
+LIMIT = 5
+
+
+@dataclass
+class Deployed:
+    node: Node
+    manager: StandInManager
+    pod_uid: str
+
+
+@pytest.fixture(scope="module")
+def deployed() -> Iterator[Deployed]:
+    node = Node()
+    try:
+        with pod_cgroups() as (uid, pod_dir, _uid_b, _dir_b):
+            pod, host = Workload(pod_dir), Workload()
+            try:
+                host.spawn(ENGINE)
+                host.spawn(OTHER)
+                pod.spawn(POD_WORKER)
+                with node.running(api={"max_intents_per_source": LIMIT}):
+                    manager = node.manager()
+                    manager.pod_intents = [{"podName": "vllm-0", "podID": uid, "nodeID": K8S_NODE,
+                                            "k8sNamespace": "ml", "commandRegex": f"^{POD_WORKER}$",
+                                            "priority": 5}]
+                    yield Deployed(node, manager, uid)
+            finally:
+                pod.close()
+                host.close()
+    finally:
+        node.close()
+
+
+def node_pushes(deployed: Deployed, policies: list[dict[str, Any]], cycles: int = 3) -> list[int]:
+    """The node-policy pushes of each of `cycles` cycles once the Manager holds `policies` (every call
+    answered 200)."""
+    deployed.manager.policies = policies
+    out = []
+    for _ in range(cycles):
+        seen = deployed.manager.cycle()
+        bad = [(r.status, r.body) for r in seen.replies if r.status != 200]
+        assert not bad, bad[:2]
+        out.append(seen.node_pushes)
+    return out
+
+
+def entry_rows(deployed: Deployed) -> list[dict[str, Any]]:
+    reply = deployed.manager.call("GET", "/api/v1/node-intents")
     assert reply.status == 200, reply.body
-    return {f"{r['policyID']}|{r['commandRegex'][:20]}": r for r in reply.body["data"]["policies"]}
+    return list(reply.body["data"]["policies"])
 
 
-# -- item 2 (and 5, 6): nothing the Manager can send starts a re-push loop ---------------------------------
+def governs(deployed: Deployed, policy_id: str, what: str) -> None:
+    def applied() -> bool:
+        row = next(r for r in entry_rows(deployed) if r["policyID"] == policy_id)
+        return row.get("state") == "applied" and row.get("matchedTasks") == 1
+    wait_for(applied, timeout=30, what=what)
 
-def test_cycle_long_regex_bad_entries_too_many_and_another_node_name(node: Node) -> None:
-    """Before: a commandRegex over 4,096 characters (upstream applies it) made the whole push a 400, so
-    the Manager re-pushed every cycle and no policy of the node applied; more entries than the per-source
-    limit did the same; an entry naming the node as Kubernetes does applied nothing, silently; a re-push in
-    another order with a failed entry was a change; /metrics had no gthulhu_pod_cpu_migrations_total; each
-    Manager call logged rest_token_issued at info."""
+
+def test_cycle_long_regex_is_applied_without_a_repush_loop(deployed: Deployed) -> None:
+    """Before: a commandRegex over 4,096 characters (upstream applies it) made the whole push a 400: the
+    Manager re-pushed every cycle and nothing of the node applied."""
     long_regex = f"^{ENGINE}$|" + "|".join(f"^nothing{i:05d}$" for i in range(400))
     assert len(long_regex) > 4096
-    ids = POLICY_IDS
-    with pod_cgroups() as (uid, pod_dir, _uid_b, _dir_b):
-        pod, host = Workload(pod_dir), Workload()
-        try:
-            host.spawn(ENGINE)
-            host.spawn(OTHER)
-            pod.spawn(POD_WORKER)
-            with node.running(api={"max_intents_per_source": 5}):
-                manager = node.manager()
-                manager.pod_intents = [{"podName": "vllm-0", "podID": uid, "nodeID": K8S_NODE,
-                                        "k8sNamespace": "ml", "commandRegex": f"^{POD_WORKER}$",
-                                        "priority": 5}]
-                manager.policies = [
-                    {"policyID": ids[0], "nodeID": NODE, "commandRegex": long_regex, "priority": 10},
-                    {"policyID": ids[1], "nodeID": K8S_NODE, "commandRegex": f"^{OTHER}$", "priority": 3},
-                    {"policyID": ids[2], "nodeID": NODE, "commandRegex": r"\pL{1000}", "priority": 2},
-                    {"policyID": ids[3], "nodeID": NODE, "commandRegex": "^x$", "priority": 2,
-                     "executionTime": 2_000_000},
-                    {"policyID": "p" * 300, "nodeID": NODE, "commandRegex": "^y$"},
-                    {"policyID": ids[4], "nodeID": NODE},  # the UI's default: blank regex
-                    *({"policyID": ids[i], "nodeID": NODE, "commandRegex": f"^z{i}$"} for i in (5, 6, 7)),
-                ]
-                seen = manager.cycles(3)
-                assert all(r.status == 200 for c in seen for r in c.replies), \
-                    [(r.status, r.body) for c in seen for r in c.replies if r.status != 200][:2]
-                # one push per set in the first cycle, then the roots match: no re-push loop
-                assert [c.pushes for c in seen] == [2, 0, 0]
+    policies = [{"policyID": POLICY_IDS[0], "nodeID": NODE, "commandRegex": long_regex, "priority": 10}]
+    assert node_pushes(deployed, policies) == [1, 0, 0]
+    governs(deployed, POLICY_IDS[0], "the 4,300-character pattern governs its thread")
 
-                by_id = rows(manager)
-                assert by_id[f"{ids[0]}|{long_regex[:20]}"]["state"] in ("applied", "pending")
-                failed = {k: r for k, r in by_id.items() if r.get("state") == "failed"}
-                reasons = " / ".join(r["reason"] for r in failed.values())
-                assert "pattern too large" in reasons  # RE2's own memory bound, not a length of ours
-                assert "policyID is 300 characters" in reasons
-                assert "commandRegex is empty" in reasons
-                assert "api.max_intents_per_source" in reasons  # 6 usable, 5 applied
-                assert len(failed) == 4
 
-                shown = ""
+def test_cycle_unusable_entries_fail_with_their_reason_without_a_repush_loop(deployed: Deployed) -> None:
+    """Before: a name over 253 characters made the whole push a 400 (re-pushed every cycle). Now each
+    unusable entry is failed with its reason, over REST and in status, and the root is the Manager's."""
+    policies = [
+        {"policyID": POLICY_IDS[1], "nodeID": NODE, "commandRegex": f"^{ENGINE}$", "priority": 3},
+        {"policyID": POLICY_IDS[2], "nodeID": NODE, "commandRegex": r"\pL{1000}", "priority": 2},
+        {"policyID": "p" * 300, "nodeID": NODE, "commandRegex": "^y$"},
+        {"policyID": POLICY_IDS[4], "nodeID": NODE},  # the UI's default: blank regex
+    ]
+    assert node_pushes(deployed, policies) == [1, 0, 0]
+    failed = {r["policyID"][:24]: r["reason"] for r in entry_rows(deployed) if r.get("state") == "failed"}
+    assert "pattern too large" in failed[POLICY_IDS[2]]  # RE2's own memory bound, not a length of ours
+    assert "policyID is 300 characters" in failed["p" * 24]
+    assert "commandRegex is empty" in failed[POLICY_IDS[4]]
+    shown = deployed.node.status()
+    assert "pattern too large" in shown and "policyID is 300 characters" in shown
+    governs(deployed, POLICY_IDS[1], "the usable entry governs its thread")
 
-                def governed() -> bool:
-                    nonlocal shown
-                    shown = node.status()
-                    return f"manager/{ids[0]}" in shown and "applied" in shown and \
-                        rows(manager)[f"{ids[0]}|{long_regex[:20]}"]["matchedTasks"] == 1 and \
-                        rows(manager)[f"{ids[1]}|^{OTHER}$"]["matchedTasks"] == 1
-                wait_for(governed, timeout=30, what="the long pattern and the other node's name govern")
-                # item 5: applied whatever this node calls itself, and said so in status and a metric
-                assert K8S_NODE in shown and "applied all the same" in shown
-                assert "gthulhu_node_rest_node_name_mismatch_entries 2.0" in node.own_metrics()
 
-                # item 6: the Manager's database hands the set back in another order: no change
-                again = manager.call("POST", "/api/v1/node-intents", {"policies": manager.policies[::-1]})
-                assert again.status == 200 and again.body["data"]["changed"] is False
-                last = manager.cycle()
-                assert last.pushes == 0
-                labels = f'namespace="ml",node_name="{K8S_NODE}",pod_name="vllm-0",pod_uid="{uid}"'
-                wait_for(lambda: f"gthulhu_pod_cpu_migrations_total{{{labels}}}" in manager.cycle().metrics,
-                         timeout=20, what="the pod's migrations in /metrics")
-            issued = [e for e in node.log_lines() if e.get("event") == "rest_token_issued"]
-            assert [e.get("level") for e in issued] == ["info"], issued[:3]  # debug lines are not shown
-        finally:
-            pod.close()
-            host.close()
+def test_cycle_more_entries_than_the_limit_without_a_repush_loop(deployed: Deployed) -> None:
+    """Before: more entries than api.max_intents_per_source made the whole push a 400, every cycle."""
+    policies = [{"policyID": POLICY_IDS[i], "nodeID": NODE, "commandRegex": f"^z{i}$"} for i in range(LIMIT)]
+    policies.append({"policyID": POLICY_IDS[LIMIT], "nodeID": NODE, "commandRegex": f"^{ENGINE}$"})
+    policies.append({"policyID": POLICY_IDS[LIMIT + 1], "nodeID": NODE, "commandRegex": "^z9$"})
+    assert node_pushes(deployed, policies) == [1, 0, 0]
+    rows = entry_rows(deployed)
+    over = [r for r in rows if "api.max_intents_per_source" in r.get("reason", "")]
+    assert [r["policyID"] for r in over] == [POLICY_IDS[LIMIT], POLICY_IDS[LIMIT + 1]]  # last in merkle order
+    assert sum(r.get("state") != "failed" for r in rows) == LIMIT
+
+
+def test_cycle_intents_for_the_kubernetes_node_name_apply_with_a_warning(deployed: Deployed) -> None:
+    """Before: an entry naming the node as Kubernetes does (not as the agent calls itself) applied nothing,
+    while the roots matched and the Manager showed it as sent; the journal alone said so."""
+    policies = [{"policyID": POLICY_IDS[6], "nodeID": K8S_NODE, "commandRegex": f"^{OTHER}$", "priority": 3}]
+    assert node_pushes(deployed, policies) == [1, 0, 0]
+    governs(deployed, POLICY_IDS[6], "the Manager's choice of node applies")
+    shown = deployed.node.status()
+    assert K8S_NODE in shown and "applied all the same" in shown
+    # both manager sources hold one such entry (the pod intent names the node as Kubernetes does too)
+    assert "gthulhu_node_rest_node_name_mismatch_entries 2.0" in deployed.node.own_metrics()
+
+
+def test_cycle_the_same_set_in_another_order_is_no_change(deployed: Deployed) -> None:
+    """Before: a failed entry's key held its position, so the Manager's database handing the same set back
+    in another order was a change (a new generation, a rebuilt policy)."""
+    policies = [
+        {"policyID": POLICY_IDS[7], "nodeID": NODE, "commandRegex": f"^{ENGINE}$", "priority": 2},
+        {"policyID": POLICY_IDS[8], "nodeID": NODE},  # failed: blank regex
+        {"policyID": POLICY_IDS[9], "nodeID": NODE, "commandRegex": "^q$", "priority": 25},  # failed
+    ]
+    assert node_pushes(deployed, policies, cycles=1) == [1]
+    again = deployed.manager.call("POST", "/api/v1/node-intents", {"policies": policies[::-1]})
+    assert again.status == 200 and again.body["data"]["changed"] is False, again.body
+
+
+def test_cycle_metrics_scrape_has_the_pods_cpu_migrations(deployed: Deployed) -> None:
+    """Before: no gthulhu_pod_cpu_migrations_total in the /metrics the Manager scrapes."""
+    labels = f'namespace="ml",node_name="{K8S_NODE}",pod_name="vllm-0",pod_uid="{deployed.pod_uid}"'
+    wait_for(lambda: f"gthulhu_pod_cpu_migrations_total{{{labels}}}" in deployed.manager.cycle().metrics,
+             timeout=20, what="the pod's migrations in the Manager's /metrics scrape")
+
+
+def test_cycle_tokens_are_logged_at_info_once_per_client(deployed: Deployed) -> None:
+    """Before: one rest_token_issued line at info per Manager call (about 3 per 30 s cycle). Runs after
+    the cases above: all their calls together wrote one line at info."""
+    deployed.manager.cycle()
+    issued = [e for e in deployed.node.log_lines() if e.get("event") == "rest_token_issued"]
+    assert [e.get("level") for e in issued] == ["info"], issued[:3]  # the rest at debug (not written)
 
 
 # -- item 3: upstream's default deployment (mTLS off) ---------------------------------------------------
