@@ -328,6 +328,7 @@ class Agent:
         self.rest = RestServer(
             self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
             metrics_text=self._pod_metrics_text,
+            backend_name=lambda: self.backend.name if self.backend is not None else "",
         )
         return self.rest
 

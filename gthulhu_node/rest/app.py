@@ -131,10 +131,12 @@ class DecisionMakerApi:
         node_silence_s: float = 0.0,
         runtime_config: RuntimeConfig | None = None,
         proc_root: Path = Path("/proc"),
+        backend_name: Callable[[], str] = lambda: "sched_ext",
     ) -> None:
         self._store = store
         self._runtime = runtime_config if runtime_config is not None else RuntimeConfig(None, frozenset())
         self._proc_root = proc_root
+        self._backend_name = backend_name
         self._auth = authority
         self._node_name = node_name
         self._max_body = max_body_bytes
@@ -420,7 +422,7 @@ class DecisionMakerApi:
     async def apply_runtime_config(self, request: web.Request) -> web.Response:
         fields = parse_body(await self._json(request))
         try:
-            state = await asyncio.to_thread(self._runtime.apply, fields)
+            state = await asyncio.to_thread(self._runtime.apply, fields, self._backend_name())
         except OSError as exc:
             return failure(500, f"Failed to persist the runtime config: {exc}")
         return success(self._runtime_view(state))

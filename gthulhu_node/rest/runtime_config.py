@@ -46,6 +46,11 @@ APPLICABLE = {"sliceNsDefault": "scheduler.default_slice_ns"}
 NEEDS_RELOAD = frozenset({"sliceNsDefault"})
 NOT_HERE = "not applicable on gthulhu-node: it describes upstream's scheduler process"
 NOT_ALLOWED = "not applied: rest.runtime_config_allow does not list it"
+# the backends that load gthulhu's scheduler (dry-run stands in for it); with another (eevdf) a load-time
+# setting of that scheduler configures nothing
+SCHEDULER_BACKENDS = frozenset({"sched_ext", "dry-run"})
+NO_SCHEDULER = ("no effect with the {backend} backend: the kernel's own slice applies (it sets gthulhu's "
+                "sched_ext scheduler, not loaded here)")
 RELOAD_NOTE = ("takes effect when the scheduler is next loaded (agent restart); scheduling policies lapse "
                "while it reloads")
 
@@ -114,9 +119,10 @@ class RuntimeConfig:
         self._allowed = allowed
         self.state = load_state(state_dir, allowed)
 
-    def apply(self, fields: Mapping[str, Value]) -> RuntimeConfigState:
+    def apply(self, fields: Mapping[str, Value], backend: str = "sched_ext") -> RuntimeConfigState:
         """Record a push: allowed, valid, changed values are persisted; everything else is reported.
-        Raises OSError when the state could not be persisted (then it is `lastError`, nothing changed)."""
+        `backend`: the one running now (a scheduler setting means nothing to eevdf). Raises OSError when
+        the state could not be persisted (then it is `lastError`, nothing changed)."""
         state = RuntimeConfigState(received=dict(fields), applied=dict(self.state.applied),
                                    pending_reload=list(self.state.pending_reload),
                                    applied_at=self.state.applied_at, restart_count=self.state.restart_count)
@@ -129,6 +135,8 @@ class RuntimeConfig:
                 state.not_applicable[key] = NOT_HERE
             elif key not in self._allowed:
                 state.not_applicable[key] = NOT_ALLOWED
+            elif key in NEEDS_RELOAD and backend not in SCHEDULER_BACKENDS:
+                state.not_applicable[key] = NO_SCHEDULER.format(backend=backend or "current")
             elif isinstance(value, int) and not SLICE_MIN_NS <= value <= SLICE_MAX_NS:
                 state.not_applicable[key] = f"{value} ns is outside {SLICE_MIN_NS}-{SLICE_MAX_NS} ns"
                 refused.append(f"{key}: {state.not_applicable[key]}")

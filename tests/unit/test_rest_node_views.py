@@ -118,3 +118,8 @@ def test_runtime_config_applies_only_allowed_changed_values(tmp_path: Path) -> N
     assert after.in_effect and after.restart_count == 1 and after.last_error == ""
     take_into_effect(tmp_path, frozenset({"sliceNsDefault"}))  # nothing waited: not counted
     assert RuntimeConfig(tmp_path, frozenset({"sliceNsDefault"})).state.restart_count == 1
+    # on the eevdf backend no scheduler of ours has a default slice: not applicable, nothing waits
+    eevdf = RuntimeConfig(tmp_path, frozenset({"sliceNsDefault"})).apply({"sliceNsDefault": 30_000_000},
+                                                                          backend="eevdf")
+    assert "eevdf backend" in eevdf.not_applicable["sliceNsDefault"] and eevdf.in_effect
+    assert eevdf.applied == {"sliceNsDefault": 20_000_000} and eevdf.pending_reload == []
