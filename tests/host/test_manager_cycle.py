@@ -246,6 +246,15 @@ def test_cycle_long_regex_is_applied_without_a_repush_loop(deployed: Deployed) -
     policies = [{"policyID": POLICY_IDS[0], "nodeID": NODE, "commandRegex": long_regex, "priority": 10}]
     assert node_pushes(deployed, policies) == [1, 0, 0]
     governs(deployed, POLICY_IDS[0], "the 4,300-character pattern governs its thread")
+    assert f"manager/{POLICY_IDS[0]}" in deployed.node.status()
+    # `apply --dry-run` compares a plan with the running intents: the long pattern is one of them (the
+    # CLI read it back with the local files' 256-byte limit and left it out)
+    plan = deployed.node.base / "plan.yaml"
+    plan.write_text(f"id: plan\ncommandRegex: '^{ENGINE}$'\npriority: 1\n")
+    socket = str(deployed.node.base / "run" / "api.sock")
+    dry = subprocess.run([str(GNODE), "apply", "-f", str(plan), "--dry-run", "--socket", socket],
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "compared with 2 intents of the running agent" in dry.stdout, dry.stdout
 
 
 def test_cycle_unusable_entries_fail_with_their_reason_without_a_repush_loop(deployed: Deployed) -> None:
