@@ -489,6 +489,23 @@ def test_entries_over_the_limit_fail_in_merkle_order_whatever_the_push_order(tmp
         env.server.stop()
 
 
+def test_a_long_pattern_is_applied_and_kept_across_a_restart(tmp_path: Path) -> None:
+    """Upstream takes a commandRegex of any length; a 5,000-character one was a 400 for the whole push.
+    Kept across a restart: the state file is read with the Manager's (absent) limit, not the local 256."""
+    env = start(tmp_path, insecure=True)
+    pattern = "^worker$|" + "|".join(f"^w{i:04d}$" for i in range(700))
+    assert len(pattern) > 4096
+    try:
+        body = {"policies": [policy("a" * 24, pattern)]}
+        reply = env.call("POST", "/api/v1/node-intents", body, env.token())
+        assert reply.status == 200 and reply.body["data"]["accepted"] == 1, reply.body
+    finally:
+        env.server.stop()
+    store = IntentStore(tmp_path / "state")
+    store.load()
+    assert held(store, "manager")["a" * 24].command_regex == pattern
+
+
 def test_other_node_intents_are_applied_and_reported(plain: Env) -> None:
     """The Manager chose this node: an entry naming another node is applied all the same (it was recorded
     but never applied before) and the mismatch is reported."""
