@@ -39,7 +39,7 @@ from gthulhu_node.engine import Engine
 from gthulhu_node.feed import EngineFrame
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
-from gthulhu_node.intents.model import Intent, intent_key, pattern_warnings
+from gthulhu_node.intents.model import Intent, SenderEntry, intent_key, pattern_warnings
 from gthulhu_node.intents.status import (
     MAP_FULL_WARNING,
     NO_MATCH_WARNING,
@@ -82,6 +82,10 @@ INSECURE_REST_WARNING = (
     "the REST API on {listen} serves plain HTTP without client certificates "
     "(rest.insecure_allow_plain_http): anyone who can reach it and has the public key can change this "
     "node's scheduling"
+)
+NODE_MISMATCH_WARNING = (
+    "the Manager sent this for node {target!r}, and this node calls itself {node!r}: applied all the same "
+    "(the Manager chose this node); set node.name (or NODE_NAME) to the Kubernetes node name"
 )
 MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
 MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
@@ -324,6 +328,7 @@ class Agent:
         self.rest = RestServer(
             self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
             metrics_text=self._pod_metrics_text,
+            backend_name=lambda: self.backend.name if self.backend is not None else "",
         )
         return self.rest
 
@@ -344,9 +349,10 @@ class Agent:
     def _apply_runtime_config(self) -> None:
         """Load-time settings the Manager set through runtime-config (only the allowed ones), before
         the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
-        from gthulhu_node.rest.runtime_config import load_applied
+        from gthulhu_node.rest.runtime_config import take_into_effect
 
-        applied = load_applied(self.config.state.directory, frozenset(self.config.rest.runtime_config_allow))
+        applied = take_into_effect(self.config.state.directory,
+                                   frozenset(self.config.rest.runtime_config_allow))
         slice_ns = applied.get("sliceNsDefault")
         if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
             log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
@@ -554,7 +560,8 @@ class Agent:
         out: list[IntentStatus] = []
         for name, ss in sources.items():
             out.extend(_failed_entries(name, ss, node.name))
-            sender_warnings = {e.intent_id: e.warnings for e in ss.entries if e.intent_id and e.warnings}
+            sender_warnings = {e.intent_id: e.warnings + _mismatch_warning(e, node.name)
+                               for e in ss.entries if e.intent_id}
             for intent in ss.intents:
                 key = intent_key(name, intent.id)
                 warnings: list[str] = list(sender_warnings.get(intent.id, ()))
@@ -734,12 +741,18 @@ def _owner_warnings(intent: Intent) -> list[str]:
     return out
 
 
+def _mismatch_warning(entry: SenderEntry, node_name: str) -> tuple[str, ...]:
+    """A Manager entry naming another node is applied all the same (the Manager chose this node to send it
+    to; docs/rest.md), with this warning, so a misconfigured node name is seen rather than silent."""
+    target = entry.other_node(node_name)
+    return (NODE_MISMATCH_WARNING.format(target=target, node=node_name),) if target else ()
+
+
 def _failed_entries(source: str, ss: SourceSet, node_name: str) -> list[IntentStatus]:
     """Status rows for pushed entries that became no intent (a lenient sender's, docs/rest.md).
 
     Their `intent` carries the sender's values unvalidated (model_construct), for display only: it is
-    never stored as an intent nor handed to the reconciler. An entry meant for another node is reported
-    as such rather than as a failure of this node.
+    never stored as an intent nor handed to the reconciler.
     """
     out: list[IntentStatus] = []
     for entry in ss.entries:
@@ -752,11 +765,8 @@ def _failed_entries(source: str, ss: SourceSet, node_name: str) -> list[IntentSt
             execution_time=_record_int(entry.record.get("executionTime")),
             node_names=(target,) if (target := _record_text(entry.record.get("nodeID"))) else (),
         )
-        if target and target != node_name:
-            state, reason = IntentState.NOT_FOR_THIS_NODE, f"for node {target!r}; also: {entry.failed}"
-        else:
-            state, reason = IntentState.FAILED, entry.failed
-        out.append(IntentStatus(source, shown, state, reason, 0, 0.0, (), ss.generation))
+        out.append(IntentStatus(source, shown, IntentState.FAILED, entry.failed, 0, 0.0,
+                                _mismatch_warning(entry, node_name), ss.generation))
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gthulhu_node.errors import InvalidInput
 
@@ -24,6 +24,7 @@ DEFAULT_PATH = Path("/etc/gthulhu-node/config.yaml")
 # it only for a change an older agent would misunderstand, and keep reading every older version.
 CONFIG_VERSION = 1
 NODE_NAME_ENV = "NODE_NAME"
+POD_IP_VARIABLE = "${POD_IP}"  # in rest.listen: the pod's own IP (RestConfig._pod_ip)
 
 
 class _Section(BaseModel):
@@ -192,6 +193,19 @@ class RestConfig(_Section):
     # runtime-config fields the Manager may set on this node (gthulhu_node/rest/runtime_config.py);
     # none by default
     runtime_config_allow: list[Literal["sliceNsDefault"]] = []
+
+    @field_validator("listen")
+    @classmethod
+    def _pod_ip(cls, v: str) -> str:
+        """`${POD_IP}` in `listen` is the environment's POD_IP (Kubernetes' downward API status.podIP):
+        how a pod in the plain-HTTP mode listens on its own IP only (docs/kubernetes.md)."""
+        if POD_IP_VARIABLE not in v:
+            return v
+        pod_ip = os.environ.get("POD_IP", "")
+        if not pod_ip:
+            raise ValueError("rest.listen names ${POD_IP} but the environment has no POD_IP "
+                             "(set it from the downward API: status.podIP)")
+        return v.replace(POD_IP_VARIABLE, f"[{pod_ip}]" if ":" in pod_ip else pod_ip)
 
 
 class ProbeConfig(_Section):

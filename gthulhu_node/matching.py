@@ -215,7 +215,7 @@ def _compile(key: str, intent: Intent) -> CompiledIntent:
     return CompiledIntent(
         key,
         intent,
-        compile_pattern(intent.matching_pattern),
+        compile_pattern(intent.matching_pattern, max_bytes=None),  # its size was checked by its source
         precedence_rank(key, intent),
         uids=resolve_users(intent.users)[0] if intent.users else None,
         cgroup=compile_pattern(intent.cgroup_regex, "cgroupRegex") if intent.cgroup_regex else None,

@@ -351,6 +351,12 @@ class RestCollector(StatsCollector["RestStats"]):
         yield _counter("rest_handshakes_failed_total", "Connections dropped before their TLS handshake and "
                        "first request head were in (deadline, no or bad certificate).",
                        stats.handshakes_failed)
+        yield _counter("rest_plain_http_refused_total", "Plain HTTP requests on the mutual-TLS port, "
+                       "answered with a 400 naming the settings (a Manager with mTLS off).",
+                       stats.plain_http_refused)
+        yield _gauge("rest_node_name_mismatch_entries", "Manager entries held that name another node than "
+                     "this one (applied all the same: the Manager chose this node; check node.name).",
+                     float(stats.node_name_mismatches))
         yield _counter("rest_accept_errors_total", "Failed accepts on the REST port (EMFILE, ...).",
                        stats.accept_errors)
         yield _counter("rest_entries_failed_total", "Manager entries accepted but not honoured (failed; "

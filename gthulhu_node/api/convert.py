@@ -75,8 +75,9 @@ def intent_to_pb(intent: Intent) -> pb.Intent:
 
 
 def intent_from_pb(msg: pb.Intent) -> Intent:
-    """For clients reading status back: the server only sends valid intents."""
-    return parse_intent(intent_doc_from_pb(msg))
+    """For clients reading status back: the server only sends valid intents (a Manager's pattern may be
+    longer than a local one: no size limit here)."""
+    return parse_intent(intent_doc_from_pb(msg), pattern_max_bytes=None)
 
 
 def _ts(seconds: float) -> Timestamp:

@@ -15,7 +15,7 @@ from collections.abc import Sized
 from typing import Annotated, Any
 
 import re2
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # the limits shared with the backends (gthulhu_node/limits.py), re-exported: sources and tests read them here
 from gthulhu_node.limits import PRIORITY_MAX as PRIORITY_MAX
@@ -27,10 +27,16 @@ SOURCE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}\Z")
 # manager-pods: the upstream Manager's pod intents (REST `POST /api/v1/intents`), kept apart from its
 # node policies (`manager`) because each push replaces only its own set.
 RESERVED_SOURCES = frozenset({"local", "manager", "manager-pods"})
+# The sources upstream's Manager fills (over REST): lenient where upstream is (docs/rest.md).
+SENDER_SOURCES = frozenset({"manager", "manager-pods"})
 # A Kubernetes pod UID (a UUID, or 32 hex digits for static pods), as the Manager sends it.
 POD_UID_RE = re.compile(r"^[0-9a-fA-F][0-9a-fA-F-]{0,63}\Z")
 
 PATTERN_MAX_BYTES = 256
+# Validation context key (`Intent.model_validate(doc, context={PATTERN_LIMIT: None})`): the pattern size
+# limit for an intent whose sender is upstream's Manager, which accepts any length (Go's regexp); None
+# leaves only RE2's own memory bound (RE2_MAX_MEM), which keeps matching linear in time and bounded in memory.
+PATTERN_LIMIT = "pattern_max_bytes"
 COMM_MAX_BYTES = 15
 # RE2 refuses programs above this size; it keeps a valid-but-enormous pattern (a{1000}{1000}) out.
 RE2_MAX_MEM = 8 << 20
@@ -67,23 +73,27 @@ class NodeSelector(BaseModel):
     value: Annotated[str, Field(max_length=63)] = ""
 
 
-def compile_pattern(pattern: str, field: str = "commandRegex") -> Any:
+def compile_pattern(
+    pattern: str, field: str = "commandRegex", max_bytes: int | None = PATTERN_MAX_BYTES
+) -> Any:
     """Compile a user pattern with RE2 (linear time), refusing what the contract refuses.
 
-    Raises ValueError with a message that says what is wrong with the pattern.
+    `max_bytes` None: no size limit of ours, only RE2's (a pattern whose program does not fit RE2_MAX_MEM
+    is refused as invalid). Raises ValueError with a message that says what is wrong with the pattern.
     """
     size = len(pattern.encode())
     if size == 0:
         raise ValueError(f"{field} is empty")
-    if size > PATTERN_MAX_BYTES:
-        raise ValueError(f"{field} is {size} bytes, at most {PATTERN_MAX_BYTES} are allowed")
+    if max_bytes is not None and size > max_bytes:
+        raise ValueError(f"{field} is {size} bytes, at most {max_bytes} are allowed")
     try:
         return _compiled(pattern)
     except re2.error as exc:
         why = exc.args[0] if exc.args else ""
         if isinstance(why, bytes):
             why = why.decode("utf-8", "replace")
-        raise ValueError(f"{field} {pattern!r} is not valid RE2 syntax: {why}") from None
+        shown = pattern if len(pattern) <= 80 else f"{pattern[:60]}... ({size} bytes)"
+        raise ValueError(f"{field} {shown!r} is not valid RE2 syntax: {why}") from None
 
 
 # Validation compiles a pattern, and so does every policy build after it: a cache makes the second (and
@@ -200,9 +210,10 @@ class Intent(BaseModel):
 
     @field_validator("command_regex")
     @classmethod
-    def _check_regex(cls, v: str) -> str:
+    def _check_regex(cls, v: str, info: ValidationInfo) -> str:
         if v:  # empty: allowed for pod intents only, checked with the whole intent below
-            compile_pattern(v)
+            context = info.context if isinstance(info.context, dict) else {}
+            compile_pattern(v, max_bytes=context.get(PATTERN_LIMIT, PATTERN_MAX_BYTES))
         return v
 
     @field_validator("priority", mode="before")
@@ -291,6 +302,11 @@ class SenderEntry(BaseModel):
     intent_id: str = ""
     failed: str = ""
     warnings: tuple[str, ...] = ()
+
+    def other_node(self, node_name: str) -> str:
+        """The node the sender meant this entry for (its `nodeID`) when that is not `node_name`, else ""."""
+        node_id = self.record.get("nodeID")
+        return node_id if isinstance(node_id, str) and node_id and node_id != node_name else ""
 
 
 def intent_key(source: str, intent_id: str) -> str:

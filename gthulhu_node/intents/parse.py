@@ -13,7 +13,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from gthulhu_node.errors import InvalidInput
-from gthulhu_node.intents.model import LIST_ENTRIES_PER_SOURCE_MAX, Intent
+from gthulhu_node.intents.model import (
+    LIST_ENTRIES_PER_SOURCE_MAX,
+    PATTERN_LIMIT,
+    PATTERN_MAX_BYTES,
+    Intent,
+)
 
 
 class IntentValidationError(InvalidInput):
@@ -35,12 +40,17 @@ def _loc_to_path(prefix: str, loc: Sequence[int | str]) -> str:
     return path
 
 
-def parse_intent(data: Mapping[str, Any], where: str = "") -> Intent:
-    """Validate one intent document (upstream field names). Raises IntentValidationError naming the field."""
+def parse_intent(
+    data: Mapping[str, Any], where: str = "", *, pattern_max_bytes: int | None = PATTERN_MAX_BYTES
+) -> Intent:
+    """Validate one intent document (upstream field names). Raises IntentValidationError naming the field.
+
+    `pattern_max_bytes`: the commandRegex size limit; None for the Manager's sources (no limit but RE2's,
+    as upstream, model.PATTERN_LIMIT)."""
     if not isinstance(data, Mapping):
         raise IntentValidationError(where, f"expected an object, got {type(data).__name__}")
     try:
-        return Intent.model_validate(dict(data))
+        return Intent.model_validate(dict(data), context={PATTERN_LIMIT: pattern_max_bytes})
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         msg = str(err.get("msg", "invalid"))

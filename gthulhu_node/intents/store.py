@@ -62,7 +62,14 @@ from gthulhu_node.intents.journal import (
     new_journal_id,
     read_journal,
 )
-from gthulhu_node.intents.model import RESERVED_SOURCES, Intent, SenderEntry, check_source
+from gthulhu_node.intents.model import (
+    PATTERN_MAX_BYTES,
+    RESERVED_SOURCES,
+    SENDER_SOURCES,
+    Intent,
+    SenderEntry,
+    check_source,
+)
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
 
 log = structlog.get_logger(__name__)
@@ -666,7 +673,9 @@ def _parse_sources(raw_sources: Mapping[str, Any]) -> dict[str, SourceSet]:
         raw_intents = entry.get("intents")
         if not isinstance(raw_intents, list):
             raise ValueError(f"sources.{name}.intents: expected a list")
-        intents = [parse_intent(d, f"sources.{name}.intents[{i}]") for i, d in enumerate(raw_intents)]
+        limit = None if name in SENDER_SOURCES else PATTERN_MAX_BYTES  # as when they were pushed
+        intents = [parse_intent(d, f"sources.{name}.intents[{i}]", pattern_max_bytes=limit)
+                   for i, d in enumerate(raw_intents)]
         check_set(intents, max_count=len(intents) or 1, where=f"sources.{name}.intents")
         raw_entries = entry.get("entries", [])
         if not isinstance(raw_entries, list):

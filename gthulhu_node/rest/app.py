@@ -52,6 +52,7 @@ TOKEN_PATH = "/api/v1/auth/token"
 ENDPOINTS = ("/health, /version, /metrics, POST_/api/v1/node-intents, POST_/api/v1/intents, "
              "GET_/api/v1/pods/pids, POST_/api/v1/runtime-config")
 CLIENT_ID = web.RequestKey("client_id", str)  # who the bearer token was issued to, for log lines
+CLIENTS_REMEMBERED = 1024  # client ids logged at info on their first token; more are logged at debug
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 StatusFn = Callable[[str], StatusSnapshot]
@@ -75,6 +76,8 @@ class RestStats:
     connections_held: int = 0
     handshakes_failed: int = 0
     accept_errors: int = 0
+    plain_http_refused: int = 0  # plain HTTP requests answered with a 400 on the TLS port
+    node_name_mismatches: int = 0  # held Manager entries whose nodeID is not this node's name (now)
     entries_failed: int = 0  # pushed entries accepted but not honoured (failed), per changed push
     node_policies_expired: int = 0  # held node policies dropped (DecisionMakerApi._pod_contact)
     pod_intents_forgotten: int = 0  # pod intents of a state file without their pushed entries
@@ -130,10 +133,12 @@ class DecisionMakerApi:
         node_silence_s: float = 0.0,
         runtime_config: RuntimeConfig | None = None,
         proc_root: Path = Path("/proc"),
+        backend_name: Callable[[], str] = lambda: "sched_ext",
     ) -> None:
         self._store = store
         self._runtime = runtime_config if runtime_config is not None else RuntimeConfig(None, frozenset())
         self._proc_root = proc_root
+        self._backend_name = backend_name
         self._auth = authority
         self._node_name = node_name
         self._max_body = max_body_bytes
@@ -141,6 +146,7 @@ class DecisionMakerApi:
         self._status = status
         self._metrics_text = metrics_text
         self._lock = threading.Lock()  # one push/delete at a time; guards _silent_since
+        self._token_clients: set[str] = set()  # client ids whose first token was logged at info
         self._node_silence_s = node_silence_s
         # monotonic time of the first pod-intent check since the Manager last looked at node policies
         self._silent_since: float | None = None
@@ -193,7 +199,7 @@ class DecisionMakerApi:
                 raise
             message = exc.reason
             if isinstance(exc, web.HTTPRequestEntityTooLarge):
-                message = f"request body larger than {self._max_body} bytes"
+                message = f"request body larger than {self._max_body} bytes (rest.max_body_bytes)"
             response = failure(exc.status, message)
         except Exception:
             log.exception("rest_handler_failed", method=request.method, path=request.path)
@@ -276,7 +282,12 @@ class DecisionMakerApi:
             return failure(401, f"Public key verification failed: {exc}")
         token, exp = self._auth.issue(client_id, expired_at)
         self._stats.tokens_issued += 1
-        log.info("rest_token_issued", client_id=client_id, expires=exp, **_peer(request))
+        # the Manager asks for a token before every call (3 per 30 s cycle): info once per client
+        first = client_id not in self._token_clients and len(self._token_clients) < CLIENTS_REMEMBERED
+        if first:
+            self._token_clients.add(client_id)
+        (log.info if first else log.debug)("rest_token_issued", client_id=client_id, expires=exp,
+                                           **_peer(request))
         return success({"token": token, "expired_at": exp})
 
     # -- node policies (source `manager`) --------------------------------------------------------
@@ -413,7 +424,7 @@ class DecisionMakerApi:
     async def apply_runtime_config(self, request: web.Request) -> web.Response:
         fields = parse_body(await self._json(request))
         try:
-            state = await asyncio.to_thread(self._runtime.apply, fields)
+            state = await asyncio.to_thread(self._runtime.apply, fields, self._backend_name())
         except OSError as exc:
             return failure(500, f"Failed to persist the runtime config: {exc}")
         return success(self._runtime_view(state))
@@ -421,19 +432,27 @@ class DecisionMakerApi:
     async def get_runtime_config(self, request: web.Request) -> web.Response:
         return success(self._runtime_view(self._runtime.state))
 
+    def node_name_mismatches(self) -> int:
+        """Held entries of both Manager sources that name another node (applied all the same)."""
+        held = (self._store.get(source) for source in (NODE_SOURCE, POD_SOURCE))
+        return sum(1 for ss in held if ss is not None for e in ss.entries if e.other_node(self._node_name))
+
     def runtime_notes(self) -> list[str]:
         return self._runtime.state.notes()
 
     @staticmethod
     def _runtime_view(state: RuntimeConfigState) -> dict[str, Any]:
-        """Upstream's status fields (configVersion, applied, appliedAt, configAvailable, the values)
-        plus ours: what is in effect, what waits for a scheduler reload, and why the rest is not."""
+        """Upstream's status fields (configVersion, applied, appliedAt, configAvailable, restartCount,
+        lastError, the values) plus ours: what is in effect, what waits for a scheduler reload, and why
+        the rest is not. `applied`: the agent runs with everything of it that can apply here."""
         version = state.received.get("configVersion", "")
         return {
             **{k: v for k, v in state.received.items() if k != "configVersion"},
             "configVersion": version,
             "configAvailable": bool(state.received),
-            "applied": bool(state.applied) and not state.pending_reload,
+            "applied": state.in_effect,
+            "restartCount": state.restart_count,
+            "lastError": state.last_error,
             "appliedAt": datetime.fromtimestamp(state.applied_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             if state.applied_at else "",
             "inEffect": {k: v for k, v in state.applied.items() if k not in state.pending_reload},
@@ -498,7 +517,7 @@ class DecisionMakerApi:
         except OSError as exc:
             return failure(500, f"Failed to persist intents: {exc}")
         intents, failed = push.intents, push.failed
-        other = sorted(i.id for i in intents if i.node_names and self._node_name not in i.node_names)
+        other = sorted({e.key for e in push.entries if e.other_node(self._node_name)})
         if deleting:
             self._stats.deletes += 1
         else:
@@ -524,20 +543,21 @@ class DecisionMakerApi:
                 hint="accepted and counted in the merkle root as the Manager expects; see "
                 "gthulhu-node status",
             )
-        if other:
+        if other and changed:
             log.warning(
-                "rest_intents_for_other_node",
+                "rest_node_name_mismatch",
                 source=source,
                 node_name=self._node_name,
-                intents=len(other),
+                entries=len(other),
                 first=other[0],
-                hint="set node.name to the Kubernetes node name the Manager uses",
+                effect="applied all the same: the Manager chose this node",
+                hint="set node.name (or NODE_NAME) to the Kubernetes node name the Manager uses",
             )
         data: dict[str, Any] = {"accepted": len(intents), "generation": generation, "changed": changed}
         if failed:
             data["failed"] = [{"key": e.key, "reason": e.failed} for e in failed]
         if other:
-            data["notForThisNode"] = other
+            data["nodeNameMismatch"] = other
         return success(data)
 
     def _push_refused(self, request: web.Request, message: str) -> web.Response:

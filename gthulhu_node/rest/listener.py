@@ -11,7 +11,9 @@ Here connections are admitted by a `PeerTable` (gthulhu_node/peers.py):
 - a peer gets `handshake_timeout_s` from its connect to finish the TLS handshake and send its first
   request head, then it is dropped (`handshakes_failed`) and its buffers go with it;
 - a connection is refused (or evicts) while the process has fewer than the fd reserve left;
-- an accept that fails (EMFILE) is counted and retried shortly, never the end of the listener.
+- an accept that fails (EMFILE) is counted and retried shortly, never the end of the listener;
+- plain HTTP on the TLS port (a Manager with mTLS off) gets an HTTP 400 saying what to set
+  (plainhttp.py), counted (`plain_http`).
 Idle keep-alive connections are aiohttp's to close (`keepalive_timeout`).
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import structlog
 
 from gthulhu_node.peers import FdBudget, Peer, PeerTable, peer_key
+from gthulhu_node.rest.plainhttp import PlainHttpAnswer, first_bytes, is_plain_http
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +43,7 @@ class ListenerStats:
     refused: int = 0
     handshakes_failed: int = 0
     accept_errors: int = 0
+    plain_http: int = 0
 
 
 class _Conn:
@@ -91,6 +95,7 @@ class BoundedListener:
                                handshake_timeout_s, budget if budget is not None else FdBudget())
         self._by_protocol: dict[asyncio.BaseProtocol, _Conn] = {}
         self._admitting: set[_Conn] = set()
+        self._plain = PlainHttpAnswer()
 
     @property
     def held(self) -> int:
@@ -149,11 +154,16 @@ class BoundedListener:
             if self._ssl is None:
                 transport, protocol = await loop.connect_accepted_socket(self._factory, conn.sock)
             else:
+                started = loop.time()
+                if await self._answered_plain_http(conn.sock):
+                    self._forget(conn)
+                    return
                 transport, protocol = await loop.connect_accepted_socket(
                     self._factory,
                     conn.sock,
                     ssl=self._ssl,
-                    ssl_handshake_timeout=self._handshake_timeout_s,
+                    # the peek's wait counts: one timeout in all for a peer to start and finish TLS
+                    ssl_handshake_timeout=max(0.1, self._handshake_timeout_s - (loop.time() - started)),
                     ssl_shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                 )
         except (OSError, ssl.SSLError, TimeoutError) as exc:
@@ -163,6 +173,18 @@ class BoundedListener:
             return
         conn.transport = transport
         self._by_protocol[protocol] = conn
+
+    async def _answered_plain_http(self, conn: socket.socket) -> bool:
+        """Whether the peer spoke plain HTTP (and was answered); raises TimeoutError if it said nothing
+        within the handshake timeout."""
+        head = await first_bytes(conn, self._handshake_timeout_s)
+        if head is None:
+            raise TimeoutError("nothing received within rest.handshake_timeout_s")
+        if not is_plain_http(head):
+            return False
+        self.stats.plain_http += 1
+        await self._plain.answer(conn, self._handshake_timeout_s)
+        return True
 
     def _admitted(self, conn: _Conn, _task: asyncio.Task[None]) -> None:
         """The handshake is over: established, failed, or cancelled (evicted, expired, stopping)."""

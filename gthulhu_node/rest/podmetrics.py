@@ -5,10 +5,13 @@ keyed by the labels `pod_name`, `namespace` (and `node_name`) (Gthulhu/Gthulhu@c
 api/manager/client/deicison_maker_metrics.go; the names and labels are upstream's
 api/decisionmaker/service/pod_metric_collector.go). We compute them from what we measure: the tasks the
 pod's intents govern right now (the reconciler's matches), and each task's own
-/proc/<tgid>/task/<tid>/schedstat (run time, run-queue wait, times run) and status (context switches).
+/proc/<tgid>/task/<tid>/schedstat (run time, run-queue wait, times run), status (context switches) and
+sched (`se.nr_migrations`: moves to another CPU, counted by the kernel for every scheduling class).
 Upstream sums every process of the pod but its pause container; we sum the tasks the intents govern,
-thread by thread. A family we cannot measure (migrations) is absent, never 0; a pod none of whose tasks
-is governed now has no series (upstream: a pod without processes has none either).
+thread by thread. What we cannot measure is absent, never 0: the SMT/L3/NUMA migration families, and
+`cpu_migrations` of a pod one of whose tasks has no readable `sched` file (a kernel without
+CONFIG_SCHED_DEBUG); a pod none of whose tasks is governed now has no series (upstream: a pod without
+processes has none either).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Sums:
     runs: int = 0
     voluntary: int = 0
     involuntary: int = 0
+    migrations: int | None = 0  # None once a task's count could not be read
     tgids: set[int] = field(default_factory=set)
 
 
@@ -72,6 +76,19 @@ def _task_figures(proc_root: Path, tgid: int, tid: int) -> tuple[int, int, int, 
                 if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches") and v.strip().isdigit()}
     return cpu, wait, runs, switches.get("voluntary_ctxt_switches", 0), \
         switches.get("nonvoluntary_ctxt_switches", 0)
+
+
+def _migrations(proc_root: Path, tgid: int, tid: int) -> int | None:
+    """`se.nr_migrations` of /proc/<tgid>/task/<tid>/sched, None when it cannot be read."""
+    try:
+        text = (proc_root / str(tgid) / "task" / str(tid) / "sched").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "se.nr_migrations" and value.strip().isdigit():
+            return int(value.strip())
+    return None
 
 
 class PodMetrics(Collector):
@@ -97,6 +114,8 @@ class PodMetrics(Collector):
             sums.runs += figures[2]
             sums.voluntary += figures[3]
             sums.involuntary += figures[4]
+            moved = _migrations(self._proc_root, row.tgid, row.tid)
+            sums.migrations = None if moved is None or sums.migrations is None else sums.migrations + moved
             sums.tgids.add(row.tgid)
         return out
 
@@ -115,6 +134,12 @@ class PodMetrics(Collector):
             for pod, s in sorted(sums.items(), key=lambda kv: kv[0].labels()):
                 counter.add_metric(pod.labels(), float(getattr(s, attr)))
             yield counter
+        moves = CounterMetricFamily("gthulhu_pod_cpu_migrations", "Moves of the pod's governed tasks to "
+                                    "another CPU (se.nr_migrations).", labels=LABELS)
+        for pod, s in sorted(sums.items(), key=lambda kv: kv[0].labels()):
+            if s.migrations is not None:
+                moves.add_metric(pod.labels(), float(s.migrations))
+        yield moves
         gauge = GaugeMetricFamily("gthulhu_pod_process_count", "Processes with a governed task in the pod.",
                                   labels=LABELS)
         for pod, s in sorted(sums.items(), key=lambda kv: kv[0].labels()):

@@ -8,10 +8,15 @@ nothing here. The node's owner decides which fields the Manager may set (`rest.r
 empty by default: a central service should not retune a node's scheduler unless the node says so);
 every other field is accepted and reported as not applicable, in the answer, in GET and in status.
 
-An allowed field is applied only when its value changes and is persisted under the state directory.
-`sliceNsDefault` is a load-time setting of our scheduler: it takes effect when the scheduler is next
-loaded (agent start), which is announced (log line, status note) because policies lapse while the
-scheduler reloads. Nothing here reloads the scheduler by itself.
+The state is the truth about what the agent runs with, and it is kept across restarts
+(`runtime-config.json` under the state directory): what was received (so `configAvailable` stays true
+after a restart and the Manager sees no drift), the allowed values accepted, which of them still wait for
+a scheduler load, how many agent restarts brought such values into effect (`restartCount`) and the last
+error (`lastError`: a value refused, the state not persisted). `applied` is true when everything of the
+last push that can apply here is in effect. An allowed field applies at once unless it is a load-time
+setting: `sliceNsDefault` is a constant of our BPF scheduler's program, so it takes effect when the
+scheduler is next loaded (agent start), which is announced (log line, status note) because policies lapse
+while the scheduler reloads. Nothing here reloads the scheduler by itself.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ APPLICABLE = {"sliceNsDefault": "scheduler.default_slice_ns"}
 NEEDS_RELOAD = frozenset({"sliceNsDefault"})
 NOT_HERE = "not applicable on gthulhu-node: it describes upstream's scheduler process"
 NOT_ALLOWED = "not applied: rest.runtime_config_allow does not list it"
+# the backends that load gthulhu's scheduler (dry-run stands in for it); with another (eevdf) a load-time
+# setting of that scheduler configures nothing
+SCHEDULER_BACKENDS = frozenset({"sched_ext", "dry-run"})
+NO_SCHEDULER = ("no effect with the {backend} backend: the kernel's own slice applies (it sets gthulhu's "
+                "sched_ext scheduler, not loaded here)")
 RELOAD_NOTE = ("takes effect when the scheduler is next loaded (agent restart); scheduling policies lapse "
                "while it reloads")
 
@@ -80,11 +90,25 @@ class RuntimeConfigState:
     pending_reload: list[str] = field(default_factory=list)
     not_applicable: dict[str, str] = field(default_factory=dict)
     applied_at: float = 0.0
+    restart_count: int = 0  # agent restarts that brought a pending value into effect
+    last_error: str = ""
+
+    @property
+    def in_effect(self) -> bool:
+        """Whether the agent runs with everything of the last push that can apply here."""
+        return bool(self.received) and not self.pending_reload and not self.last_error
+
+    def document(self) -> dict[str, Any]:
+        return {"received": self.received, "applied": self.applied, "appliedAt": self.applied_at,
+                "pendingReload": self.pending_reload, "notApplicable": self.not_applicable,
+                "restartCount": self.restart_count, "lastError": self.last_error}
 
     def notes(self) -> list[str]:
         """Lines for `gthulhu-node status` (the `manager` source's notes)."""
         out = [f"runtime-config {k}={self.applied[k]}: {RELOAD_NOTE}" for k in self.pending_reload]
         out += [f"runtime-config {k}: {why}" for k, why in sorted(self.not_applicable.items())]
+        if self.last_error:
+            out.append(f"runtime-config lastError: {self.last_error}")
         return out
 
 
@@ -94,14 +118,17 @@ class RuntimeConfig:
     def __init__(self, state_dir: Path | None, allowed: frozenset[str]) -> None:
         self._path = state_dir / STATE_FILE if state_dir is not None else None
         self._allowed = allowed
-        self.state = RuntimeConfigState(applied=load_applied(state_dir, allowed))
+        self.state = load_state(state_dir, allowed)
 
-    def apply(self, fields: Mapping[str, Value]) -> RuntimeConfigState:
-        """Record a push: allowed, valid, changed values are persisted; everything else is reported."""
+    def apply(self, fields: Mapping[str, Value], backend: str = "sched_ext") -> RuntimeConfigState:
+        """Record a push: allowed, valid, changed values are persisted; everything else is reported.
+        `backend`: the one running now (a scheduler setting means nothing to eevdf). Raises OSError when
+        the state could not be persisted (then it is `lastError`, nothing changed)."""
         state = RuntimeConfigState(received=dict(fields), applied=dict(self.state.applied),
                                    pending_reload=list(self.state.pending_reload),
-                                   applied_at=self.state.applied_at)
+                                   applied_at=self.state.applied_at, restart_count=self.state.restart_count)
         changed: dict[str, Value] = {}
+        refused: list[str] = []
         for key, value in fields.items():
             if key == "configVersion":
                 continue
@@ -109,18 +136,28 @@ class RuntimeConfig:
                 state.not_applicable[key] = NOT_HERE
             elif key not in self._allowed:
                 state.not_applicable[key] = NOT_ALLOWED
+            elif key in NEEDS_RELOAD and backend not in SCHEDULER_BACKENDS:
+                state.not_applicable[key] = NO_SCHEDULER.format(backend=backend or "current")
             elif isinstance(value, int) and not SLICE_MIN_NS <= value <= SLICE_MAX_NS:
                 state.not_applicable[key] = f"{value} ns is outside {SLICE_MIN_NS}-{SLICE_MAX_NS} ns"
+                refused.append(f"{key}: {state.not_applicable[key]}")
             elif state.applied.get(key) != value:
                 changed[key] = value
+        state.last_error = "; ".join(refused)
         if changed:
             state.applied.update(changed)
             state.applied_at = time.time()
-            if self._path is not None:
-                atomic_write(self._path, json.dumps({"applied": state.applied}, indent=1).encode() + b"\n")
             for key in sorted(changed):
                 if key in NEEDS_RELOAD and key not in state.pending_reload:
                     state.pending_reload.append(key)
+        if state.document() != self.state.document() and self._path is not None:
+            try:
+                atomic_write(self._path, json.dumps(state.document(), indent=1).encode() + b"\n")
+            except OSError as exc:
+                self.state.last_error = f"the runtime config could not be persisted: {exc}"
+                raise
+        if changed:
+            for key in sorted(changed):
                 log.warning("rest_runtime_config_changed", field=key, value=changed[key],
                             setting=APPLICABLE[key], effect=RELOAD_NOTE if key in NEEDS_RELOAD else "now")
         if state.not_applicable:
@@ -129,8 +166,7 @@ class RuntimeConfig:
         return state
 
 
-def load_applied(state_dir: Path | None, allowed: frozenset[str]) -> dict[str, Value]:
-    """The persisted values that are still allowed (a field removed from the allowlist stops applying)."""
+def _read(state_dir: Path | None) -> dict[str, Any]:
     if state_dir is None:
         return {}
     try:
@@ -140,9 +176,58 @@ def load_applied(state_dir: Path | None, allowed: frozenset[str]) -> dict[str, V
     except (OSError, ValueError) as exc:
         log.error("rest_runtime_config_unreadable", path=str(state_dir / STATE_FILE), error=str(exc))
         return {}
-    applied = doc.get("applied") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else {}
+
+
+def load_state(state_dir: Path | None, allowed: frozenset[str]) -> RuntimeConfigState:
+    """The persisted state (a file of an earlier version holds only `applied`). A value taken off the
+    allowlist stops applying; what waited for a load is in effect, as the agent loaded it at start."""
+    doc = _read(state_dir)
+    received = doc.get("received")
+    try:
+        fields = parse_body(received) if isinstance(received, dict) else {}
+    except BodyError:
+        fields = {}
+    not_applicable = doc.get("notApplicable")
+    count = doc.get("restartCount")
+    stamp = doc.get("appliedAt")
+    error = doc.get("lastError")
+    return RuntimeConfigState(
+        received=fields,
+        applied=_allowed_values(doc, allowed),
+        not_applicable={k: v for k, v in not_applicable.items() if isinstance(v, str)}
+        if isinstance(not_applicable, dict) else {},
+        applied_at=float(stamp) if isinstance(stamp, int | float) and not isinstance(stamp, bool) else 0.0,
+        restart_count=count if isinstance(count, int) and not isinstance(count, bool) else 0,
+        last_error=error if isinstance(error, str) else "",
+    )
+
+
+def _allowed_values(doc: Mapping[str, Any], allowed: frozenset[str]) -> dict[str, Value]:
+    applied = doc.get("applied")
     if not isinstance(applied, dict):
         return {}
     return {k: v for k, v in applied.items()
             if k in allowed and k in APPLICABLE and isinstance(v, int) and not isinstance(v, bool)
             and SLICE_MIN_NS <= v <= SLICE_MAX_NS}
+
+
+def load_applied(state_dir: Path | None, allowed: frozenset[str]) -> dict[str, Value]:
+    """The persisted values that are still allowed (a field removed from the allowlist stops applying)."""
+    return _allowed_values(_read(state_dir), allowed)
+
+
+def take_into_effect(state_dir: Path | None, allowed: frozenset[str]) -> dict[str, Value]:
+    """At agent start, before the scheduler is loaded: the allowed values to load it with. Values that
+    waited for this load are in effect from now on; that restart is counted (`restartCount`)."""
+    doc = _read(state_dir)
+    pending = doc.get("pendingReload")
+    if state_dir is not None and isinstance(pending, list) and pending:
+        count = doc.get("restartCount")
+        doc["restartCount"] = (count if isinstance(count, int) and not isinstance(count, bool) else 0) + 1
+        doc["pendingReload"] = []
+        try:
+            atomic_write(state_dir / STATE_FILE, json.dumps(doc, indent=1).encode() + b"\n")
+        except OSError as exc:
+            log.error("rest_runtime_config_unwritable", path=str(state_dir / STATE_FILE), error=str(exc))
+    return _allowed_values(doc, allowed)

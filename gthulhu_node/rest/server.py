@@ -115,14 +115,17 @@ class RestServer:
         node_name: str,
         status: StatusFn | None = None,
         metrics_text: Callable[[], bytes] | None = None,
+        backend_name: Callable[[], str] = lambda: "sched_ext",
     ) -> None:
         """`metrics_text`: when given, `GET /metrics` (no token, like upstream's) serves what it returns
-        (Prometheus text); otherwise that route is absent and metrics stay on the agent's own listener."""
+        (Prometheus text); otherwise that route is absent and metrics stay on the agent's own listener.
+        `backend_name`: the backend running now (what a runtime-config field can change depends on it)."""
         self._config = config
         self._store = store
         self._node_name = node_name
         self._status = status
         self._metrics_text = metrics_text
+        self._backend_name = backend_name
         self._stats = RestStats(insecure=config.insecure_allow_plain_http)
         self._listener_stats = ListenerStats()
         self._thread: threading.Thread | None = None
@@ -165,6 +168,8 @@ class RestServer:
             connections_held=peers.held if peers else 0,
             handshakes_failed=ls.handshakes_failed,
             accept_errors=ls.accept_errors,
+            plain_http_refused=ls.plain_http,
+            node_name_mismatches=self._api.node_name_mismatches() if self._api is not None else 0,
         )
 
     def start(self, timeout: float = 30.0) -> None:
@@ -184,6 +189,7 @@ class RestServer:
             metrics_text=self._metrics_text,
             node_silence_s=self._config.node_policy_silence_s,
             runtime_config=RuntimeConfig(self._store.state_dir, frozenset(self._config.runtime_config_allow)),
+            backend_name=self._backend_name,
         )
         self._api = api
         api.check_state()

@@ -6,29 +6,36 @@ api/decisionmaker/rest/node_policy_hdl.go, intent_handler.go, service/node_polic
 never validates and never stops re-pushing a refused set, so refusing one entry would wedge every later
 policy of the node. Hence two levels here:
 - the body itself: not a JSON object, a field of the wrong JSON type, a number that does not fit Go's
-  int64, a list or string over our size limits: BodyError (400 naming the field), as Go's decoder
-  (or the hardening limits) would refuse it;
+  int64: BodyError (400 naming the field), as Go's decoder would refuse it. One bound of ours too:
+  more entries than ENTRIES_HELD_FACTOR times the per-source limit cannot be held in bounded memory;
 - each entry: kept as the Manager wrote it (a SenderEntry, so the merkle root is the Manager's) and
   turned into an intent when we can honour it; otherwise it is a failed entry with the reason, shown in
   status. Values out of our bounds follow upstream where it has a behaviour (a node policy without a
   pattern is skipped; a priority above 20 cannot be stored by upstream's scheduler either: both fail
   here, loudly) and are clamped with a warning where it has none (executionTime, a negative priority).
+  Too long a name, a pattern RE2 refuses (no size limit of ours: upstream has none; RE2's memory bound
+  keeps matching linear), entries beyond the per-source limit: failed entries too.
 
-Node policies become intents of the source `manager`: id = `policyID`, `nodeID` -> `nodeNames: [nodeID]`.
+Entries are judged in the Manager's merkle order, never in the push's order, so a re-push of the same set
+in another order is the same outcome (the same entry wins a duplicate policyID, the same ones are over
+the limit) and a failed entry's key is made of its content, not its position.
+
+Node policies become intents of the source `manager`: id = `policyID`. `nodeID` is kept in the entry but
+does not select nodes: the Manager chose this node (status warns when the name is not ours).
 Pod intents become intents of `manager-pods` with `podUID` set; an empty `commandRegex` there selects every
 task of the pod but its pause container, as upstream's does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.model import (
     ID_RE,
-    PATTERN_MAX_BYTES,
     PRIORITY_MAX,
     SLICE_MAX_NS,
     SLICE_MIN_NS,
@@ -40,8 +47,9 @@ from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.rest.merkle import NodePolicyRecord, PodIntentRecord, sha256_hex
 
 NAME_MAX = 253
-# A pattern longer than the contract allows fails its entry; one longer than this fails the body (size).
-REGEX_FIELD_MAX = 16 * PATTERN_MAX_BYTES
+# Entries held per push, as a multiple of the per-source intent limit: those beyond the limit are kept
+# (hashed, shown as failed) up to this many; a body with more is refused (memory, not meaning).
+ENTRIES_HELD_FACTOR = 4
 GO_INT64_MIN, GO_INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -69,8 +77,10 @@ def _list_field(body: Any, name: str, max_count: int) -> list[Any]:
         return []
     if not isinstance(value, list):
         raise BodyError(f"{name}: expected a list")
-    if len(value) > max_count:
-        raise BodyError(f"{name}: {len(value)} entries, at most {max_count} per source")
+    if len(value) > ENTRIES_HELD_FACTOR * max_count:
+        held = ENTRIES_HELD_FACTOR * max_count
+        raise BodyError(f"{name}: {len(value)} entries, more than can be held ({held} = "
+                        f"{ENTRIES_HELD_FACTOR} x api.max_intents_per_source)")
     return value
 
 
@@ -82,15 +92,22 @@ def _item(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-def _str(item: Mapping[str, Any], key: str, where: str, limit: int = NAME_MAX) -> str:
+def _str(item: Mapping[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if value is None:
         return ""
     if not isinstance(value, str):
         raise BodyError(f"{where}.{key}: expected a string")
-    if len(value) > limit:
-        raise BodyError(f"{where}.{key}: longer than {limit} characters")
     return value
+
+
+def _too_long(**names: str) -> str:
+    """Why an entry with a name over NAME_MAX characters fails ("" when none is): Go takes any length,
+    our status and metrics labels do not."""
+    for key, value in names.items():
+        if len(value) > NAME_MAX:
+            return f"{key} is {len(value)} characters, at most {NAME_MAX}: this entry is not applied"
+    return ""
 
 
 def _int(item: Mapping[str, Any], key: str, where: str) -> int:
@@ -141,60 +158,92 @@ def honourable(priority: int, execution_time: int) -> _Values:
 
 
 def _outcome(doc: dict[str, Any], values: _Values, where: str) -> tuple[Intent | None, str]:
-    """The intent an entry becomes, or None and why not (the contract's words, our field names)."""
+    """The intent an entry becomes, or None and why not (the contract's words, our field names). The
+    pattern has no size limit of ours (upstream's has none): RE2 refuses what does not fit its memory."""
     if values.failed:
         return None, values.failed
     doc = {**doc, "priority": values.priority, "executionTime": values.execution_time}
     try:
-        return parse_intent(doc), ""
+        return parse_intent(doc, pattern_max_bytes=None), ""
     except IntentValidationError as exc:
         return None, exc.message
 
 
-def _entry(record: dict[str, RecordValue], intent: Intent | None, ident: str, index: int, failed: str,
+class _Keys:
+    """Status names of entries that became no intent: `<id>#<12 hex of a hash of the entry>` (never an
+    intent id: those cannot hold '#'). Made of the content, not the position, so the same set pushed in
+    another order names them the same; an exact repeat gets `-2`, `-3`, ..."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def __call__(self, ident: str, content: str) -> str:
+        # surrogatepass: a lone surrogate is refused by the store with its own message, not here
+        digest = hashlib.sha256(content.encode("utf-8", "surrogatepass")).hexdigest()
+        key = f"{ident if ID_RE.match(ident) else ''}#{digest[:12]}"
+        n = self._seen[key] = self._seen.get(key, 0) + 1
+        return key if n == 1 else f"{key}-{n}"
+
+
+def _entry(record: dict[str, RecordValue], intent: Intent | None, key: str, failed: str,
            warnings: tuple[str, ...]) -> SenderEntry:
-    """The kept entry. One that became no intent is named `<id>#<index>` in status: never an intent id
-    (those cannot hold '#'), distinct from a duplicate's first occurrence."""
     if intent is not None:
         return SenderEntry(record=record, key=intent.id, intent_id=intent.id, warnings=warnings)
-    return SenderEntry(record=record, key=f"{ident if ID_RE.match(ident) else ''}#{index}", failed=failed)
+    return SenderEntry(record=record, key=key, failed=failed)
+
+
+def _in_merkle_order(items: Sequence[Any], sort_key: Callable[[Any], str]) -> list[int]:
+    """Indices of `items` in the Manager's merkle order (module docstring: why)."""
+    return sorted(range(len(items)), key=lambda i: sort_key(items[i]))
+
+
+def _over_limit(max_count: int) -> str:
+    return (f"more than {max_count} entries can be applied per source (api.max_intents_per_source): "
+            "this one is over the limit (the first ones in the Manager's merkle order are applied)")
 
 
 def node_policies(body: Any, max_count: int) -> Push:
     """The intents and entries of a node-intents push. Raises BodyError (400) for a malformed body only."""
-    intents: list[Intent] = []
-    entries: list[SenderEntry] = []
-    first_at: dict[str, int] = {}
+    records: list[NodePolicyRecord] = []
     for index, raw in enumerate(_list_field(body, "policies", max_count)):
         where = f"policies[{index}]"
         item = _item(raw, where)
-        record = NodePolicyRecord(
+        records.append(NodePolicyRecord(
             node_id=_str(item, "nodeID", where),
             policy_id=_str(item, "policyID", where),
-            command_regex=_str(item, "commandRegex", where, REGEX_FIELD_MAX),
+            command_regex=_str(item, "commandRegex", where),
             priority=_int(item, "priority", where),
             execution_time=_int(item, "executionTime", where),
-        )
+        ))
+    intents: list[Intent] = []
+    entries: list[SenderEntry | None] = [None] * len(records)
+    taken: set[str] = set()
+    keys = _Keys()
+    for index in _in_merkle_order(records, NodePolicyRecord.sort_key):
+        record = records[index]
         values = honourable(record.priority, record.execution_time)
-        doc: dict[str, Any] = {"id": record.policy_id, "commandRegex": record.command_regex}
-        if record.node_id:
-            doc["nodeNames"] = [record.node_id]
-        if not record.command_regex:
-            intent, failed = None, (
+        failed = _too_long(nodeID=record.node_id, policyID=record.policy_id)
+        if failed:
+            pass
+        elif not record.command_regex:
+            failed = (
                 "commandRegex is empty: upstream's Decision Maker skips a node policy without a pattern; "
                 "give one (^name$ for an exact thread name)"
             )
-        elif record.policy_id in first_at:
-            intent, failed = None, (
-                f"duplicate policyID (also policies[{first_at[record.policy_id]}]): the first one is applied"
-            )
-        else:
-            intent, failed = _outcome(doc, values, where)
-        first_at.setdefault(record.policy_id, index)
+        elif record.policy_id in taken:
+            failed = "duplicate policyID: another entry with it is applied (the first in the merkle order)"
+        elif len(intents) >= max_count:
+            failed = _over_limit(max_count)
+        intent: Intent | None = None
+        if not failed:
+            intent, failed = _outcome({"id": record.policy_id, "commandRegex": record.command_regex}, values,
+                                      f"policies[{index}]")
         if intent is not None:
+            taken.add(record.policy_id)
             intents.append(intent)
-        entries.append(_entry(record.as_doc(), intent, record.policy_id, index, failed, values.warnings))
-    return Push(intents, entries)
+        entries[index] = _entry(record.as_doc(), intent, keys(record.policy_id, record.sort_key()), failed,
+                                values.warnings)
+    return Push(intents, [e for e in entries if e is not None])
 
 
 def pod_intents(body: Any, max_count: int) -> Push:
@@ -204,9 +253,7 @@ def pod_intents(body: Any, max_count: int) -> Push:
     intent, distinct for several intents of one pod. Exact repeats stay separate entries (the Manager
     hashes each) but are one intent.
     """
-    intents: list[Intent] = []
-    entries: list[SenderEntry] = []
-    seen: set[str] = set()
+    records: list[PodIntentRecord] = []
     for index, raw in enumerate(_list_field(body, "intents", max_count)):
         where = f"intents[{index}]"
         item = _item(raw, where)
@@ -215,35 +262,44 @@ def pod_intents(body: Any, max_count: int) -> Push:
             isinstance(k, str) and isinstance(v, str) for k, v in labels_raw.items()
         ):
             raise BodyError(f"{where}.podLabels: expected an object of strings")
-        record = PodIntentRecord(
+        records.append(PodIntentRecord(
             pod_name=_str(item, "podName", where),
             pod_id=_str(item, "podID", where),
             node_id=_str(item, "nodeID", where),
             namespace=_str(item, "k8sNamespace", where),
-            command_regex=_str(item, "commandRegex", where, REGEX_FIELD_MAX),
+            command_regex=_str(item, "commandRegex", where),
             priority=_int(item, "priority", where),
             execution_time=_int(item, "executionTime", where),
             labels=dict(labels_raw),
-        )
+        ))
+    intents: list[Intent] = []
+    entries: list[SenderEntry | None] = [None] * len(records)
+    seen: set[str] = set()
+    keys = _Keys()
+    for index in _in_merkle_order(records, PodIntentRecord.sort_key):
+        record = records[index]
         values = honourable(record.priority, record.execution_time)
         warnings = values.warnings
         if not record.command_regex:
             warnings += ("no commandRegex: every task of the pod but its pause container, as upstream",)
         ident = f"{record.pod_id}.{sha256_hex(record.sort_key())[:12]}"
-        doc: dict[str, Any] = {"id": ident, "commandRegex": record.command_regex, "podUID": record.pod_id}
-        if record.node_id:
-            doc["nodeNames"] = [record.node_id]
+        failed = _too_long(podName=record.pod_name, nodeID=record.node_id, k8sNamespace=record.namespace)
+        intent: Intent | None = None
         if not record.pod_id:
-            intent, failed = None, "podID is empty: this intent selects no pod"
-        else:
-            intent, failed = _outcome(doc, values, where)
+            failed = "podID is empty: this intent selects no pod"
+        elif not failed and ident not in seen and len(intents) >= max_count:
+            failed = _over_limit(max_count)
+        elif not failed:
+            doc = {"id": ident, "commandRegex": record.command_regex, "podUID": record.pod_id}
+            intent, failed = _outcome(doc, values, f"intents[{index}]")
             if intent is None and ID_RE.match(ident) is None:
                 failed = "podID is not a pod UID: this intent selects no pod"
         if intent is not None and intent.id not in seen:
             seen.add(intent.id)
             intents.append(intent)
-        entries.append(_entry(record.as_doc(), intent, record.pod_id, index, failed, warnings))
-    return Push(intents, entries)
+        key = keys(record.pod_id, record.sort_key())
+        entries[index] = _entry(record.as_doc(), intent, key, failed, warnings)
+    return Push(intents, [e for e in entries if e is not None])
 
 
 def node_record_of(entry: SenderEntry) -> NodePolicyRecord:

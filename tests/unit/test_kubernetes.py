@@ -30,7 +30,31 @@ def by_kind(path: Path, kind: str) -> dict[str, Any]:
 
 
 def test_manifests_exist() -> None:
-    assert [p.name for p in MANIFESTS] == ["agent-daemonset.yaml", "decisionmaker-daemonset.yaml"]
+    assert [p.name for p in MANIFESTS] == ["agent-daemonset.yaml", "agent-plain-http.yaml",
+                                           "decisionmaker-daemonset.yaml"]
+
+
+def test_plain_http_mode_listens_on_the_pod_ip_and_admits_only_the_manager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Upstream's Helm default (mtls.enabled: false): the agent in the insecure mode, on the pod's IP
+    (never 0.0.0.0), and a NetworkPolicy that lets only the Manager's pods reach the REST port."""
+    path = DEPLOY / "agent-plain-http.yaml"
+    config = yaml.safe_load(by_kind(path, "ConfigMap")["data"]["config.yaml"])
+    monkeypatch.setenv("POD_IP", "10.42.0.7")
+    agent = AgentConfig.model_validate(config)
+    assert agent.rest.insecure_allow_plain_http and agent.rest.listen == "10.42.0.7:8080"
+    monkeypatch.delenv("POD_IP")
+    with pytest.raises(ValueError, match="POD_IP"):
+        AgentConfig.model_validate(config)
+    ds = by_kind(DEPLOY / "agent-daemonset.yaml", "DaemonSet")
+    env = ds["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    policy = by_kind(path, "NetworkPolicy")["spec"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    rest_rule = next(r for r in policy["ingress"] if {"protocol": "TCP", "port": 8080} in r["ports"])
+    assert rest_rule["from"] and all("podSelector" in peer for peer in rest_rule["from"])
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -290,7 +290,10 @@ def test_token_needs_our_public_key(plain: Env, tmp_path: Path) -> None:
         ({"policyID": "b" * 24, "commandRegex": "x", "priority": 25}, "priority 25 is above 20"),
         ({"policyID": "b" * 24, "commandRegex": "(unclosed", "priority": 1}, "not valid RE2"),
         ({"policyID": "b" * 24, "priority": 1}, "commandRegex is empty"),
-        ({"policyID": "a" * 24, "commandRegex": "x", "priority": 1}, "duplicate policyID (also policies[0])"),
+        ({"policyID": "a" * 24, "commandRegex": "x", "priority": 1}, "duplicate policyID"),
+        ({"policyID": "b" * 24, "commandRegex": r"\pL{1000}", "priority": 1}, "pattern too large"),
+        ({"policyID": "b" * 254, "commandRegex": "x", "priority": 1}, "policyID is 254 characters"),
+        ({"policyID": "b" * 24, "nodeID": "n" * 254, "commandRegex": "x"}, "nodeID is 254 characters"),
     ],
 )
 def test_unusable_policy_is_accepted_as_a_failed_entry(plain: Env, bad: dict[str, Any], reason: str) -> None:
@@ -302,8 +305,11 @@ def test_unusable_policy_is_accepted_as_a_failed_entry(plain: Env, bad: dict[str
     assert reply.status == 200 and reply.body["success"] is True, reply.body
     assert reply.body["data"]["accepted"] == 1
     [failed] = reply.body["data"]["failed"]
-    assert reason in failed["reason"] and failed["key"].endswith("#1")
+    assert reason in failed["reason"] and re.search(r"#[0-9a-f]{12}$", failed["key"])
     assert held(plain.store, "manager").keys() == {"a" * 24}
+    # its key is its content's, not its position's: the same set in another order is no change
+    again = plain.call("POST", "/api/v1/node-intents", {"policies": [bad, good]}, token)
+    assert again.body["data"]["changed"] is False and again.body["data"]["failed"] == [failed]
     merkle = plain.call("GET", "/api/v1/node-intents/merkle", token=token)
     assert merkle.body["data"]["rootHash"] == shell_merkle(node_policy_rows([good, bad]))
     rows = plain.call("GET", "/api/v1/node-intents", token=token).body["data"]["policies"]
@@ -475,13 +481,55 @@ def test_state_from_before_entries_were_kept(tmp_path: Path) -> None:
         env.server.stop()
 
 
-def test_other_node_intents_are_recorded_and_reported(plain: Env) -> None:
+def test_entries_over_the_limit_fail_in_merkle_order_whatever_the_push_order(tmp_path: Path) -> None:
+    """More entries than api.max_intents_per_source were a 400 for the whole push (so the Manager re-pushed
+    it forever). Now the first ones in the Manager's merkle order are applied, the rest are failed entries,
+    and the root is the Manager's; only more than 4 times the limit cannot be held (400)."""
+    env = start(tmp_path, insecure=True, store=IntentStore(tmp_path / "state", max_intents_per_source=3))
+    try:
+        token = env.token()
+        policies = [policy(f"{i:024x}", f"^w{i}$") for i in range(5)]
+        reply = env.call("POST", "/api/v1/node-intents", {"policies": policies[::-1]}, token)
+        assert reply.status == 200 and reply.body["data"]["accepted"] == 3, reply.body
+        assert held(env.store, "manager").keys() == {f"{i:024x}" for i in range(3)}
+        assert all("api.max_intents_per_source" in f["reason"] for f in reply.body["data"]["failed"])
+        root = env.call("GET", "/api/v1/node-intents/merkle", token=token).body["data"]["rootHash"]
+        assert root == shell_merkle(node_policy_rows(policies))
+        assert env.call("POST", "/api/v1/node-intents", {"policies": policies}, token).body["data"][
+            "changed"] is False
+        many = [policy(f"{i:024x}") for i in range(13)]
+        refused = env.call("POST", "/api/v1/node-intents", {"policies": many}, token)
+        assert refused.status == 400 and "more than can be held" in refused.body["error"]
+    finally:
+        env.server.stop()
+
+
+def test_a_long_pattern_is_applied_and_kept_across_a_restart(tmp_path: Path) -> None:
+    """Upstream takes a commandRegex of any length; a 5,000-character one was a 400 for the whole push.
+    Kept across a restart: the state file is read with the Manager's (absent) limit, not the local 256."""
+    env = start(tmp_path, insecure=True)
+    pattern = "^worker$|" + "|".join(f"^w{i:04d}$" for i in range(700))
+    assert len(pattern) > 4096
+    try:
+        body = {"policies": [policy("a" * 24, pattern)]}
+        reply = env.call("POST", "/api/v1/node-intents", body, env.token())
+        assert reply.status == 200 and reply.body["data"]["accepted"] == 1, reply.body
+    finally:
+        env.server.stop()
+    store = IntentStore(tmp_path / "state")
+    store.load()
+    assert held(store, "manager")["a" * 24].command_regex == pattern
+
+
+def test_other_node_intents_are_applied_and_reported(plain: Env) -> None:
+    """The Manager chose this node: an entry naming another node is applied all the same (it was recorded
+    but never applied before) and the mismatch is reported."""
     token = plain.token()
     reply = plain.call("POST", "/api/v1/node-intents",
                        {"policies": [policy("a" * 24), policy("b" * 24, node="node-z")]}, token)
     assert reply.status == 200
-    assert reply.body["data"]["notForThisNode"] == ["b" * 24]
-    assert held(plain.store, "manager")["b" * 24].node_names == ("node-z",)
+    assert reply.body["data"]["nodeNameMismatch"] == ["b" * 24]
+    assert held(plain.store, "manager")["b" * 24].node_names == ()
 
 
 def test_thousand_intents_are_applied_and_acknowledged(plain: Env) -> None:
@@ -513,9 +561,19 @@ def test_client_without_certificate_is_refused(mtls: Env, tmp_path: Path) -> Non
     with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
         mtls.call("POST", "/api/v1/auth/token", {"public_key": public_pem(mtls.key), "client_id": "m"},
                   ctx=foreign)
-    # plain HTTP to the TLS port gets nothing useful either
-    with pytest.raises((urllib.error.URLError, ConnectionError)):
-        call(f"http://127.0.0.1:{mtls.server.port}", "GET", "/health")
+    # plain HTTP to the TLS port gets nothing served, but an answer naming what to set (it was an empty
+    # reply: curl's exit 52, nothing in either log), logged once per peer
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(2):
+            plain = call(f"http://127.0.0.1:{mtls.server.port}", "POST", "/api/v1/auth/token", "{}",
+                         {"Content-Type": "application/json"})
+            assert plain.status == 400 and plain.body["success"] is False
+            assert "mtls.enabled: true" in plain.body["error"]
+            assert "rest.insecure_allow_plain_http" in plain.body["error"]
+    told = [e for e in logs if e["event"] == "rest_plain_http_on_tls_port"]
+    # once per peer at warning (the repeat is at debug, which the logging set-up may filter out)
+    assert [e["log_level"] for e in told if e["log_level"] != "debug"] == ["warning"]
+    assert mtls.server.stats().plain_http_refused == 2
     assert mtls.call("GET", "/health").status == 200
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from gthulhu_node.rest.podmetrics import PodTarget, render
 from gthulhu_node.rest.pods import pods_on_node
-from gthulhu_node.rest.runtime_config import RuntimeConfig, load_applied, parse_body
+from gthulhu_node.rest.runtime_config import RuntimeConfig, load_applied, parse_body, take_into_effect
 from gthulhu_node.rest.translate import BodyError
 
 UID = "20da609e-6973-4463-a1f9-2db9bcc5becc"
@@ -68,7 +68,14 @@ def test_pod_metrics_sum_governed_tasks_and_leave_out_what_is_not_measured(tmp_p
     assert f"gthulhu_pod_run_count_total{{{labels}}} 10.0" in text
     assert f"gthulhu_pod_voluntary_ctx_switches_total{{{labels}}} 14.0" in text
     assert f"gthulhu_pod_process_count{{{labels}}} 1.0" in text
-    assert "migrations" not in text
+    assert f"gthulhu_pod_cpu_migrations_total{{{labels}}}" not in text  # no sched file: absent, never 0
+    for tid, moved in ((41, 3), (42, 5)):  # the kernel's /proc/<pid>/task/<tid>/sched format
+        (tmp_path / "41" / "task" / str(tid) / "sched").write_text(
+            f"w ({tid}, #threads: 2)\n{'-' * 20}\nse.exec_start : 1.5\n"
+            f"se.nr_migrations                             :                    {moved}\n")
+    text = render({"manager-pods/a": pod}, rows, tmp_path).decode()
+    assert f"gthulhu_pod_cpu_migrations_total{{{labels}}} 8.0" in text
+    assert "smt_migrations" not in text  # not measured
     assert "pod_name" not in render({"manager-pods/a": pod}, [], tmp_path).decode()  # no task: no series
 
 
@@ -88,14 +95,31 @@ def test_runtime_config_applies_only_allowed_changed_values(tmp_path: Path) -> N
     assert "newField" not in fields  # a newer Manager's field: ignored as Go ignores it
     closed = RuntimeConfig(tmp_path, frozenset()).apply(fields)
     assert closed.applied == {} and "rest.runtime_config_allow" in closed.not_applicable["sliceNsDefault"]
-    assert not (tmp_path / "runtime-config.json").exists()
+    assert closed.in_effect  # nothing of it applies here, and nothing waits: the agent runs with it
+    # kept across a restart: the Manager sees the config it sent, not `configAvailable: false`
+    assert RuntimeConfig(tmp_path, frozenset()).state.received == fields
     config = RuntimeConfig(tmp_path, frozenset({"sliceNsDefault"}))
     state = config.apply(fields)
     assert state.applied == {"sliceNsDefault": 20_000_000} and state.pending_reload == ["sliceNsDefault"]
+    assert not state.in_effect  # the truth: the scheduler still runs with the old default slice
     assert set(state.not_applicable) == {"mode", "schedulerEnabled"}
     assert json.loads((tmp_path / "runtime-config.json").read_text())["applied"] == state.applied
     stamp = state.applied_at
     assert config.apply(fields).applied_at == stamp  # the same value again: no change
-    assert "outside" in config.apply({"sliceNsDefault": 10}).not_applicable["sliceNsDefault"]
+    refused = config.apply({"sliceNsDefault": 10})
+    assert "outside" in refused.not_applicable["sliceNsDefault"] and "outside" in refused.last_error
+    assert any("lastError" in n for n in refused.notes())
+    config.apply(fields)
     assert load_applied(tmp_path, frozenset({"sliceNsDefault"})) == {"sliceNsDefault": 20_000_000}
     assert load_applied(tmp_path, frozenset()) == {}  # taken off the allowlist: no longer applied
+    # the agent's next start loads the scheduler with it: in effect, one restart counted
+    assert take_into_effect(tmp_path, frozenset({"sliceNsDefault"})) == {"sliceNsDefault": 20_000_000}
+    after = RuntimeConfig(tmp_path, frozenset({"sliceNsDefault"})).state
+    assert after.in_effect and after.restart_count == 1 and after.last_error == ""
+    take_into_effect(tmp_path, frozenset({"sliceNsDefault"}))  # nothing waited: not counted
+    assert RuntimeConfig(tmp_path, frozenset({"sliceNsDefault"})).state.restart_count == 1
+    # on the eevdf backend no scheduler of ours has a default slice: not applicable, nothing waits
+    eevdf = RuntimeConfig(tmp_path, frozenset({"sliceNsDefault"})).apply({"sliceNsDefault": 30_000_000},
+                                                                          backend="eevdf")
+    assert "eevdf backend" in eevdf.not_applicable["sliceNsDefault"] and eevdf.in_effect
+    assert eevdf.applied == {"sliceNsDefault": 20_000_000} and eevdf.pending_reload == []
