@@ -849,6 +849,14 @@ class Reconciler:
         if self._stale:
             self._fresh(task.tgid)
         proc = self._procs.get(task.tgid)
+        if proc is not None and task.tid == task.tgid and proc.start_time not in (None, task.start_time):
+            # A leader with another start time: the PID was reused, so every thread of the old process is
+            # gone (a leader's PID outlives its group) and their exits were lost. Kept, they held the
+            # process's matches, and its TGID entry kept the dead process's start time, which the
+            # scheduler ignores: the new process lost its boost.
+            for tid in list(proc.tids):
+                self._remove_task(tid, ts)
+            proc = self._procs.get(task.tgid)
         if proc is None:
             proc = self._procs[task.tgid] = _Proc(task.tgid)
         if task.tid == task.tgid:

@@ -255,6 +255,24 @@ def test_tid_reuse_is_a_new_task(proc: FakeProc) -> None:
     assert b.table == {}
 
 
+def test_pid_reuse_with_exits_lost_is_a_new_process(proc: FakeProc) -> None:
+    """A process whose exits were all lost, its PID then reused by a new matching process: the TGID entry
+    carries the new leader's start time (the scheduler ignores one with the dead process's). Found by the
+    model test (test_reconciler_model.py): the dead process's other thread kept the process's match, so the
+    entry was never rewritten."""
+    proc.add(10, 10, "EngineCore_DP0", 1)
+    proc.add(10, 11, "EngineCore_DP0", 2)
+    r, b = make(proc)
+    r.set_policy(policy(("local/p", {"scope": "process", "priority": 3})))
+    r.rescan()
+    assert b.table == {tgid(10): Entry(3, 0, 1)}
+    proc.remove(10)
+    proc.add(10, 10, "EngineCore_DP0", 3)
+    r.handle_events([ev(EventKind.FORK, 10, 10)])
+    assert b.table == {tgid(10): Entry(3, 0, 3)}
+    assert {m.tid for m in r.matches()} == {10}
+
+
 def test_incomplete_snapshot_never_removes(proc: FakeProc) -> None:
     proc.add(700, 700, "EngineCore", 1)
     proc.add(701, 701, "EngineCore", 2)
