@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * Layouts shared by the gthulhu scheduler (gthulhu.bpf.c) and the agent (gthulhu_node/scheduler/layout.py).
- * Python never knows an offset by hand: tests/host/test_scheduler_layout.py checks its ctypes mirror
- * against the BTF of the compiled object. Only fixed-size types; every struct is padded explicitly.
+ * Layouts shared by the gthulhu scheduler (gthulhu.bpf.c and its parts) and the agent
+ * (gthulhu_node/scheduler/layout.py): every struct here is a map value, .rodata or .bss the agent reads or
+ * writes, and nothing else is. Python never knows an offset by hand: tests/unit/test_scheduler_header.py
+ * checks its ctypes mirrors against this header, tests/host/test_scheduler_layout.py against the BTF of
+ * every compiled object. Only fixed-size types; every struct is padded explicitly.
  */
 #ifndef GTHULHU_H
 #define GTHULHU_H

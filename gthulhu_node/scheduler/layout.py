@@ -1,7 +1,8 @@
 """ctypes mirrors of bpf/gthulhu.h, the one header the scheduler and the agent share.
 
-tests/host/test_scheduler_layout.py compares every struct here, field by field (name, offset, size), with
-the BTF of the compiled object, so an edit on one side only fails the tests instead of corrupting maps.
+tests/unit/test_scheduler_header.py compares every struct here, field by field (offset, size), with the
+header as the compiler lays it out, and tests/host/test_scheduler_layout.py with the BTF of every compiled
+object, so an edit on one side only fails the tests instead of corrupting maps.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
 LOCK_PATH = Path("/run/gthulhu-node/scheduler.lock")
 SLEEPABLE_PROGRAMS = ("gthulhu_init",)
 ATTACH_TIMEOUT_S = 30.0
-#: fair queues the scheduler creates at most (MAX_DOMAINS in bpf/gthulhu.bpf.c): more NUMA nodes share them
+#: fair queues the scheduler creates at most (MAX_DOMAINS in bpf/state.bpf.h): more NUMA nodes share them
 MAX_DOMAINS = 64
 #: scheduler.fair_queues: one unboosted queue per NUMA node, or one for the whole host
 FAIR_QUEUE_MODES = ("per_node", "single")

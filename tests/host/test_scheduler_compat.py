@@ -51,6 +51,30 @@ def test_only_the_6_17_object_has_the_cpu_max_member_in_its_sched_ext_ops_member
     assert "sched_ext_ops.cgroup_set_bandwidth: not in the kernel" in check(BW, lab_kernel("6.12").vmlinux)
 
 
+def ops_flags(obj: Path) -> int:
+    """The flags an object's ops table sets: its .struct_ops value at the offset its own BTF gives."""
+    members = Btf(obj).named(("STRUCT",), "sched_ext_ops")[0]["members"]
+    offset = next(m["bits_offset"] // 8 for m in members if m["name"] == "flags")
+    elf = obj.read_bytes()
+    start, _ = loader.elf_section(elf, ".struct_ops")
+    return int.from_bytes(elf[start + offset :][:8], "little")
+
+
+def ops_flag_values(vmlinux: Path) -> dict[str, int]:
+    return {v["name"]: v["val"] for t in Btf(vmlinux).named(("ENUM", "ENUM64"), "scx_ops_flags")
+            for v in t["values"]}
+
+
+def test_the_named_ops_flags_are_the_kernels_own() -> None:
+    """compat.bpf.h writes the ops flags as numbers (the ops table is data: CO-RE does not relocate it).
+    Each object's flags are its kernel's values of the names it means; 7.3 has no cgroup-weight flag, and
+    a kernel refuses a flag it does not know."""
+    old, new = ops_flag_values(lab_kernel("6.12").vmlinux), ops_flag_values(lab_kernel("7.3").vmlinux)
+    assert ops_flags(OLD) == old["SCX_OPS_HAS_CGROUP_WEIGHT"] | old["SCX_OPS_ENQ_LAST"]
+    assert ops_flags(NEW) == ops_flags(BW) == new["SCX_OPS_ENQ_LAST"]
+    assert "SCX_OPS_HAS_CGROUP_WEIGHT" not in new
+
+
 # What a 6.13-6.16 kernel's BTF looks like to the loader: the new kfunc names, an ops table without
 # cgroup_set_bandwidth (a BPF object's BTF: libbpf parses it as it parses /sys/kernel/btf/vmlinux).
 KERNEL_6_16 = """

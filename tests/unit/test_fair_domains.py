@@ -12,7 +12,7 @@ import pytest
 from gthulhu_node.config import SchedulerConfig
 from gthulhu_node.scheduler.loader import MAX_DOMAINS, cpu_domains, parse_cpulist
 
-SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "gthulhu.bpf.c"
+SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "state.bpf.h"
 
 
 def nodes(tmp_path: Path, lists: dict[int, str]) -> Path:

@@ -19,7 +19,9 @@ def test_possible_cpus_is_nr_cpu_ids(tmp_path: Path, text: str, count: int) -> N
 
 
 def test_the_object_has_no_compiled_in_cpu_cap() -> None:
-    source = (Path(__file__).resolve().parents[2] / "bpf" / "gthulhu.bpf.c").read_text()
-    assert "MAX_CPUS" not in source
+    bpf = Path(__file__).resolve().parents[2] / "bpf"
+    sources = [*sorted(bpf.glob("*.bpf.[ch]")), bpf / "gthulhu.h"]
+    assert bpf / "gthulhu.bpf.c" in sources
+    assert not [p.name for p in sources if "MAX_CPUS" in p.read_text()]
     assert 'obj.map("cpu_ctxs").set_max_entries(nr_cpus)' in (
         Path(__file__).resolve().parents[2] / "gthulhu_node" / "scheduler" / "loader.py").read_text()

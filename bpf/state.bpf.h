@@ -1,0 +1,269 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * The scheduler's state, which every part reads (part of the one compilation unit gthulhu.bpf.c): the
+ * queues and limits, the settings the loader writes, the counters, the two clocks, the strategy maps the
+ * agent writes, and the per-task, per-cgroup and per-CPU contexts; then the small helpers on them that
+ * more than one part uses. The layouts shared with the agent are in gthulhu.h.
+ */
+#ifndef GTHULHU_STATE_BPF_H
+#define GTHULHU_STATE_BPF_H
+
+#define BOOST_DSQ 1
+#define THROTTLED_DSQ 3
+/*
+ * Unboosted tasks queue per domain, a NUMA node (nr_domains(), cpu_domain): domain d's queue is
+ * FAIR_DSQ_BASE + d. One global queue made every enqueue and dispatch on every CPU take the same lock.
+ */
+#define FAIR_DSQ_BASE 16
+#define MAX_DOMAINS 64
+#define USER_HZ 100
+#define PF_EXITING 0x00000004
+#define PF_KTHREAD 0x00200000
+/* The agent's own threads rank above every intent's priority. */
+#define AGENT_PRIORITY (GTHULHU_PRIORITY_MAX + 1)
+/* Deadline distance between adjacent priorities in BOOST_DSQ: priority 1 waits at most 40 ms more than 20. */
+#define BOOST_STEP_NS 2000000ULL
+/*
+ * Boosted tasks a reserve turn looks at: the queue is in deadline order, so the starved ones are in front.
+ * Such bounds are kept by a numbers iterator beside the DSQ iterator, never by a counter: the verifier
+ * tracks a counter exactly, so it walks the loop body once per value (dispatch took 495k of its 1M
+ * instructions and 6.7 of the scheduler's 8 s load under TCG that way), and an iterator's loop converges.
+ */
+#define RESERVE_SCAN 16
+
+const volatile struct gthulhu_settings settings = {
+	.default_slice_ns = 5000000,
+	.boost_window_ns = 100000000,
+	.boost_share_percent = 75,
+	.nr_cpus = 1,
+	.nr_domains = 1,
+};
+
+struct gthulhu_bss bss;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, struct gthulhu_counters);
+} counters SEC(".maps");
+
+/* Scheduler-internal state, not part of the layout shared with Python. */
+static u64 vtime_now SEC(".data") = 0;
+/*
+ * The reserve's clock: the key of the last task a reserve turn served (the least one waiting), never
+ * going back. vtime_now moves only with unboosted runs; with nothing but boosted tasks runnable it stands
+ * still, and every boosted `served` would sit at the same lead past it, leaving the reserve to deadline
+ * order instead of to the task served least.
+ */
+static u64 reserve_now SEC(".data") = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536); /* set by the loader (config.scheduler.map_capacity) */
+	__type(key, u32);
+	__type(value, struct gthulhu_entry);
+} tid_map SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, u32);
+	__type(value, struct gthulhu_entry);
+} tgid_map SEC(".maps");
+
+struct task_ctx {
+	u64 vtime;        /* fair virtual time, charged for every run */
+	u64 started_at;   /* when the current run began */
+	u64 window_start; /* start of this task's boost accounting window */
+	u64 window_used;  /* boosted run time inside it */
+	u64 demoted_until;
+	u64 served;       /* like vtime, but leads the pool by up to a window: the reserve's measure */
+	u64 group;        /* cgroup id or autogroup counted while runnable (group_is_cgroup says which), 0 none */
+	u64 cgid;         /* the task's cgroup as sched_ext reports it (init_task, cgroup_move), 0 the root */
+	u64 slice;        /* the slice of the current/queued run, for a prev kept by dispatch */
+	u64 cached_slice; /* the strategy select_cpu looked up for the enqueue of the same wakeup */
+	u32 cached_prio;
+	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
+	u32 group_weight; /* what this task added to that group's sum */
+	u32 group_share;  /* an autogroup's weight (its nice), 100 for the default */
+	u64 bw_mark;      /* the current run is charged to the cgroups' cpu.max budgets up to here */
+	u64 parked_at;    /* when it was last parked in THROTTLED_DSQ */
+	u32 prio;         /* effective priority of the current/queued run: 0 fair */
+	u32 group_is_cgroup;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct task_ctx);
+} task_ctxs SEC(".maps");
+
+/*
+ * Runnable weight of each autogroup (session; key: its struct task_group), so a task is charged as one of
+ * the group's tasks: the group gets one share, whatever number of threads it runs. LRU: a group lost to
+ * eviction only means its tasks are charged as individuals until they next wake.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, u64);
+	__type(value, s64);
+} group_weights SEC(".maps");
+
+/*
+ * The cgroup tree as sched_ext reports it (ops.cgroup_init/exit/set_weight; only cgroups with the cpu
+ * controller), keyed by cgroup id; the root is not kept (its tasks are charged as individuals, as the
+ * root level is in EEVDF's terms: entities compared by their weights). `load` is what competes inside the
+ * cgroup: the weights of its runnable tasks plus the `contrib` of each child cgroup, which is the child's
+ * weight while it has runnable work and 0 otherwise. A change of `load` from zero to positive or back
+ * changes the cgroup's own `contrib`, under its lock, and that delta is applied to the parent's `load`
+ * in turn, so every parent's load equals its children's contribs once the deltas have landed (they may
+ * land in any order; a transient sum is clamped where it is used).
+ */
+#define CG_MAX_DEPTH 32
+/* A run longer than this (18 min) is charged as this long: the charge cannot overflow. */
+#define MAX_CHARGED_NS (1ULL << 40)
+struct cgroup_ctx {
+	struct bpf_spin_lock lock;
+	u32 weight;  /* cpu.weight, 1-10000 */
+	u32 contrib; /* what it adds to its parent's load: its weight while it has runnable work, else 0 */
+	s64 load;    /* runnable weight directly in it: its tasks' and its active children's */
+	u64 parent;  /* the parent's id, 0 for a top-level cgroup (a child of the root) */
+	/* cpu.max and cpu.max.burst: quota_ns 0 is "max", no limit */
+	u64 period_ns;
+	u64 quota_ns;
+	u64 burst_ns;
+	u64 period_end; /* the current period ends here */
+	s64 budget;     /* run time left in it: quota per period, up to quota + burst carried, debt down to -quota */
+	u64 cgrp;       /* before 6.17: the cgroup, to find its task_group from (bw_reread) */
+	u64 tg;         /* before 6.17: its task_group, where the kernel keeps cpu.max; 0 until found */
+	u64 bw_read_at; /* when tg's cpu.max was last read */
+	u64 tg_misses;  /* walks that found no task_group yet */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, u64);
+	__type(value, struct cgroup_ctx);
+} cgroups SEC(".maps");
+
+/* Written under its CPU's rq lock (running, stopping, dispatch, hotplug callbacks of that CPU). */
+struct cpu_ctx {
+	u64 last_reserve; /* when this CPU last gave the reserve a turn */
+	u64 vtime;        /* vtime of the unboosted task it runs */
+	u64 window_start; /* this CPU's boost accounting window */
+	u64 boost_used;   /* boosted run time on this CPU inside it */
+	u32 prio;         /* what it runs now: 0 unboosted or idle, else the boosted priority */
+	u32 bw_stop_ready; /* bw_stop initialised */
+	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
+	u32 bw_stop_run;   /* the run bw_stop was armed for */
+	u32 offline;       /* between cpu_offline and cpu_online (or offline at init): prio stays ~0 */
+	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
+	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
+	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
+};
+
+/* One entry per possible CPU: the loader sets max_entries to nr_cpu_ids, so no CPU is left out. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, u32);
+	__type(value, struct cpu_ctx);
+} cpu_ctxs SEC(".maps");
+
+/* This CPU's slot of the counters (a per-CPU array is looked up without a hash or a lock). */
+static __always_inline struct gthulhu_counters *my_counters(void)
+{
+	u32 key = 0;
+
+	return bpf_map_lookup_elem(&counters, &key);
+}
+
+/*
+ * Count an event in this CPU's slot. Atomic although no other CPU writes it: a callback in process
+ * context (init_task, cgroup_init) can be interrupted on its CPU by one that counts the same event.
+ */
+#define count(name)                                                  \
+	do {                                                         \
+		struct gthulhu_counters *__c = my_counters();        \
+		if (__c)                                             \
+			__sync_fetch_and_add(&__c->name, 1);         \
+	} while (0)
+
+static __always_inline u64 ticks(u64 boottime_ns)
+{
+	return boottime_ns / (1000000000ULL / USER_HZ);
+}
+
+/* vtime and deadlines wrap: compare by signed difference, as the kernel's DSQ ordering does. */
+static __always_inline bool before(u64 a, u64 b)
+{
+	return (s64)(a - b) < 0;
+}
+
+static __always_inline u64 boost_budget(void)
+{
+	return settings.boost_window_ns * settings.boost_share_percent / 100;
+}
+
+static __always_inline struct task_ctx *ctx_of(struct task_struct *p)
+{
+	return bpf_task_storage_get(&task_ctxs, p, 0, 0);
+}
+
+static __always_inline struct cpu_ctx *cpu_ctx_of(s32 cpu)
+{
+	u32 key = cpu;
+
+	return bpf_map_lookup_elem(&cpu_ctxs, &key);
+}
+
+static __always_inline u32 prio_on(s32 cpu)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	return c ? c->prio : 0;
+}
+
+/* Whether boosted tasks used more than their share of this CPU in its current window. */
+static __always_inline bool cpu_throttled(struct cpu_ctx *c, u64 now)
+{
+	return now - c->window_start < settings.boost_window_ns && c->boost_used > boost_budget();
+}
+
+/* The reserve's turn on this CPU: it is throttled, or (window - budget) passed since the last turn. */
+static __always_inline bool reserve_due(struct cpu_ctx *c, u64 now)
+{
+	return cpu_throttled(c, now) || now - c->last_reserve >= settings.boost_window_ns - boost_budget();
+}
+
+/* Wake an idle CPU the task may run on, so a queued task does not wait for the next tick. */
+static __always_inline void kick_idle(struct task_struct *p)
+{
+	s32 cpu = scx_bpf_pick_idle_cpu(p->cpus_ptr, 0);
+
+	if (cpu >= 0)
+		scx_bpf_kick_cpu(cpu, KICK_IDLE);
+}
+
+/* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
+static __always_inline u64 fair_vtime(struct task_ctx *tctx)
+{
+	u64 floor = vtime_now - settings.default_slice_ns;
+
+	return before(tctx->vtime, floor) ? floor : tctx->vtime;
+}
+
+/* The deadline a boosted task is queued at in BOOST_DSQ: priority buys a head start, waiting catches up. */
+static __always_inline u64 boost_deadline(u32 prio, u64 now)
+{
+	return now + (u64)(AGENT_PRIORITY - prio) * BOOST_STEP_NS;
+}
+
+#endif /* GTHULHU_STATE_BPF_H */
