@@ -13,6 +13,9 @@ round so drift in the machine's load hits all of them:
   dry-run        the dry run, its engine thread given the slice the eevdf backend gives its own
   eevdf, before  the eevdf backend without the engine thread's slice request (as before issue 43)
   eevdf          the eevdf backend as the agent builds it (engine_slice_ns=ENGINE_SLICE_NS)
+  self-poll, before / self-poll
+                 eevdf without / with the engine's slice, the renamed thread itself polling its nice
+                 (busy, no reader): the measurement that showed issue 43's ~4 ms step
 Printed: medians over rounds [min-max] of rename -> effect p50/p90/p99, the renamer's prctl p50/p99,
 fork+exec p50, the agent's CPU per proc event during the fork+exec phase; ratios eevdf / dry-run (goal:
 p99 <= 2x) and with agent / without (goal: fork+exec <= 1.05x); the 1-min load average around each run.
@@ -50,17 +53,22 @@ PRIO = os.environ.get("GTHULHU_BENCH_PRIO", "")
 # when the load (or, under EEVDF, the boosted thread it watches, on the CPU they share) lets it run.
 OBSERVER_PRIO = os.environ.get("REACTION_OBSERVER_PRIO", "--fifo=1")
 
-CASES: dict[str, tuple[str, int]] = {
-    "none": ("none", 0),
-    "drop-all filter": ("dropall", 0),
-    "dry-run": ("dry-run", ENGINE_SLICE_NS),
-    "eevdf, before": ("eevdf", 0),
-    "eevdf": ("eevdf", ENGINE_SLICE_NS),
+CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "none": ("none", 0, ()),
+    "drop-all filter": ("dropall", 0, ()),
+    "dry-run": ("dry-run", ENGINE_SLICE_NS, ()),
+    "eevdf, before": ("eevdf", 0, ()),
+    "eevdf": ("eevdf", ENGINE_SLICE_NS, ()),
+    # issue 43's measurement: the renamed thread itself polls its nice, busy, on its own CPU (no reader,
+    # no fork+exec phase); eevdf only, the dry run changes nothing a thread could see
+    "self-poll, before": ("eevdf", 0, ("--self-poll", "--forkexec=0")),
+    "self-poll": ("eevdf", ENGINE_SLICE_NS, ("--self-poll", "--forkexec=0")),
 }
 NO_AGENT = ("none", "drop-all filter")
+SELF_POLL = ("self-poll, before", "self-poll")
 
 
-def reaction(backend: str, engine_slice_ns: int) -> dict[str, Any]:
+def reaction(backend: str, engine_slice_ns: int, case_args: tuple[str, ...]) -> dict[str, Any]:
     extra = [f"--prio={PRIO}"] if PRIO else []
     if OBSERVER_PRIO:
         extra.append(f"--observer-prio={OBSERVER_PRIO}")
@@ -78,6 +86,7 @@ def reaction(backend: str, engine_slice_ns: int) -> dict[str, Any]:
             f"--engine-slice-ns={engine_slice_ns}",
             f"--hogs={HOGS}",
             *extra,
+            *case_args,
         ],
         cwd=REPO,
         capture_output=True,
@@ -99,8 +108,8 @@ def spread(runs: list[dict[str, Any]], field: str) -> tuple[float, str]:
 def test_eevdf_reaction_and_agent_cost() -> None:
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in CASES}
     for _ in range(ROUNDS):
-        for name, (backend, slice_ns) in CASES.items():
-            rows[name].append(reaction(backend, slice_ns))
+        for name, (backend, slice_ns, case_args) in CASES.items():
+            rows[name].append(reaction(backend, slice_ns, case_args))
     loads = [r[k] for runs in rows.values() for r in runs for k in ("load_before", "load_after")]
     hogs = f", beside stress-ng --cpu {HOGS}" if HOGS else ""
     observer = f"reader {OBSERVER_PRIO.lstrip('-')}" if OBSERVER_PRIO else "reader at normal priority"
@@ -114,8 +123,10 @@ def test_eevdf_reaction_and_agent_cost() -> None:
     for name, runs in rows.items():
         med[name] = {}
         cells = []
-        fields = ("prctl_p50_ms", "prctl_p99_ms", "forkexec_p50_ms")
-        if name not in NO_AGENT:
+        fields: tuple[str, ...] = ("prctl_p50_ms", "prctl_p99_ms", "forkexec_p50_ms")
+        if name in SELF_POLL:
+            fields = ("p50_ms", "p90_ms", "p99_ms", "prctl_p50_ms", "prctl_p99_ms")
+        elif name not in NO_AGENT:
             fields = ("p50_ms", "p90_ms", "p99_ms", *fields, "agent_us_per_event")
         for f in fields:
             med[name][f], text = spread(runs, f)
@@ -126,6 +137,9 @@ def test_eevdf_reaction_and_agent_cost() -> None:
         for name in ("eevdf, before", "eevdf"):
             ratio = med[name][q] / med["dry-run"][q]
             print(f"  {name} / dry-run {q[:3]}: {ratio:.2f}x  (goal p99 <= 2x)")
+    for q in ("p50_ms", "p90_ms", "p99_ms"):
+        before, after = med["self-poll, before"][q], med["self-poll"][q]
+        print(f"  self-poll {q[:3]}: {before:.3f} ms before, {after:.3f} ms after")
     for name in ("drop-all filter", "dry-run", "eevdf, before", "eevdf"):
         fe = med[name]["forkexec_p50_ms"] / med["none"]["forkexec_p50_ms"]
         pr = med[name]["prctl_p50_ms"] / med["none"]["prctl_p50_ms"]

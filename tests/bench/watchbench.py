@@ -368,6 +368,7 @@ def run_dropall(args: argparse.Namespace) -> int:
 def run_rename(args: argparse.Namespace) -> int:
     starts: list[int] = []
     prctl_ns: list[int] = []  # how long each prctl(PR_SET_NAME) took, in and out: what the agent costs it
+    seen: list[int] = []  # --self-poll: when the thread saw its own nice go negative (0: not in time)
     result: dict[str, Any] = {}
 
     def body() -> None:
@@ -377,6 +378,7 @@ def run_rename(args: argparse.Namespace) -> int:
             tmp = Path(args.tid_file + ".tmp")
             tmp.write_text(str(result["tid"]))
             tmp.rename(args.tid_file)
+        stat_fd = os.open(f"/proc/self/task/{result['tid']}/stat", os.O_RDONLY)
         time.sleep(0.2)
         interval_ns = int(args.interval_ms * 1e6)
         for _ in range(args.count):
@@ -386,7 +388,11 @@ def run_rename(args: argparse.Namespace) -> int:
             done = now()
             starts.append(t)
             prctl_ns.append(done - t)
-            if args.spin:  # an engine that renamed itself and computes: busy on its CPU, as the agent wakes
+            if args.self_poll:  # busy reading its own nice until boosted (issue 43's measurement)
+                seen.append(_poll_own_nice(stat_fd, t + interval_ns))
+                while now() - t < interval_ns:
+                    pass
+            elif args.spin:  # an engine that renamed itself and computes: busy on its CPU, as the agent wakes
                 while now() - t < interval_ns:
                     pass
             else:
@@ -400,7 +406,18 @@ def run_rename(args: argparse.Namespace) -> int:
     th.join()
     result["starts"] = starts
     result["prctl_ns"] = prctl_ns
+    result["self_seen"] = seen
     Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def _poll_own_nice(fd: int, deadline: int) -> int:
+    """Read this thread's nice (field 19 of its stat) without pause until it is negative: the time
+    then, or 0 at the deadline."""
+    while (t := now()) < deadline:
+        data = os.pread(fd, 4096, 0)
+        if int(data[data.rindex(b")") + 2 :].split()[16]) < 0:
+            return t
     return 0
 
 
@@ -670,6 +687,7 @@ def run_reaction(args: argparse.Namespace) -> int:
                 agent_args.append(f"--journal={tmp / 'journal.json'}")
             agent = Role(*agent_args)
             roles.append(agent)
+        if agent is not None and not args.self_poll:
             source = [f"--record={record}"] if args.backend == "dry-run" else ["--source=nice"]
             reader = Role(
                 "reader",
@@ -688,8 +706,9 @@ def run_reaction(args: argparse.Namespace) -> int:
             name="EngineCore_DP0",
             tid_file=tid_file,
             spin=args.spin,
+            self_poll=args.self_poll,
         )
-        if agent is not None:
+        if agent is not None and not args.self_poll:
             time.sleep(0.3)
             reader.terminate()
         if args.forkexec:
@@ -715,7 +734,10 @@ def run_reaction(args: argparse.Namespace) -> int:
     if agent is None:
         print(json.dumps(out))
         return 0
-    seen = sorted(json.loads((tmp / "reader.json").read_text()).get(f"tid:{rename['tid']}", []))
+    if args.self_poll:
+        seen = sorted(t for t in rename["self_seen"] if t)
+    else:
+        seen = sorted(json.loads((tmp / "reader.json").read_text()).get(f"tid:{rename['tid']}", []))
     starts = rename["starts"]
     delays: list[float] = []
     missed: list[int] = []
@@ -778,6 +800,8 @@ def main() -> int:
     rc.add_argument("--poll-us", type=float, default=100.0, help="the reader's poll interval")
     rc.add_argument("--no-journal", action="store_true", help="eevdf: without its journal (to measure it)")
     rc.add_argument("--spin", action="store_true", help="the renamed thread is busy while in the pattern")
+    rc.add_argument("--self-poll", action="store_true",
+                    help="eevdf: the renamed thread itself polls its nice (busy) instead of the reader")
     rc.add_argument("--forkexec", type=int, default=0, help="then start /bin/true N times beside the agent")
     rc.add_argument("--engine-slice-ns", type=int, default=0, help="the agent engine thread's slice request")
     rc.add_argument("--hogs", type=int, default=0, help="run stress-ng --cpu N during the measurement")
@@ -794,6 +818,7 @@ def main() -> int:
         w.add_argument("--name", default="EngineCore_DP1", help="rename: the name taken N times")
         w.add_argument("--tid-file", default="", help="rename: write the renamed thread's tid here first")
         w.add_argument("--spin", action="store_true", help="rename: busy (not asleep) while in the pattern")
+        w.add_argument("--self-poll", action="store_true", help="rename: poll its own nice, busy, while in")
     for sp in (a, r, f):
         sp.add_argument("--nice", type=int, default=0, help="raise this process's priority (e.g. -10)")
         sp.add_argument("--fifo", type=int, default=0, help="run this process SCHED_FIFO at this priority")
