@@ -518,8 +518,13 @@ class Role:
         assert self.p.stdin is not None and self.p.stdout is not None
         self.p.stdin.write("\n")
         self.p.stdin.flush()
-        result: dict[str, Any] = json.loads(self.p.stdout.readline())
-        return result
+        while True:  # a log line (structlog writes warnings to stdout) may come first
+            line = self.p.stdout.readline()
+            if not line:
+                raise SystemExit("the agent ended before answering")
+            if line.startswith('{"cpu_ns"'):
+                result: dict[str, Any] = json.loads(line)
+                return result
 
     def finish(self) -> str:
         """Close stdin (the agent's stop signal); the last line it printed."""
