@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
 import struct
@@ -733,6 +734,10 @@ def run_reaction(args: argparse.Namespace) -> int:
         if hogs is not None:
             os.killpg(hogs.pid, signal.SIGKILL)
             hogs.wait()
+    read: dict[str, list[int]] = {}
+    if agent is not None and not args.self_poll:
+        read = json.loads((tmp / "reader.json").read_text())
+    shutil.rmtree(tmp, ignore_errors=True)
     prctl_ms = [t / 1e6 for t in rename["prctl_ns"]]
     out.update(prctl_p50_ms=pct(prctl_ms, 0.5), prctl_p99_ms=pct(prctl_ms, 0.99), agent=agent_stats,
                load_after=os.getloadavg()[0])
@@ -742,7 +747,7 @@ def run_reaction(args: argparse.Namespace) -> int:
     if args.self_poll:
         seen = sorted(t for t in rename["self_seen"] if t)
     else:
-        seen = sorted(json.loads((tmp / "reader.json").read_text()).get(f"tid:{rename['tid']}", []))
+        seen = sorted(read.get(f"tid:{rename['tid']}", []))
     starts = rename["starts"]
     delays: list[float] = []
     missed: list[int] = []
