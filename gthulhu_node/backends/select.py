@@ -56,6 +56,7 @@ def _auto_without_sched_ext(config: AgentConfig, why: str) -> tuple[Backend, str
             proc_root=config.watch.proc_root,
             probed=found,
             journal=config.state.directory / eevdf.JOURNAL_NAME,
+            engine_slice_ns=eevdf.ENGINE_SLICE_NS,
         )
         return backend, f"auto: {why}; eevdf: {found.reason}"
     log.info("eevdf_unavailable", reason=found.reason)
@@ -93,7 +94,9 @@ def select_backend(config: AgentConfig, sysfs: Path = SCHED_EXT_SYSFS) -> tuple[
         from gthulhu_node.backends import eevdf  # pure Python: nothing it imports is optional
 
         backend: Backend = eevdf.EevdfBackend(
-            proc_root=config.watch.proc_root, journal=config.state.directory / eevdf.JOURNAL_NAME
+            proc_root=config.watch.proc_root,
+            journal=config.state.directory / eevdf.JOURNAL_NAME,
+            engine_slice_ns=eevdf.ENGINE_SLICE_NS,
         )
         return backend, "eevdf forced by configuration"
     if kernel_has_sched_ext(sysfs):

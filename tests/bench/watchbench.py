@@ -14,7 +14,10 @@
   storm     workload: like spawn, 100,000 threads, each living >= 20 ms; JSON with every tid and timing.
   latency   runs floor + agent + reader + rename + spawn and prints the report (host and lab VM alike).
   reaction  runs agent + reader + rename for one backend (dry-run or eevdf) and prints rename -> effect
-            p50/p99 as one JSON line; the eevdf reader polls the renamed thread's nice in /proc.
+            p50/p99 as one JSON line; the eevdf reader polls the renamed thread's nice in /proc. Also
+            the renamer's prctl times and, with --forkexec, fork+exec beside the agent (none: no agent).
+  dropall   a proc connector listener whose kernel-side socket filter drops every event.
+  forkexec  workload: start /bin/true N times, waiting for each; JSON with each one's time.
   hold      holds N idle threads until stdin closes (the snapshot benchmark's population).
 All times are CLOCK_MONOTONIC ns (the clock the kernel stamps proc events with).
 """
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
 import struct
@@ -77,12 +82,16 @@ def run_agent(args: argparse.Namespace) -> int:
         from gthulhu_node.backends.eevdf import EevdfBackend
 
         # As the agent builds it (backends/select.py), the journal included: its cost is part of the path.
-        backend = EevdfBackend(journal=Path(args.journal) if args.journal else None)
+        backend = EevdfBackend(
+            journal=Path(args.journal) if args.journal else None, engine_slice_ns=args.engine_slice_ns
+        )
     else:
         from gthulhu_node.scheduler.backend import SchedExtBackend
 
         backend = SchedExtBackend(protect_agent=not args.unprotected)
     backend.start()
+    if args.backend == "dry-run" and args.engine_slice_ns:
+        _engine_slice_on_first_apply(backend, args.engine_slice_ns)
     apply_s = _time_apply(backend)
     intent = Intent.model_validate(
         {
@@ -100,7 +109,9 @@ def run_agent(args: argparse.Namespace) -> int:
     engine.start()
     sched_before = backend.counters()
     print("ready", flush=True)
-    sys.stdin.read()
+    for _line in sys.stdin:  # each line asks for the figures so far; end of input ends the agent
+        events = sum(engine.call(lambda r: r.stats()).events.values())
+        print(json.dumps({"cpu_ns": process_cpu_ns(), "events": events}), flush=True)
     st = engine.call(lambda r: r.stats())
     es = engine.stats()
     sched_after = backend.counters()
@@ -130,6 +141,34 @@ def run_agent(args: argparse.Namespace) -> int:
     }
     print(json.dumps(out), flush=True)
     return 0
+
+
+def process_cpu_ns(pid: int | str = "self") -> int:
+    """CPU time of every thread of a process, in ns (schedstat: exact, not in clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def _engine_slice_on_first_apply(backend: Any, slice_ns: int) -> None:
+    """For the dry run: the same slice request the eevdf backend gives the engine thread, so both
+    agents wake alike and the comparison measures the backends."""
+    from gthulhu_node.backends.sched_attr import SchedAttr, SchedAttrSyscalls
+
+    apply = backend.apply
+    done: list[int] = []
+
+    def first(*args: Any, **kw: Any) -> Any:
+        if not done:
+            calls, tid = SchedAttrSyscalls(), threading.get_native_id()
+            now = calls.get(tid)
+            calls.set(tid, SchedAttr(now.policy, now.nice, slice_ns, now.reset_on_fork))
+            done.append(tid)
+        return apply(*args, **kw)
+
+    backend.apply = first
 
 
 def _time_apply(backend: Any) -> list[float]:
@@ -308,11 +347,29 @@ def run_floor(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_dropall(args: argparse.Namespace) -> int:
+    """A proc connector listener whose socket filter (classic BPF: `ret 0`) drops every message in the
+    kernel: nothing is queued and it never wakes. What fork+exec costs beside it is what the kernel pays
+    for one listener even when a kernel-side filter spares the agent every event of no interest."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 11)  # NETLINK_CONNECTOR
+    drop_all = ctypes.create_string_buffer(struct.pack("=HBBI", 0x06, 0, 0, 0))  # BPF_RET | BPF_K, 0
+    sock.setsockopt(socket.SOL_SOCKET, 26, struct.pack("HxxxxxxQ", 1, ctypes.addressof(drop_all)))
+    sock.bind((0, 1))  # CN_IDX_PROC
+    cn = struct.pack("=IIIIHH", 1, 1, 0, 0, 4, 0) + struct.pack("=I", 1)  # PROC_CN_MCAST_LISTEN
+    sock.send(struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, os.getpid()) + cn)
+    print("ready", flush=True)
+    sys.stdin.read()
+    sock.close()
+    return 0
+
+
 # ---- workloads ------------------------------------------------------------------------------------------
 
 
 def run_rename(args: argparse.Namespace) -> int:
     starts: list[int] = []
+    prctl_ns: list[int] = []  # how long each prctl(PR_SET_NAME) took, in and out: what the agent costs it
+    seen: list[int] = []  # --self-poll: when the thread saw its own nice go negative (0: not in time)
     result: dict[str, Any] = {}
 
     def body() -> None:
@@ -322,20 +379,59 @@ def run_rename(args: argparse.Namespace) -> int:
             tmp = Path(args.tid_file + ".tmp")
             tmp.write_text(str(result["tid"]))
             tmp.rename(args.tid_file)
+        stat_fd = os.open(f"/proc/self/task/{result['tid']}/stat", os.O_RDONLY)
         time.sleep(0.2)
+        interval_ns = int(args.interval_ms * 1e6)
         for _ in range(args.count):
             time.sleep(args.interval_ms / 1000)
             t = now()
             set_name(args.name.encode())
+            done = now()
             starts.append(t)
-            time.sleep(args.interval_ms / 1000)
+            prctl_ns.append(done - t)
+            if args.self_poll:  # busy reading its own nice until boosted (issue 43's measurement)
+                seen.append(_poll_own_nice(stat_fd, t + interval_ns))
+                while now() - t < interval_ns:
+                    pass
+            elif args.spin:  # an engine that renamed itself and computes: busy on its CPU, as the agent wakes
+                while now() - t < interval_ns:
+                    pass
+            else:
+                time.sleep(args.interval_ms / 1000)
+            t = now()
             set_name(b"idle")
+            prctl_ns.append(now() - t)
 
     th = threading.Thread(target=body)
     th.start()
     th.join()
     result["starts"] = starts
+    result["prctl_ns"] = prctl_ns
+    result["self_seen"] = seen
     Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def _poll_own_nice(fd: int, deadline: int) -> int:
+    """Read this thread's nice (field 19 of its stat) without pause until it is negative: the time
+    then, or 0 at the deadline."""
+    while (t := now()) < deadline:
+        data = os.pread(fd, 4096, 0)
+        if int(data[data.rindex(b")") + 2 :].split()[16]) < 0:
+            return t
+    return 0
+
+
+def run_forkexec(args: argparse.Namespace) -> int:
+    """Start /bin/true and wait for it, N times (posix_spawn: vfork + exec, as a shell does): how long
+    each took. Each one is a fork, an exec and an exit event for every proc connector listener."""
+    times: list[int] = []
+    for _ in range(args.count):
+        t = now()
+        pid = os.posix_spawn("/bin/true", ["/bin/true"], {})
+        os.waitpid(pid, 0)
+        times.append(now() - t)
+    Path(args.out).write_text(json.dumps({"ns": times}))
     return 0
 
 
@@ -418,6 +514,19 @@ class Role:
             self.kill()
             raise SystemExit(f"{args[0]} did not start: {line!r}")
 
+    def figures(self) -> dict[str, Any]:
+        """The agent's figures so far (one line in, one JSON line out)."""
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write("\n")
+        self.p.stdin.flush()
+        while True:  # a log line (structlog writes warnings to stdout) may come first
+            line = self.p.stdout.readline()
+            if not line:
+                raise SystemExit("the agent ended before answering")
+            if line.startswith('{"cpu_ns"'):
+                result: dict[str, Any] = json.loads(line)
+                return result
+
     def finish(self) -> str:
         """Close stdin (the agent's stop signal); the last line it printed."""
         out, _ = self.p.communicate(timeout=300)
@@ -434,7 +543,8 @@ class Role:
 
 
 def workload(role: str, out: Path, **kw: object) -> dict[str, Any]:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    flags = {f"--{k.replace('_', '-')}": v for k, v in kw.items() if v is not False}
+    args = [k if v is True else f"{k}={v}" for k, v in flags.items()]
     subprocess.run(
         [sys.executable, "-m", "tests.bench.watchbench", role, f"--out={out}", *args],
         cwd=REPO,
@@ -558,29 +668,42 @@ def run_latency(args: argparse.Namespace) -> int:
 def run_reaction(args: argparse.Namespace) -> int:
     """Rename -> effect for one backend, every role its own process: the agent (Engine + Reconciler +
     backend), the independent reader (the dry run's record file, or the renamed thread's nice) and the
-    rename workload. Prints one JSON line: n, missed, p50/p99/max in ms, the agent's stats."""
+    rename workload; then, with `--forkexec N`, N starts of /bin/true beside the agent alone. `--backend
+    none` runs the workloads without agent or reader: the baseline of what the agent costs them; `dropall`
+    beside a listener whose kernel-side filter drops every event (what such a filter could save). Prints
+    one JSON line: n, missed, p50/p99/max in ms, the renamer's prctl times, the fork+exec times, the
+    agent's CPU per event in the fork+exec phase, the agent's stats."""
     tmp = Path(tempfile.mkdtemp(prefix="gthulhu-reaction-"))
     record, tid_file = tmp / "record", tmp / "tid"
     prio = [args.prio] if args.prio else []
+    observer = [args.observer_prio] if args.observer_prio else prio
     roles: list[Role] = []
+    agent: Role | None = None
+    out: dict[str, Any] = {"backend": args.backend, "load_before": os.getloadavg()[0]}
+    hogs = _start_hogs(args.hogs, tmp) if args.hogs else None
     try:
-        agent_args = ["agent", f"--backend={args.backend}", *prio]
-        if args.backend == "dry-run":
-            agent_args.append(f"--record={record}")
-        elif not args.no_journal:
-            agent_args.append(f"--journal={tmp / 'journal.json'}")
-        agent = Role(*agent_args)
-        roles.append(agent)
-        source = [f"--record={record}"] if args.backend == "dry-run" else ["--source=nice"]
-        reader = Role(
-            "reader",
-            *source,
-            f"--tid-file={tid_file}",
-            f"--out={tmp / 'reader.json'}",
-            f"--poll-us={args.poll_us}",
-            *prio,
-        )
-        roles.append(reader)
+        if args.backend == "dropall":
+            roles.append(Role("dropall"))
+        elif args.backend != "none":
+            agent_args = ["agent", f"--backend={args.backend}", f"--engine-slice-ns={args.engine_slice_ns}",
+                          *prio]
+            if args.backend == "dry-run":
+                agent_args.append(f"--record={record}")
+            elif not args.no_journal:
+                agent_args.append(f"--journal={tmp / 'journal.json'}")
+            agent = Role(*agent_args)
+            roles.append(agent)
+        if agent is not None and not args.self_poll:
+            source = [f"--record={record}"] if args.backend == "dry-run" else ["--source=nice"]
+            reader = Role(
+                "reader",
+                *source,
+                f"--tid-file={tid_file}",
+                f"--out={tmp / 'reader.json'}",
+                f"--poll-us={args.poll_us}",
+                *observer,
+            )
+            roles.append(reader)
         rename = workload(
             "rename",
             tmp / "rename.json",
@@ -588,14 +711,43 @@ def run_reaction(args: argparse.Namespace) -> int:
             interval_ms=args.interval_ms,
             name="EngineCore_DP0",
             tid_file=tid_file,
+            spin=args.spin,
+            self_poll=args.self_poll,
         )
-        time.sleep(0.3)
-        reader.terminate()
-        agent_stats = json.loads(agent.finish())
+        if agent is not None and not args.self_poll:
+            time.sleep(0.3)
+            reader.terminate()
+        if args.forkexec:
+            before = agent.figures() if agent is not None else None
+            fe = workload("forkexec", tmp / "forkexec.json", count=args.forkexec)
+            ms = [t / 1e6 for t in fe["ns"]]
+            out["forkexec_p50_ms"], out["forkexec_p99_ms"] = pct(ms, 0.5), pct(ms, 0.99)
+            if agent is not None and before is not None:
+                after = agent.figures()
+                events = after["events"] - before["events"]
+                out["forkexec_events"] = events
+                out["agent_us_per_event"] = (after["cpu_ns"] - before["cpu_ns"]) / 1e3 / max(1, events)
+        agent_stats = json.loads(agent.finish()) if agent is not None else {}
     finally:
         for r in roles:
             r.kill()
-    seen = sorted(json.loads((tmp / "reader.json").read_text()).get(f"tid:{rename['tid']}", []))
+        if hogs is not None:
+            os.killpg(hogs.pid, signal.SIGKILL)
+            hogs.wait()
+    read: dict[str, list[int]] = {}
+    if agent is not None and not args.self_poll:
+        read = json.loads((tmp / "reader.json").read_text())
+    shutil.rmtree(tmp, ignore_errors=True)
+    prctl_ms = [t / 1e6 for t in rename["prctl_ns"]]
+    out.update(prctl_p50_ms=pct(prctl_ms, 0.5), prctl_p99_ms=pct(prctl_ms, 0.99), agent=agent_stats,
+               load_after=os.getloadavg()[0])
+    if agent is None:
+        print(json.dumps(out))
+        return 0
+    if args.self_poll:
+        seen = sorted(t for t in rename["self_seen"] if t)
+    else:
+        seen = sorted(read.get(f"tid:{rename['tid']}", []))
     starts = rename["starts"]
     delays: list[float] = []
     missed: list[int] = []
@@ -607,15 +759,14 @@ def run_reaction(args: argparse.Namespace) -> int:
             missed.append(i)
         else:
             delays.append((a - t0) / 1e6)
-    out = {
-        "backend": args.backend,
-        "n": len(delays),
-        "missed": missed,
-        "p50_ms": pct(delays, 0.5),
-        "p99_ms": pct(delays, 0.99),
-        "max_ms": max(delays, default=float("nan")),
-        "agent": agent_stats,
-    }
+    out.update(
+        n=len(delays),
+        missed=missed,
+        p50_ms=pct(delays, 0.5),
+        p90_ms=pct(delays, 0.9),
+        p99_ms=pct(delays, 0.99),
+        max_ms=max(delays, default=float("nan")),
+    )
     print(json.dumps(out))
     return 0
 
@@ -630,6 +781,7 @@ def main() -> int:
     a.add_argument("--scope", default="thread")
     a.add_argument("--rescan", type=float, default=30.0)
     a.add_argument("--unprotected", action="store_true", help="sched_ext: no boost for the agent itself")
+    a.add_argument("--engine-slice-ns", type=int, default=0, help="eevdf, dry-run: the engine thread's slice")
     r = sub.add_parser("reader")
     r.add_argument("--record", default="")
     r.add_argument("--source", default="record", choices=["record", "bpf", "nice"])
@@ -638,6 +790,7 @@ def main() -> int:
     r.add_argument("--poll-us", type=float, default=100.0)
     f = sub.add_parser("floor")
     f.add_argument("--out", required=True)
+    sub.add_parser("dropall")
     lat = sub.add_parser("latency")
     lat.add_argument("--backend", default="dry-run", choices=["dry-run", "sched_ext"])
     lat.add_argument("--prio", default="", help="passed to agent, reader and floor: --fifo=10, --nice=-10")
@@ -649,16 +802,23 @@ def main() -> int:
     lat.add_argument("--hogs", type=int, default=0, help="run stress-ng --cpu N during the measurement")
     lat.add_argument("--unprotected", action="store_true", help="sched_ext: no boost for the agent itself")
     rc = sub.add_parser("reaction")
-    rc.add_argument("--backend", default="dry-run", choices=["dry-run", "eevdf"])
+    rc.add_argument("--backend", default="dry-run", choices=["dry-run", "eevdf", "none", "dropall"])
     rc.add_argument("--prio", default="", help="passed to agent and reader: --fifo=10, --nice=-10")
+    rc.add_argument("--observer-prio", default="", help="for the reader only (default: --prio)")
     rc.add_argument("--count", type=int, default=300)
     rc.add_argument("--interval-ms", type=float, default=10.0)
     rc.add_argument("--poll-us", type=float, default=100.0, help="the reader's poll interval")
     rc.add_argument("--no-journal", action="store_true", help="eevdf: without its journal (to measure it)")
+    rc.add_argument("--spin", action="store_true", help="the renamed thread is busy while in the pattern")
+    rc.add_argument("--self-poll", action="store_true",
+                    help="eevdf: the renamed thread itself polls its nice (busy) instead of the reader")
+    rc.add_argument("--forkexec", type=int, default=0, help="then start /bin/true N times beside the agent")
+    rc.add_argument("--engine-slice-ns", type=int, default=0, help="the agent engine thread's slice request")
+    rc.add_argument("--hogs", type=int, default=0, help="run stress-ng --cpu N during the measurement")
     h = sub.add_parser("hold")
     h.add_argument("--count", type=int, default=20_000)
     h.add_argument("--name", default="", help="the name the threads get (inherited from the main thread)")
-    for name in ("rename", "spawn", "storm"):
+    for name in ("rename", "spawn", "storm", "forkexec"):
         w = sub.add_parser(name)
         w.add_argument("--out", required=True)
         w.add_argument("--count", type=int, default=1000)
@@ -667,6 +827,8 @@ def main() -> int:
         w.add_argument("--concurrency", type=int, default=256)
         w.add_argument("--name", default="EngineCore_DP1", help="rename: the name taken N times")
         w.add_argument("--tid-file", default="", help="rename: write the renamed thread's tid here first")
+        w.add_argument("--spin", action="store_true", help="rename: busy (not asleep) while in the pattern")
+        w.add_argument("--self-poll", action="store_true", help="rename: poll its own nice, busy, while in")
     for sp in (a, r, f):
         sp.add_argument("--nice", type=int, default=0, help="raise this process's priority (e.g. -10)")
         sp.add_argument("--fifo", type=int, default=0, help="run this process SCHED_FIFO at this priority")
@@ -680,8 +842,10 @@ def main() -> int:
         "agent": run_agent,
         "reader": run_reader,
         "floor": run_floor,
+        "dropall": run_dropall,
         "rename": run_rename,
         "spawn": run_spawn,
+        "forkexec": run_forkexec,
         "storm": run_storm,
         "hold": run_hold,
         "latency": run_latency,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.base import EntryKey, KeyKind
-from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf import ENGINE_SLICE_NS, EevdfBackend, nice_for_priority
 from gthulhu_node.backends.eevdf_journal import read_journal
 from gthulhu_node.config import AgentConfig
 from tests.host.agent_support import (
@@ -112,19 +113,39 @@ def test_process_scope_covers_later_threads_and_stop_restores() -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_auto_on_this_kernel_shows_eevdf_and_why_in_status() -> None:
-    """The configured default (auto) on a kernel without sched_ext, as people see it over the API. The agent
-    has no intents, so it changes no thread."""
+@contextmanager
+def auto_agent() -> Iterator[Agent]:
+    """An agent with the configured default backend (auto: eevdf on this kernel) and no intents."""
     base = short_dir()
     doc = config_dict(base)
     doc["backend"] = {"kind": "auto"}
     a = Agent(AgentConfig.model_validate(doc))
     a.start()
     try:
-        with stub_of(a) as stub:
-            summary = stub.GetStatus(pb.GetStatusRequest()).agent
-        assert summary.backend == "eevdf" and summary.ready and summary.scheduler_state == "running"
-        assert "no sched_ext" in summary.backend_reason and "honours slice requests" in summary.backend_reason
+        yield a
     finally:
         a.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_auto_on_this_kernel_shows_eevdf_and_why_in_status() -> None:
+    """The configured default (auto) on a kernel without sched_ext, as people see it over the API. The agent
+    has no intents, so it changes no thread (but its own engine thread's slice: the next test)."""
+    with auto_agent() as a, stub_of(a) as stub:
+        summary = stub.GetStatus(pb.GetStatusRequest()).agent
+    assert summary.backend == "eevdf" and summary.ready and summary.scheduler_state == "running"
+    assert "no sched_ext" in summary.backend_reason and "honours slice requests" in summary.backend_reason
+
+
+def test_the_agents_engine_thread_gets_a_short_slice_and_keeps_its_nice() -> None:
+    """The agent as configured (auto, here eevdf) gives its engine thread ENGINE_SLICE_NS (issue 43: a
+    wakeup on a busy CPU preempts instead of waiting for the tick), by its first tick at the latest with no
+    intents; its nice is the process's; the agent's other threads are left alone."""
+    with auto_agent():
+        engine = next(t for t in threading.enumerate() if t.name == "gthulhu-engine")
+        assert engine.native_id is not None
+        tid = engine.native_id
+        wait_for(lambda: sched(tid)[1] == ENGINE_SLICE_NS, what="the engine thread's slice request")
+        me = threading.get_native_id()
+        assert sched(tid)[0] == sched(me)[0]
+        assert sched(me)[1] == BASE_SLICE

@@ -23,6 +23,7 @@ from gthulhu_node.backends.base import (
     TaskGoneError,
 )
 from gthulhu_node.backends.eevdf import (
+    ENGINE_SLICE_NS,
     EevdfBackend,
     ForeignChangeError,
     PolicyNotManagedError,
@@ -341,3 +342,36 @@ def test_successor_undoes_what_a_crashed_agent_left(tmp_path: Path) -> None:
     finally:
         for w in (kept, retuned, gone):
             w.stop()
+
+
+def test_engine_thread_gets_a_short_slice_and_stop_drops_it(worker: Worker) -> None:
+    """The thread that applies (the engine's) asks EEVDF for ENGINE_SLICE_NS, so that its wakeups preempt
+    (issue 43); its nice stays; stop() gives it back no request; a thread with its own slice is left
+    alone, and a backend built without engine_slice_ns (tests, tools) never touches its caller."""
+    plain = EevdfBackend(cover_interval_s=0)
+    plain.start()
+    worker.call(lambda: plain.apply({}, []))
+    assert attrs(worker.tid).runtime_ns == BASE_SLICE
+    plain.stop()
+
+    b = EevdfBackend(cover_interval_s=0, engine_slice_ns=ENGINE_SLICE_NS)
+    b.start()
+    try:
+        worker.call(lambda: b.apply({}, []))
+        got = attrs(worker.tid)
+        assert (got.policy, got.nice, got.runtime_ns) == (SCHED_OTHER, nice_of(worker.tid), ENGINE_SLICE_NS)
+        worker.call(lambda: b.tick(time.monotonic()))  # the same thread again: nothing more
+        assert attrs(worker.tid).runtime_ns == ENGINE_SLICE_NS
+    finally:
+        b.stop()
+    assert attrs(worker.tid).runtime_ns == BASE_SLICE
+
+    SYS.set(worker.tid, SchedAttr(SCHED_OTHER, nice_of(worker.tid), 3_000_000))
+    b = EevdfBackend(cover_interval_s=0, engine_slice_ns=ENGINE_SLICE_NS)
+    b.start()
+    try:
+        worker.call(lambda: b.apply({}, []))
+        assert attrs(worker.tid).runtime_ns == 3_000_000
+    finally:
+        b.stop()
+    assert attrs(worker.tid).runtime_ns == 3_000_000

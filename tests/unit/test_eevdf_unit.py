@@ -276,3 +276,25 @@ def test_a_journal_left_by_an_earlier_version_is_restored_then_removed(tmp_path:
     assert kernel.tasks[601] == _Task()
     assert not legacy.exists() and read_journal(legacy.with_name(JOURNAL_NAME)) == []
     backend.stop()
+
+
+def test_engine_slice_refused_costs_a_counted_error_not_the_write(tmp_path: Path) -> None:
+    """The engine thread's slice request (issue 43) refused by the kernel: logged and counted once, and
+    the entries are written all the same."""
+    import threading
+
+    kernel = FakeKernel()
+    me = threading.get_native_id()
+    kernel.refuse.add(me)
+    proc = FakeProc(tmp_path)
+    proc.add(7, 7, "worker", start_time=507)
+    kernel.tasks[7] = _Task()
+    b = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, engine_slice_ns=100_000)
+    b.start()
+    for _ in range(2):
+        result = b.apply({key(7): entry(7, 10)}, [])
+        assert not result.failed
+    assert kernel.tasks[7].nice == nice_for_priority(10)
+    assert b.counters()["errors"] == 1
+    assert kernel.calls.count(("set", me)) == 1
+    b.stop()
