@@ -1,6 +1,10 @@
 """What refusing a big hostile input costs (issue 38, item 6): process CPU time and peak RSS above the
 same process's baseline, for inputs under the byte caps (4 MiB policy files and bodies). The target:
-at most 1 s of CPU and 50 MB of RSS each. Every case runs in a fresh process (peak RSS is per process),
+at most 1 s of CPU and 50 MB of RSS each. Two Manager pushes are accepted rather than refused (issue 39:
+only an undecodable body is refused whole; entries past the count cap become failed entries): their
+translation's figures are printed against the same budget, which a 4 MB push of long patterns misses
+(2026-12-05: 60 MB, about 30 MB of it the 10,000 compiled RE2 programs that matching keeps for the
+policy's life); the refusals are asserted. Every case runs in a fresh process (peak RSS is per process),
 through the real reader (`read_file` for policy files, the REST body parser for bodies).
 
 Before (issue 38's measurements): the 100,000-item YAML was refused after 12 s, agent memory 113 -> 350
@@ -69,9 +73,12 @@ def cases() -> dict[str, tuple[str, str]]:
         "10,000 valid intents and a bad last one (YAML)": (
             "".join(f"- id: p{i}\n  commandRegex: '^x{i}$'\n  priority: 5\n" for i in range(10_000))
             + "- id: bad\n  commandRegex: x\n  priority: 99\n", "file"),
-        "REST push of 10,001 policies (4 MiB cap)": (json.dumps({"policies": [
+        "REST push of 10,001 policies (one past the cap)": (json.dumps({"policies": [
             {"policyID": f"p{i:020d}", "nodeID": "node-a", "commandRegex": f"^x{i}$", "priority": 1,
              "executionTime": 2_000_000} for i in range(10_001)]}), "body"),
+        "REST push of 4 MB: 10,000 policies, 280-char patterns": (json.dumps({"policies": [
+            {"policyID": f"p{i:020d}", "nodeID": "node-a", "commandRegex": "^" + "a" * 280 + f"{i}$",
+             "priority": 1, "executionTime": 2_000_000} for i in range(10_000)]}), "body"),
         "REST body of 4 MB of nested lists": ("[" * 32 + ",".join("[1,1,1]" for _ in range(500_000))
                                               + "]" * 32, "body"),
     }
@@ -93,6 +100,9 @@ def test_refusing_big_inputs_stays_within_1s_and_50mb(tmp_path: Path) -> None:
         print(f"{name:48} {size:9d} {got['cpu']:7.2f} {got['rss']:7.1f}  {got['refused'] or '(accepted)'}")
     print(f"budget: {CPU_BUDGET_S} s CPU, {RSS_BUDGET_MB} MB RSS above the process's baseline; "
           f"python {sys.version.split()[0]}")
+    over = [name for name, _, got in rows if got["cpu"] > CPU_BUDGET_S or got["rss"] > RSS_BUDGET_MB]
+    print(f"over the budget: {over or 'none'}")
     for name, _, got in rows:
-        assert got["refused"], f"{name}: accepted"
-        assert got["cpu"] <= CPU_BUDGET_S and got["rss"] <= RSS_BUDGET_MB, (name, got)
+        assert bool(got["refused"]) != name.startswith("REST push"), (name, got)
+        if got["refused"]:
+            assert name not in over, (name, got)
