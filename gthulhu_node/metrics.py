@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only nee
     from gthulhu_node.intents.status import MatchRow, StatusSnapshot
     from gthulhu_node.intents.store import StoreStats
     from gthulhu_node.logs import LogStats
+    from gthulhu_node.probe.continuous import ContinuousProbe
     from gthulhu_node.rest.app import RestStats
     from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 
@@ -559,8 +560,10 @@ class CgroupLimitsCollector(StatsCollector["CgroupLimitsStats"]):
 
 
 def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None,
-               log_stats: Callable[[], LogStats] | None = None) -> list[Collector]:
-    """One collector per component, each reading that component's typed stats at scrape time."""
+               log_stats: Callable[[], LogStats] | None = None,
+               probe: ContinuousProbe | None = None) -> list[Collector]:
+    """One collector per component, each reading that component's typed stats at scrape time (the
+    probe's, when the service runs one)."""
     out: list[Collector] = [
         AgentCollector(agent.stats),
         StoreCollector(lambda: agent.stats().store),
@@ -573,6 +576,10 @@ def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None
     ]
     if log_stats is not None:
         out.append(LogCollector(log_stats))
+    if probe is not None:
+        from gthulhu_node.probe.continuous import RunqueueLatencyCollector
+
+        out.append(RunqueueLatencyCollector(probe))
     return out
 
 
@@ -599,8 +606,10 @@ class Metrics:
     def observe_reaction(self, seconds: float) -> None:
         self.reaction_latency.observe(seconds)
 
-    def attach(self, agent: MetricsSource, log_stats: Callable[[], LogStats] | None = None) -> None:
-        for collector in collectors(agent, self.runqueue, log_stats):
+    def attach(self, agent: MetricsSource, log_stats: Callable[[], LogStats] | None = None,
+               probe: ContinuousProbe | None = None) -> None:
+        """One collector per component on this registry (`collectors`), and the endpoint's own."""
+        for collector in collectors(agent, self.runqueue, log_stats, probe):
             self.registry.register(collector)
         self.registry.register(_EndpointCollector(self))
 

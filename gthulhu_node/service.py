@@ -184,8 +184,9 @@ class Service:
             return 1
         if self.released is not None:
             self.agent.capabilities = self.released.describe()
-        self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
-        self.supervisor = Supervisor(self._components())
+        parts = self._components()  # the probe among them, when enabled: its collector is attached too
+        self.metrics.attach(self.agent, log_stats=lambda: setup.stats, probe=self.probe)
+        self.supervisor = Supervisor(parts)
         if not self._start_agent():
             return 1
         if self._stop.is_set():
@@ -202,12 +203,13 @@ class Service:
         """The process's long-lived parts in start order, the one list (stopped in reverse): the metrics
         endpoint first, so a start that hangs can be looked at; the agent's parts (Agent.components:
         backend, engine, policy files, status, gRPC API, REST, ready); the probe last, in its own thread
-        (one that cannot run only logs and exports up=0)."""
+        (one that cannot run only logs and exports up=0), when `probe.enabled`; `Metrics.attach` takes its
+        collector with the others'."""
         parts: list[Component] = [self.metrics, *self.agent.components()]
         if self.config.probe.enabled:
-            from gthulhu_node.probe.continuous import probe_for
+            from gthulhu_node.probe.continuous import ContinuousProbe
 
-            self.probe = probe_for(self.config.probe, self.agent.matches, self.metrics.registry)
+            self.probe = ContinuousProbe(self.agent.matches, self.config.probe.poll_interval_s)
             parts.append(self.probe)
         return parts
 

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
-from gthulhu_node.config import ProbeConfig
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.probe.preflight import ProbeUnavailable
 from gthulhu_node.probe.targets import Target
@@ -186,11 +185,3 @@ class RunqueueLatencyCollector(Collector):
         yield CounterMetricFamily("gthulhu_node_probe_target_map_full", "Threads the probe could not track "
                                   "because its kernel map was full.", value=stats.map_full_errors)
 
-
-def probe_for(config: ProbeConfig, matches: Callable[[], Iterable[MatchedTask]],
-              registry: CollectorRegistry) -> ContinuousProbe:
-    """The service's probe (when `probe.enabled`) on the agent's matches, its collector registered on the
-    metrics registry; the service's supervisor starts it. Never raises for the probe's own problems."""
-    probe = ContinuousProbe(matches, config.poll_interval_s)
-    registry.register(RunqueueLatencyCollector(probe))
-    return probe
