@@ -39,6 +39,7 @@ from gthulhu_node.engine import EngineStats
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.peers import PeerStats
 from gthulhu_node.reconciler import IntentStats, ReconcilerStats
+from gthulhu_node.workers import Spawned
 
 if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only needs their types
     from gthulhu_node.agent import AgentStats
@@ -600,7 +601,7 @@ class Metrics:
             namespace="gthulhu_node", buckets=REACTION_BUCKETS, registry=self.registry)
         self.runqueue = RunqueueWaitTracker()
         self._server: metrics_server.BoundedMetricsServer | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: Spawned | None = None
         self.address: tuple[str, int] | None = None
 
     def observe_reaction(self, seconds: float) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import signal
-import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -40,6 +39,7 @@ from gthulhu_node.config import AgentConfig
 from gthulhu_node.lifecycle import Component, Supervisor
 from gthulhu_node.metrics import Metrics, MetricsSource
 from gthulhu_node.systemd import Notifier
+from gthulhu_node.workers import Flag, spawn
 
 if TYPE_CHECKING:
     from gthulhu_node.privileges import Released
@@ -100,8 +100,8 @@ class Service:
         self.released: Released | None = None  # what release_privileges returned
         self._agent: ServedAgent | None = None
         self.probe: ContinuousProbe | None = None  # the continuous run-queue probe, when enabled
-        self._stop = threading.Event()
-        self._reload = threading.Event()
+        self._stop = Flag()
+        self._reload = Flag()
         self._main_alive = time.monotonic()
         self._watchdog_from_engine = False
         self._last_ping = 0.0
@@ -223,9 +223,8 @@ class Service:
             except BaseException as exc:
                 failure.append(exc)
 
-        worker = threading.Thread(target=start, name="agent-start", daemon=True)
         started = time.monotonic()
-        worker.start()
+        worker = spawn("agent-start", start)
         while worker.is_alive():
             worker.join(TICK_S)
             # While starting, systemd's start timeout (TimeoutStartSec) is what guards a hang.
