@@ -183,12 +183,18 @@ class WorkQueue:
     one more. A turn waits until `min_gap_s` after the last one (`last` says when that was, when others
     than the server also do the work), unless a wake is `urgent`. With `period_s`, a turn also comes when
     nothing woke the queue for that long. `wait_handled` waits until every wake before it has had its turn
-    (or the queue is not served: nobody would ever answer)."""
+    (or the queue is not served: nobody would ever answer). A turn that raises is tried again on its own
+    after `backoff_s` (doubling up to `max_backoff_s`, back to the start after a turn that did not raise)."""
 
     def __init__(self, *, period_s: float | None = None, min_gap_s: float = 0.0,
-                 last: Callable[[], float] | None = None) -> None:
+                 last: Callable[[], float] | None = None, backoff_s: float = 0.1,
+                 max_backoff_s: float = 30.0) -> None:
         self.period_s = period_s
         self.min_gap_s = min_gap_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._backoff = backoff_s
+        self._retry_at: float | None = None  # after a turn that raised
         self._last_turn = 0.0
         self._last = last or (lambda: self._last_turn)
         self._cond = threading.Condition()
@@ -221,7 +227,7 @@ class WorkQueue:
 
     def serve(self, stop: Flag, turn: Callable[[], None]) -> None:
         """Run `turn` for each coalesced wake (and each period) until `stop` is set. A turn that raises is
-        logged and the queue goes on: the next wake tries again."""
+        logged and the queue goes on: tried again after the backoff, or sooner by a wake."""
         stop.on_set(self._close)
         self.open()
         try:
@@ -233,7 +239,11 @@ class WorkQueue:
                 try:
                     turn()
                 except Exception:
-                    log.exception("work_turn_failed", thread=current_thread_name())
+                    log.exception("work_turn_failed", thread=current_thread_name(), retry_in_s=self._backoff)
+                    self._retry_at = time.monotonic() + self._backoff
+                    self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                else:
+                    self._retry_at, self._backoff = None, self.backoff_s
                 with self._cond:
                     self._handled = max(self._handled, seen)
                     self._cond.notify_all()
@@ -244,6 +254,8 @@ class WorkQueue:
         """Wait for the next turn; the wakes it covers, or None on stop."""
         with self._cond:
             deadline = None if self.period_s is None else time.monotonic() + self.period_s
+            if self._retry_at is not None:
+                deadline = self._retry_at if deadline is None else min(deadline, self._retry_at)
             while not stop.is_set() and self._handled >= self._woken:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

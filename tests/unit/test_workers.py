@@ -4,6 +4,7 @@ tells a waiter when its wake was handled. Real threads; the timings are generous
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -102,7 +103,7 @@ def test_a_period_turns_without_wakes_and_stop_ends_the_wait() -> None:
 
 
 def test_a_failing_turn_does_not_end_the_queue() -> None:
-    queue = WorkQueue()
+    queue = WorkQueue(backoff_s=3600)
     turns: list[int] = []
 
     def turn() -> None:
@@ -113,11 +114,34 @@ def test_a_failing_turn_does_not_end_the_queue() -> None:
     try:
         queue.wake()
         assert queue.wait_handled(5)
-        queue.wake()
+        queue.wake()  # a wake does not wait out the hour's backoff
         assert queue.wait_handled(5)
         assert len(turns) == 2
     finally:
         worker.stop()
+
+
+def test_a_failing_turn_is_tried_again_with_a_doubling_backoff() -> None:
+    queue = WorkQueue(backoff_s=0.05, max_backoff_s=0.2)
+    turns: list[float] = []
+
+    def turn() -> None:
+        turns.append(time.monotonic())
+        if len(turns) <= 4:
+            raise RuntimeError("boom")
+
+    worker, _ = _served(queue, turn)
+    try:
+        queue.wake()  # one wake: every later turn is a retry
+        deadline = time.monotonic() + 10
+        while len(turns) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the fifth turn succeeded: no retry after it
+    finally:
+        worker.stop()
+    assert len(turns) == 5
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(turns)]
+    assert [g >= want for g, want in zip(gaps, [0.05, 0.1, 0.2, 0.2], strict=True)] == [True] * 4, gaps
 
 
 def test_latest_wakes_a_waiter_on_a_ready_value_or_close() -> None:
