@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import structlog
 
@@ -54,12 +54,6 @@ class Flag:
 
     def on_set(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
-
-
-class Worker(Protocol):
-    """What a `WorkerThread` runs: `run` blocks until `stop` is set (or its work is over)."""
-
-    def run(self, stop: Flag) -> None: ...
 
 
 Spawned = threading.Thread  # what `spawn` returns: join it, ask is_alive; start threads only here
@@ -123,7 +117,8 @@ def run_in_thread(name: str, target: Callable[[], None]) -> None:
 
 class WorkerThread:
     """A worker on its own thread, as a lifecycle component: `start` starts the thread (named `name`,
-    which says what it does), `stop` sets its one stop signal and waits for `run` to return."""
+    which says what it does) running `run(stop)`, which blocks until `stop` is set (or its work is over);
+    `stop` sets that one signal and waits for `run` to return."""
 
     def __init__(self, name: str, run: Callable[[Flag], None], *,
                  join_timeout_s: float | None = 30.0) -> None:
@@ -136,11 +131,6 @@ class WorkerThread:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def is_current(self) -> bool:
-        """True on the worker's own thread."""
-        return self._thread is threading.current_thread()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -163,14 +153,6 @@ class WorkerThread:
             thread.join(self._join_timeout_s)
             if thread.is_alive():
                 log.error("worker_stop_timeout", worker=self.name, timeout_s=self._join_timeout_s)
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for `run` to return by itself; True when it has (or never ran)."""
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
 
     def health(self) -> Health:
         return Health(True) if self.running else Health(False, "not running")
