@@ -59,6 +59,7 @@ from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.outbox import FailureReason
 from gthulhu_node.reconciler import IntentStats, Reconciler
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
+from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
 if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)
     from gthulhu_node.rest.app import RestStats
@@ -145,23 +146,21 @@ class Agent:
         self.api: ApiServer | None = None
         self.rest: RestServer | None = None  # when rest.enabled
         self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
-        self._ready = threading.Event()
-        self._stopped = threading.Event()
+        self._ready = Flag()
+        self._stopped = Flag()
         self._effect = _Effect({})  # what the reconciler has in effect (settled)
         self._effect_lock = threading.Lock()
         self._submitted = _Effect({})  # what was last handed to the engine (the policy builder's only)
-        # The policy builder's hand-off: store changes seen and those handed to the engine, under _build_cv
-        self._build_cv = threading.Condition()
-        self._changes = 0
-        self._handed = 0
-        self._builder: threading.Thread | None = None
-        self._builder_stop = False
+        # The policy builder: woken by store changes, coalesced; `sync` waits for its hand-off
+        self._builds = WorkQueue()
+        self._builder = WorkerThread("policy-builder", self._run_builder)
         self._refresh_lock = threading.Lock()
-        self._kick = threading.Event()
-        self._status_thread: threading.Thread | None = None
+        # The status thread: woken by frames (at most every STATUS_MIN_INTERVAL_S since the last refresh),
+        # at once by the store, a policy in effect, readiness or stop, and every STATUS_INTERVAL_S
+        self._refreshes = self._refresh_queue()
+        self._status_thread = WorkerThread("intent-status", self._run_status, join_timeout_s=5)
         self._matched_tasks = 0
         self._refreshed_at = 0.0  # monotonic time of the last status refresh
-        self._urgent = False  # the store, the policy in effect, readiness or stop woke the status thread
         self._policy_updates = 0
         self._policy_errors = 0
         self.store.subscribe(self._on_store_change)
@@ -288,16 +287,11 @@ class Agent:
         reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
         self.engine = engine_for(reconciler, self.config, on_give_up=self._give_up_sched_ext)
         self.engine.start()
-        self._builder_stop = False
-        self._builder = threading.Thread(target=self._build_loop, name="policy-builder", daemon=True)
+        self._builds.open()
         self._builder.start()
 
     def _stop_engine(self) -> None:
-        with self._build_cv:
-            self._builder_stop = True
-            self._build_cv.notify_all()
-        if self._builder is not None:
-            self._builder.join(timeout=30)
+        self._builder.stop()
         if self.engine is not None:
             self.engine.close()
 
@@ -307,15 +301,14 @@ class Agent:
     def _start_status(self) -> None:
         if self.engine is not None:
             self.engine.feed.add_listener(self._on_frame)
-        self._status_thread = threading.Thread(target=self._status_loop, name="intent-status", daemon=True)
+        self._refreshes.open()
         self._status_thread.start()
         self.refresh_status()
 
     def _stop_status(self) -> None:
         self._stopped.set()
         self._wake_now()
-        if self._status_thread is not None:
-            self._status_thread.join(timeout=5)
+        self._status_thread.stop()
 
     def _new_api(self) -> ApiServer:
         self.api = ApiServer(self.config.api, self)
@@ -425,39 +418,25 @@ class Agent:
         engine = self.engine
         if engine is None or not engine.running:
             return  # during start the policy is built once, after every source is loaded
-        with self._build_cv:
-            self._changes += 1
-            self._build_cv.notify_all()
+        self._builds.wake()
 
-    def _build_loop(self) -> None:
-        """The policy builder's thread: build what the store holds whenever it changed, hand it over."""
-        while True:
-            with self._build_cv:
-                self._build_cv.wait_for(lambda: self._builder_stop or self._handed < self._changes)
-                if self._builder_stop:
-                    return
-                seen = self._changes
-            engine = self.engine
-            try:
-                if engine is not None and engine.running:
-                    self._submit_latest(engine)
-            except Exception:  # a failed build must not end the builder: the next change builds again
-                self._policy_errors += 1
-                log.exception("policy_build_failed")
-            with self._build_cv:
-                self._handed = max(self._handed, seen)
-                self._build_cv.notify_all()
+    def _run_builder(self, stop: Flag) -> None:
+        self._builds.serve(stop, self._build_turn)
+
+    def _build_turn(self) -> None:
+        """The policy builder's turn: build what the store holds now (every change since the last turn,
+        together) and hand it over."""
+        engine = self.engine
+        try:
+            if engine is not None and engine.running:
+                self._submit_latest(engine)
+        except Exception:  # a failed build must not end the builder: the next change builds again
+            self._policy_errors += 1
+            log.exception("policy_build_failed")
 
     def _await_handed(self, timeout: float) -> bool:
         """Wait until every store change made before this call is built and handed to the engine."""
-        with self._build_cv:
-            target = self._changes
-            builder = self._builder
-            return self._build_cv.wait_for(
-                lambda: self._handed >= target or self._builder_stop or builder is None
-                or not builder.is_alive(),
-                timeout,
-            )
+        return self._builds.wait_handled(timeout)
 
     def _submit_latest(self, engine: Engine) -> None:
         """Build the store's current policy and hand it to the engine, unless it is what was handed last.
@@ -503,31 +482,31 @@ class Agent:
     def _on_frame(self, _frame: EngineFrame) -> None:
         """On the engine thread, after each publication: wake the status thread, which refreshes at once
         or when `STATUS_MIN_INTERVAL_S` since its last refresh is up, whichever is later."""
-        self._kick.set()
+        self._refreshes.wake()
 
     def _wake_now(self) -> None:
         """The store, the policy in effect, readiness or stop changed: refresh at once, whatever the rate."""
-        self._urgent = True
-        self._kick.set()
+        self._refreshes.wake(urgent=True)
 
-    def _status_loop(self) -> None:
-        while not self._stopped.is_set():
-            self._kick.wait(STATUS_INTERVAL_S)
-            self._kick.clear()
-            # Frames wait out the rate (more frames meanwhile change nothing); an urgent wake ends the wait.
-            while not self._urgent and not self._stopped.is_set():
-                early = self._refreshed_at + STATUS_MIN_INTERVAL_S - time.monotonic()
-                if early <= 0:
-                    break
-                self._kick.wait(early)
-                self._kick.clear()
-            self._urgent = False
-            if self._stopped.is_set():
-                return
-            try:
-                self.refresh_status()
-            except Exception:
-                log.exception("status_refresh_failed")
+    def _refresh_queue(self) -> WorkQueue:
+        """The status thread's wakes: a frame waits out STATUS_MIN_INTERVAL_S since the last refresh (more
+        frames meanwhile change nothing), an urgent wake does not, and nothing at all for
+        STATUS_INTERVAL_S is a refresh too."""
+        return WorkQueue(period_s=STATUS_INTERVAL_S, min_gap_s=STATUS_MIN_INTERVAL_S,
+                         last=lambda: self._refreshed_at)
+
+    def _run_status(self, stop: Flag) -> None:
+        """The status thread: refresh on each coalesced wake until the agent stops."""
+        self._stopped.on_set(stop.set)
+        self._refreshes.serve(stop, self._refresh_turn)
+
+    def _refresh_turn(self) -> None:
+        if self._stopped.is_set():
+            return
+        try:
+            self.refresh_status()
+        except Exception:
+            log.exception("status_refresh_failed")
 
     def _frame(self) -> EngineFrame | None:
         """The engine's last published frame while it runs (its figures stand while it is busy: a busy

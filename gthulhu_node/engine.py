@@ -52,6 +52,7 @@ from gthulhu_node.feed import EngineFrame, StatusFeed
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
+from gthulhu_node.workers import Flag, Spawned, spawn
 
 log = structlog.get_logger(__name__)
 
@@ -134,14 +135,14 @@ class Engine:
         )
         self._periodic: list[_Periodic] = []
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._ready = threading.Event()
+        self._thread: Spawned | None = None
+        self._stopping = Flag()
+        self._ready = Flag()
         self._start_error: BaseException | None = None
         self._rescan_requested = False
         self._lock = threading.Lock()
         self._ejected = False
-        self._reloading: threading.Thread | None = None
+        self._reloading: Spawned | None = None
         self._reload_outcome: list[BaseException | None] = []
         self._backoff_s = reload_backoff_initial_s
         self._next_reload = 0.0
@@ -162,8 +163,7 @@ class Engine:
         """
         if self._thread is not None:
             raise RuntimeError("engine already started")
-        self._thread = threading.Thread(target=self._run, name="gthulhu-engine", daemon=True)
-        self._thread.start()
+        self._thread = spawn("gthulhu-engine", self._run)
         if not self._ready.wait(timeout):
             raise TimeoutError("engine did not finish its first scan in time")
         if self._start_error is not None:
@@ -518,8 +518,7 @@ class Engine:
         self.reconciler.backend = _Reloading(backend, self._stats.last_ejection_reason)
         self._refresh_due = 0.0  # the frame reads the stand-in from now on
         self._reload_outcome = outcome
-        self._reloading = threading.Thread(target=reload, name="gthulhu-backend-reload", daemon=True)
-        self._reloading.start()
+        self._reloading = spawn("gthulhu-backend-reload", reload)
 
     def _restore_backend(self) -> Backend:
         self._reloading = None

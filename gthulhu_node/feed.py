@@ -17,7 +17,6 @@ new records and rows for what changed and shares the others with the previous fr
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -26,6 +25,7 @@ import structlog
 
 from gthulhu_node.backends.base import BackendHealth
 from gthulhu_node.reconciler import IntentStats, Match, ReconcilerStats
+from gthulhu_node.workers import Latest
 
 log = structlog.get_logger(__name__)
 
@@ -55,21 +55,18 @@ class StatusFeed:
     thread's alone."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._frame = EngineFrame()
-        self._closed = False
+        self._frame = Latest(EngineFrame())
+        self._listeners_lock = threading.Lock()
         self._listeners: tuple[Callable[[EngineFrame], None], ...] = ()
 
     def latest(self) -> EngineFrame:
         """The last published frame (version 0, empty, before the engine's first publication)."""
-        return self._frame  # one reference read: a frame is replaced whole, never changed
+        return self._frame.get()  # one reference read: a frame is replaced whole, never changed
 
     def publish(self, frame: EngineFrame) -> None:
         """Make `frame` the latest, wake the waiters and tell the listeners (on the publishing thread:
         a listener must only hand the news on, as setting an Event does)."""
-        with self._cond:
-            self._frame = frame
-            self._cond.notify_all()
+        self._frame.set(frame)
         for listener in self._listeners:
             try:
                 listener(frame)
@@ -79,22 +76,13 @@ class StatusFeed:
     def wait_newer(self, version: int, timeout: float) -> EngineFrame:
         """The latest frame once its version is above `version`, or when `timeout` seconds passed or the
         feed closed (then possibly not newer: compare `version`)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._frame.version <= version and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            return self._frame
+        return self._frame.wait_for(lambda frame: frame.version > version, timeout)
 
     def add_listener(self, listener: Callable[[EngineFrame], None]) -> None:
         """Call `listener(frame)` after every publication (the agent's status thread is woken this way)."""
-        with self._cond:
+        with self._listeners_lock:
             self._listeners = (*self._listeners, listener)
 
     def close(self) -> None:
         """The engine stopped: no frame will follow; waiters return at once."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._frame.close()

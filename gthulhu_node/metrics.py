@@ -39,6 +39,7 @@ from gthulhu_node.engine import EngineStats
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.peers import PeerStats
 from gthulhu_node.reconciler import IntentStats, ReconcilerStats
+from gthulhu_node.workers import Spawned
 
 if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only needs their types
     from gthulhu_node.agent import AgentStats
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only nee
     from gthulhu_node.intents.status import MatchRow, StatusSnapshot
     from gthulhu_node.intents.store import StoreStats
     from gthulhu_node.logs import LogStats
+    from gthulhu_node.probe.continuous import ContinuousProbe
     from gthulhu_node.rest.app import RestStats
     from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 
@@ -559,8 +561,10 @@ class CgroupLimitsCollector(StatsCollector["CgroupLimitsStats"]):
 
 
 def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None,
-               log_stats: Callable[[], LogStats] | None = None) -> list[Collector]:
-    """One collector per component, each reading that component's typed stats at scrape time."""
+               log_stats: Callable[[], LogStats] | None = None,
+               probe: ContinuousProbe | None = None) -> list[Collector]:
+    """One collector per component, each reading that component's typed stats at scrape time (the
+    probe's, when the service runs one)."""
     out: list[Collector] = [
         AgentCollector(agent.stats),
         StoreCollector(lambda: agent.stats().store),
@@ -573,6 +577,10 @@ def collectors(agent: MetricsSource, runqueue: RunqueueWaitTracker | None = None
     ]
     if log_stats is not None:
         out.append(LogCollector(log_stats))
+    if probe is not None:
+        from gthulhu_node.probe.continuous import RunqueueLatencyCollector
+
+        out.append(RunqueueLatencyCollector(probe))
     return out
 
 
@@ -593,14 +601,16 @@ class Metrics:
             namespace="gthulhu_node", buckets=REACTION_BUCKETS, registry=self.registry)
         self.runqueue = RunqueueWaitTracker()
         self._server: metrics_server.BoundedMetricsServer | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: Spawned | None = None
         self.address: tuple[str, int] | None = None
 
     def observe_reaction(self, seconds: float) -> None:
         self.reaction_latency.observe(seconds)
 
-    def attach(self, agent: MetricsSource, log_stats: Callable[[], LogStats] | None = None) -> None:
-        for collector in collectors(agent, self.runqueue, log_stats):
+    def attach(self, agent: MetricsSource, log_stats: Callable[[], LogStats] | None = None,
+               probe: ContinuousProbe | None = None) -> None:
+        """One collector per component on this registry (`collectors`), and the endpoint's own."""
+        for collector in collectors(agent, self.runqueue, log_stats, probe):
             self.registry.register(collector)
         self.registry.register(_EndpointCollector(self))
 

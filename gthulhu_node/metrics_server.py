@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from gthulhu_node.peers import FdBudget, Peer, PeerStats, PeerTable, peer_key
+from gthulhu_node.workers import Spawned, spawn
 
 MAX_CONNECTIONS = 16
 MAX_PER_PEER = 4
@@ -138,10 +139,8 @@ class BoundedMetricsServer(ThreadingHTTPServer):
         self.peers.expire()
 
 
-def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[BoundedMetricsServer, threading.Thread]:
+def serve(host: str, port: int, registry: CollectorRegistry) -> tuple[BoundedMetricsServer, Spawned]:
     """Bind and serve in a daemon thread; raises OSError when the address cannot be bound."""
     server = BoundedMetricsServer((host, port), registry)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": POLL_S},
-                              name="metrics-http", daemon=True)
-    thread.start()
+    thread = spawn("metrics-http", lambda: server.serve_forever(poll_interval=POLL_S))
     return server, thread

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import signal
-import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -40,6 +39,7 @@ from gthulhu_node.config import AgentConfig
 from gthulhu_node.lifecycle import Component, Supervisor
 from gthulhu_node.metrics import Metrics, MetricsSource
 from gthulhu_node.systemd import Notifier
+from gthulhu_node.workers import Flag, spawn
 
 if TYPE_CHECKING:
     from gthulhu_node.privileges import Released
@@ -100,8 +100,8 @@ class Service:
         self.released: Released | None = None  # what release_privileges returned
         self._agent: ServedAgent | None = None
         self.probe: ContinuousProbe | None = None  # the continuous run-queue probe, when enabled
-        self._stop = threading.Event()
-        self._reload = threading.Event()
+        self._stop = Flag()
+        self._reload = Flag()
         self._main_alive = time.monotonic()
         self._watchdog_from_engine = False
         self._last_ping = 0.0
@@ -184,8 +184,9 @@ class Service:
             return 1
         if self.released is not None:
             self.agent.capabilities = self.released.describe()
-        self.metrics.attach(self.agent, log_stats=lambda: setup.stats)
-        self.supervisor = Supervisor(self._components())
+        parts = self._components()  # the probe among them, when enabled: its collector is attached too
+        self.metrics.attach(self.agent, log_stats=lambda: setup.stats, probe=self.probe)
+        self.supervisor = Supervisor(parts)
         if not self._start_agent():
             return 1
         if self._stop.is_set():
@@ -202,12 +203,13 @@ class Service:
         """The process's long-lived parts in start order, the one list (stopped in reverse): the metrics
         endpoint first, so a start that hangs can be looked at; the agent's parts (Agent.components:
         backend, engine, policy files, status, gRPC API, REST, ready); the probe last, in its own thread
-        (one that cannot run only logs and exports up=0)."""
+        (one that cannot run only logs and exports up=0), when `probe.enabled`; `Metrics.attach` takes its
+        collector with the others'."""
         parts: list[Component] = [self.metrics, *self.agent.components()]
         if self.config.probe.enabled:
-            from gthulhu_node.probe.continuous import probe_for
+            from gthulhu_node.probe.continuous import ContinuousProbe
 
-            self.probe = probe_for(self.config.probe, self.agent.matches, self.metrics.registry)
+            self.probe = ContinuousProbe(self.agent.matches, self.config.probe.poll_interval_s)
             parts.append(self.probe)
         return parts
 
@@ -221,9 +223,8 @@ class Service:
             except BaseException as exc:
                 failure.append(exc)
 
-        worker = threading.Thread(target=start, name="agent-start", daemon=True)
         started = time.monotonic()
-        worker.start()
+        worker = spawn("agent-start", start)
         while worker.is_alive():
             worker.join(TICK_S)
             # While starting, systemd's start timeout (TimeoutStartSec) is what guards a hang.

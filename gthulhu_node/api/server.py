@@ -34,6 +34,7 @@ from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.workers import Flag
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +84,7 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
         self._max_watchers = max_watchers
         self._lock = threading.Lock()
         self._stats = ApiStats()
-        self._stop = threading.Event()
+        self._stop = Flag()
 
     def stats(self) -> ApiStats:
         with self._lock:

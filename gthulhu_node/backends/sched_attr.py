@@ -17,6 +17,8 @@ import platform
 import threading
 from dataclasses import dataclass
 
+from gthulhu_node.workers import run_in_thread
+
 SCHED_OTHER = 0
 SCHED_FIFO = 1
 SCHED_RR = 2
@@ -190,7 +192,5 @@ def probe(syscalls: SchedAttrSyscalls | None = None) -> Probe:
                 Probe(True, f"kernel {platform.release()} honours slice requests (EEVDF)", base_slice_ns=base)
             )
 
-    thread = threading.Thread(target=run, name="gthulhu-probe", daemon=True)
-    thread.start()
-    thread.join()
+    run_in_thread("eevdf-check", run)
     return result[0] if result else Probe(False, "probe thread failed")

@@ -50,6 +50,7 @@ from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import IntentStore, StoreError
 from gthulhu_node.intents.trust import UntrustedError, check_directory, open_policy_file
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
 log = structlog.get_logger(__name__)
 
@@ -247,8 +248,7 @@ class LocalPolicies:
         self._combine_errors: dict[Path, str] = {}
         self._stats = LocalFilesStats()
         self._dir_error = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poller = WorkerThread("policy-files", self._run, join_timeout_s=5)
 
     def errors(self) -> dict[str, str]:
         """Bad files now: path -> reason."""
@@ -372,24 +372,23 @@ class LocalPolicies:
 
     def start_polling(self) -> None:
         """Poll the directory for changes in a background thread (load once with `reload` first)."""
-        if self._thread is not None or self._poll <= 0:
+        if self._poll <= 0:
             return
-        self._thread = threading.Thread(target=self._run, name="policy-files", daemon=True)
-        self._thread.start()
+        self._poller.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._poller.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._poll):
-            try:
-                if self._dirty():
-                    self.reload(force=False)
-            except Exception:
-                log.exception("policy_files_poll_failed", directory=str(self.directory))
+    def _run(self, stop: Flag) -> None:
+        """The `policy-files` thread: a look at the directory every poll interval until stopped."""
+        WorkQueue(period_s=self._poll).serve(stop, self._poll_once)
+
+    def _poll_once(self) -> None:
+        try:
+            if self._dirty():
+                self.reload(force=False)
+        except Exception:
+            log.exception("policy_files_poll_failed", directory=str(self.directory))
 
     def _dirty(self) -> bool:
         try:

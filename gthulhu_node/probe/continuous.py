@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
-from gthulhu_node.config import ProbeConfig
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.probe.preflight import ProbeUnavailable
 from gthulhu_node.probe.targets import Target
+from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
 if TYPE_CHECKING:  # the session and BCC are imported when the probe thread starts
     from gthulhu_node.probe.histogram import WaitHistogram
@@ -80,9 +80,8 @@ class ContinuousProbe:
     def __init__(self, matches: Callable[[], Iterable[MatchedTask]], poll_interval_s: float = 1.0) -> None:
         self._source = MatchesTargets(matches)
         self._poll = poll_interval_s
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._worker = WorkerThread("runqueue-probe", self._run, join_timeout_s=10.0)
         self._session: Session | None = None
         self.state = "starting"
         self.reason = ""
@@ -96,15 +95,14 @@ class ContinuousProbe:
         return Health(self.state in ("starting", "running"), self.reason)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="gthulhu-probe", daemon=True)
-        self._thread.start()
+        self._worker.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def stop(self) -> None:
+        self._worker.stop()
 
-    def _run(self) -> None:
+    def _run(self, stop: Flag) -> None:
+        """The `runqueue-probe` thread: compile and attach (seconds), then sync the probe's targets with the
+        agent's matches at once and every poll interval until stopped."""
         from gthulhu_node.probe.loader import RunqueueProbe
         from gthulhu_node.probe.session import Session
 
@@ -122,22 +120,26 @@ class ContinuousProbe:
             self._session = Session(probe, self._source)
             self.state = "running"
         log.info("probe_started", poll_interval_s=self._poll)
+        syncs = WorkQueue(period_s=self._poll)
+        syncs.wake()  # the first sync at once
         try:
-            while not self._stop.is_set():
-                try:
-                    with self._lock:
-                        self._session.sync()
-                    self.syncs += 1
-                except Exception as exc:  # a failing matches() call must not end the probe
-                    self.sync_errors += 1
-                    log.warning("probe_sync_failed", error=str(exc))
-                self._stop.wait(self._poll)
+            syncs.serve(stop, self._sync)
         finally:
             with self._lock:
                 self._session = None
                 self.state = "stopped"
             probe.close()
             log.info("probe_stopped")
+
+    def _sync(self) -> None:
+        try:
+            with self._lock:
+                assert self._session is not None
+                self._session.sync()
+            self.syncs += 1
+        except Exception as exc:  # a failing matches() call must not end the probe
+            self.sync_errors += 1
+            log.warning("probe_sync_failed", error=str(exc))
 
     def histograms(self) -> dict[str, WaitHistogram]:
         """intent key -> WaitHistogram, cumulative since start; empty when not running."""
@@ -186,11 +188,3 @@ class RunqueueLatencyCollector(Collector):
         yield CounterMetricFamily("gthulhu_node_probe_target_map_full", "Threads the probe could not track "
                                   "because its kernel map was full.", value=stats.map_full_errors)
 
-
-def probe_for(config: ProbeConfig, matches: Callable[[], Iterable[MatchedTask]],
-              registry: CollectorRegistry) -> ContinuousProbe:
-    """The service's probe (when `probe.enabled`) on the agent's matches, its collector registered on the
-    metrics registry; the service's supervisor starts it. Never raises for the probe's own problems."""
-    probe = ContinuousProbe(matches, config.poll_interval_s)
-    registry.register(RunqueueLatencyCollector(probe))
-    return probe

@@ -17,6 +17,7 @@ from gthulhu_node.probe.histogram import WaitHistogram
 from gthulhu_node.probe.loader import MAX_INTENTS, RunqueueProbe
 from gthulhu_node.probe.preflight import ProbeUnavailable
 from gthulhu_node.probe.targets import Target, TargetSource
+from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
 log = structlog.get_logger(__name__)
 
@@ -187,14 +188,16 @@ class BackgroundProbe:
         # sync() (the follower thread) and snapshot() (a caller reading mid-run) both walk the maps
         self._lock = threading.Lock()
         self._poll = poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name="gthulhu-probe", daemon=True)
-        self._thread.start()
+        self._follower = WorkerThread("probe-follower", self._follow, join_timeout_s=None)
+        self._follower.start()
 
-    def _follow(self) -> None:
-        while not self._stop.wait(self._poll):
-            with self._lock:
-                self.session.sync()
+    def _follow(self, stop: Flag) -> None:
+        """The `probe-follower` thread: the probe's targets synced every poll interval until stopped."""
+        WorkQueue(period_s=self._poll).serve(stop, self._sync)
+
+    def _sync(self) -> None:
+        with self._lock:
+            self.session.sync()
 
     def snapshot(self) -> ProbeResult:
         """The cumulative result so far, while the probe keeps running (`gthulhu-node compare` takes one
@@ -208,8 +211,7 @@ class BackgroundProbe:
             return sorted(self.session.records)
 
     def stop(self) -> ProbeResult:
-        self._stop.set()
-        self._thread.join()
+        self._follower.stop()
         try:
             self.session.sync()
             return self.session.result()

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import socket
 import ssl
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
 from gthulhu_node.rest.listener import BoundedListener, ListenerStats
 from gthulhu_node.rest.runtime_config import RuntimeConfig
 from gthulhu_node.rest.tls import server_context
+from gthulhu_node.workers import Flag, Spawned, spawn
 
 log = structlog.get_logger(__name__)
 
@@ -128,10 +128,10 @@ class RestServer:
         self._backend_name = backend_name
         self._stats = RestStats(insecure=config.insecure_allow_plain_http)
         self._listener_stats = ListenerStats()
-        self._thread: threading.Thread | None = None
+        self._thread: Spawned | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._started = threading.Event()
+        self._started = Flag()
         self._start_error: BaseException | None = None
         self._port = 0
         self._api: DecisionMakerApi | None = None
@@ -193,10 +193,8 @@ class RestServer:
         )
         self._api = api
         api.check_state()
-        self._thread = threading.Thread(
-            target=self._run, args=(api.app(), host, port, ssl_ctx), name="gthulhu-rest", daemon=True
-        )
-        self._thread.start()
+        app = api.app()
+        self._thread = spawn("gthulhu-rest", lambda: self._run(app, host, port, ssl_ctx))
         if not self._started.wait(timeout):
             raise TimeoutError("REST listener did not start")
         if self._start_error is not None:

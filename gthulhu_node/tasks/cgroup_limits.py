@@ -28,6 +28,7 @@ from pathlib import Path
 import structlog
 
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
 log = structlog.get_logger(__name__)
 
@@ -170,21 +171,16 @@ class CpuMaxWatch:
         self._errors = 0
         self._scans = 0
         self._warned = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._rescans = WorkerThread("cgroup-limits", self._run)
 
     def start(self) -> None:
         """The first scan here, so the first status and the start's log already carry it (it is bounded
         by max_cgroups); the rescans on the thread."""
-        self._stop.clear()
         self.scan()
-        self._thread = threading.Thread(target=self._loop, name="cgroup-limits", daemon=True)
-        self._thread.start()
+        self._rescans.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._rescans.stop()
 
     def health(self) -> Health:
         last = self.latest()
@@ -202,12 +198,15 @@ class CpuMaxWatch:
         return CgroupLimitsStats(None if last is None else last.limited, self.enforced(),
                                  last is not None and last.capped, errors, scans)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.scan()
-            except Exception:
-                log.exception("cgroup_scan_failed")
+    def _run(self, stop: Flag) -> None:
+        """The `cgroup-limits` thread: a rescan every interval until stopped."""
+        WorkQueue(period_s=self.interval_s).serve(stop, self._rescan)
+
+    def _rescan(self) -> None:
+        try:
+            self.scan()
+        except Exception:
+            log.exception("cgroup_scan_failed")
 
     def scan(self) -> CpuMaxScan:
         """One walk now (the thread's work; tests call it directly), then the warning if one is due."""

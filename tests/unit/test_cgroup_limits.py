@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -169,7 +170,7 @@ def test_rescans_on_its_own_thread(tmp_path: Path) -> None:
         for _ in range(500):
             if watch.stats().limited == 1:
                 break
-            watch._stop.wait(0.01)
+            time.sleep(0.01)
     finally:
         watch.stop()
     assert watch.stats().limited == 1

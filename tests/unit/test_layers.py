@@ -49,6 +49,27 @@ RULES: dict[str, tuple[str, ...]] = {
 # composition inside a lower package: choosing a backend reads the configuration's kind
 EXEMPT = {"gthulhu_node.backends.select": ("gthulhu_node.config",)}
 
+# Every module's layer (docs/design.md, "Layers"), by package prefix; the longest prefix wins. A module
+# imports only from its own layer or below (`test_no_module_imports_a_higher_layer`); RULES above add
+# what the numbers cannot say (intents and backends beside each other; layer 1's parts independent).
+LAYER_OF: dict[str, int] = {
+    "gthulhu_node": 1,  # the package itself: its version
+    "gthulhu_node.tasks": 1, "gthulhu_node.limits": 1, "gthulhu_node.errors": 1, "gthulhu_node.peers": 1,
+    "gthulhu_node.lifecycle": 1, "gthulhu_node.workers": 1, "gthulhu_node.systemd": 1,
+    "gthulhu_node.capabilities": 1,
+    "gthulhu_node.backends.base": 2,
+    "gthulhu_node.backends": 3, "gthulhu_node.scheduler": 3,
+    "gthulhu_node.intents": 4, "gthulhu_node.matching": 4,
+    "gthulhu_node.reconciler": 5, "gthulhu_node.outbox": 5, "gthulhu_node.feed": 5, "gthulhu_node.engine": 5,
+    "gthulhu_node.intents.store": 6, "gthulhu_node.intents.journal": 6, "gthulhu_node.intents.localfiles": 6,
+    "gthulhu_node.intents.status": 6, "gthulhu_node.api": 6, "gthulhu_node.rest": 6, "gthulhu_node.probe": 6,
+    "gthulhu_node.metrics_server": 6, "gthulhu_node.config": 6,
+    "gthulhu_node.backends.select": 7, "gthulhu_node.preview": 7, "gthulhu_node.agent": 7,
+    "gthulhu_node.metrics": 7, "gthulhu_node.service": 7, "gthulhu_node.cli": 7, "gthulhu_node.commands": 7,
+    "gthulhu_node.__main__": 7, "gthulhu_node.logs": 7, "gthulhu_node.preflight": 7,
+    "gthulhu_node.privileges": 7,
+}
+
 
 def module_name(path: Path) -> str:
     rel = path.relative_to(PACKAGE.parent).with_suffix("")
@@ -72,12 +93,21 @@ def under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def modules() -> list[tuple[str, Path]]:
+    return [(module_name(path), path) for path in sorted(PACKAGE.rglob("*.py"))
+            if "gen" not in path.relative_to(PACKAGE).parts]
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of the longest LAYER_OF prefix `module` is under; None for a module of no layer. The
+    package root's entry counts only for the root itself, so a new top-level module has none."""
+    prefixes = [p for p in LAYER_OF if under(module, p) and (p != "gthulhu_node" or module == p)]
+    return LAYER_OF[max(prefixes, key=len)] if prefixes else None
+
+
 def violations() -> list[str]:
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "gen" in path.relative_to(PACKAGE).parts:
-            continue
-        module = module_name(path)
+    for module, path in modules():
         for layer, forbidden in RULES.items():
             if not under(module, layer):
                 continue
@@ -90,6 +120,27 @@ def violations() -> list[str]:
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
     assert violations() == []
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert [module for module, _ in modules() if layer_of(module) is None] == []
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    found = []
+    for module, path in modules():
+        own = layer_of(module)
+        assert own is not None
+        for imported in sorted(imports_of(path)):
+            theirs = layer_of(imported) if under(imported, "gthulhu_node") else None
+            if theirs is not None and theirs > own:
+                found.append(f"{module} (layer {own}) imports {imported} (layer {theirs})")
+    assert found == []
+
+
+def test_a_new_top_level_module_has_no_layer_until_given_one() -> None:
+    assert layer_of("gthulhu_node.newpart") is None
+    assert layer_of("gthulhu_node.rest.newpart") == 6
 
 
 def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ the conversion and exposition, not BPF."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gthulhu_node.probe.continuous import METRIC, ProbeStats, RunqueueLatencyCollector
@@ -53,3 +55,14 @@ def test_one_series_per_intent_and_none_when_down() -> None:
     down = _scrape(_Probe({}, up=False))
     assert f"{METRIC}_count" not in down
     assert down["gthulhu_node_probe_up"][()] == 0
+
+
+def test_metrics_attach_registers_the_probes_collector_with_the_others() -> None:
+    """docs/design.md: `Metrics.attach` registers one collector per component, the probe's included;
+    the probe registered its own elsewhere before."""
+    from gthulhu_node.metrics import collectors
+
+    probe = _Probe({})
+    with_probe = collectors(SimpleNamespace(stats=None), probe=probe)  # type: ignore[arg-type]
+    assert next(c for c in with_probe if isinstance(c, RunqueueLatencyCollector)).probe is probe
+    assert not any(isinstance(c, RunqueueLatencyCollector) for c in collectors(SimpleNamespace(stats=None)))  # type: ignore[arg-type]

@@ -10,16 +10,16 @@ import pytest
 
 from gthulhu_node import agent as agent_module
 from gthulhu_node.agent import Agent
+from gthulhu_node.workers import Flag, WorkerThread
 
 
 class StatusThread:
     """The status loop and wake-ups of a real Agent, over a refresh that records when it ran."""
 
     def __init__(self) -> None:
-        self._stopped = threading.Event()
-        self._kick = threading.Event()
-        self._urgent = False
+        self._stopped = Flag()
         self._refreshed_at = 0.0
+        self._refreshes = self._refresh_queue()
         self.refreshes: list[float] = []
         self.refreshed = threading.Event()
 
@@ -39,7 +39,7 @@ def test_a_frame_soon_after_a_refresh_is_shown_once_the_rate_allows(monkeypatch:
     s later). With that interval made an hour, the old loop never shows it and this test times out."""
     monkeypatch.setattr(agent_module, "STATUS_INTERVAL_S", 3600.0)
     st = StatusThread()
-    loop = threading.Thread(target=st._status_loop, daemon=True)
+    loop = WorkerThread("test-status", st._run_status)
     loop.start()
     try:
         st._wake_now()  # a policy in effect: a refresh at once
@@ -50,15 +50,14 @@ def test_a_frame_soon_after_a_refresh_is_shown_once_the_rate_allows(monkeypatch:
         assert st.refreshes[1] - st.refreshes[0] >= agent_module.STATUS_MIN_INTERVAL_S * 0.9
     finally:
         st._stopped.set()
-        st._kick.set()
-        loop.join(30)
+        loop.stop()
 
 
 @pytest.mark.timeout(60)
 def test_frames_in_a_burst_are_shown_at_the_rate_not_each(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_module, "STATUS_INTERVAL_S", 3600.0)
     st = StatusThread()
-    loop = threading.Thread(target=st._status_loop, daemon=True)
+    loop = WorkerThread("test-status", st._run_status)
     loop.start()
     try:
         st._wake_now()
@@ -71,5 +70,4 @@ def test_frames_in_a_burst_are_shown_at_the_rate_not_each(monkeypatch: pytest.Mo
         assert gaps and min(gaps) >= agent_module.STATUS_MIN_INTERVAL_S * 0.9, st.refreshes
     finally:
         st._stopped.set()
-        st._kick.set()
-        loop.join(30)
+        loop.stop()
