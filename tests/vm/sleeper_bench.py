@@ -1,0 +1,349 @@
+"""What unboosted work pays (issue 40): a periodic SCHED_OTHER sleeper's wake-up latency under ours and EEVDF.
+
+Guest side of tests/bench/test_unboosted.py. The sleeper
+is `cyclictest -t1 -i 5000 --policy=other` (5 ms period, SCHED_OTHER) started with `setsid -w`: a session,
+hence an autogroup, of its own, like a daemon on a node (kubelet, sshd, an API server). Beside it
+`stress-ng --cpu 8` (4 hogs per vCPU) in a session of its own; in the `engine` cases also the engine-step
+engine (tests/vm/engine_step_bench.py: 2 ms of its own CPU, 5 ms sleep) in this script's session, boosted
+through the agent's path under ours. Cases run interleaved, round by round; each run reports the
+sleeper's average, p99 (from cyclictest's histogram, 1 us buckets) and maximum latency in microseconds,
+the hogs' bogo-ops/s and, with an engine, its steps/s. `--trace` adds, per run, where each of the
+sleeper's wake-ups went (tests/vm/wake_trace.py's stages, traced for the middle of the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.vm import engine_step_bench as esb
+from tests.vm import sched_overhead_bench, wake_trace
+
+# hogs: stress-ng beside the sleeper; sched: ours loaded; engine: the engine step runs, boosted when
+# `intent` is set (the agent's path)
+CASES: dict[str, dict[str, Any]] = {
+    "idle": {"hogs": False},
+    "EEVDF": {"hogs": True},
+    "ours no policy": {"hogs": True, "sched": True},
+    "engine alone": {"hogs": False, "engine": True},
+    "EEVDF engine": {"hogs": True, "engine": True},
+    "ours engine no policy": {"hogs": True, "sched": True, "engine": True},
+    "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 10}},
+    # the sleeper in the engine's session (autogroup) instead of one of its own: a helper thread of the app
+    "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
+    "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 10},
+                                    "own_session": False},
+}
+# with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy
+EARLIER = "ours earlier no policy"
+HISTOGRAM_US = 100_000
+
+
+def parse_histogram(text: str) -> dict[str, float]:
+    """avg, p50, p99 and max in us from `cyclictest -q -h N` output: one `bucket count` line per microsecond,
+    then `# Avg Latencies`, `# Max Latencies` and `# Histogram Overflows` (runs past the last bucket,
+    counted at the maximum for the p99)."""
+    # one pass in C over the 100,000 lines, keeping the buckets that counted something (Python's per-line
+    # loop took seconds in the guest)
+    counts = [(int(m[1]), int(m[2])) for m in re.finditer(r"^(\d+)\s+0*([1-9]\d*)$", text, re.M)]
+    avg = re.search(r"# Avg Latencies:\s*(\d+)", text)
+    top = re.search(r"# Max Latencies:\s*(\d+)", text)
+    over = re.search(r"# Histogram Overflows:\s*(\d+)", text)
+    if avg is None or top is None or over is None:
+        raise ValueError(f"no cyclictest summary in its output: {text[-300:]!r}")
+    overflows = int(over[1])
+    total = sum(c for _, c in counts) + overflows
+    if not total:
+        raise ValueError("cyclictest measured nothing")
+    return {"avg_us": float(avg[1]), "p50_us": quantile(counts, 0.5 * total, float(top[1])),
+            "p99_us": quantile(counts, 0.99 * total, float(top[1])), "max_us": float(top[1]),
+            "samples": float(total)}
+
+
+def parse_summary(text: str) -> dict[str, float]:
+    """avg and max in us from cyclictest's summary line (no histogram: printing and reading its 100,000
+    lines cost seconds per run in a guest on a loaded host)."""
+    m = re.search(r"Avg:\s*(\d+)\s+Max:\s*(\d+)", text)
+    if m is None:
+        raise ValueError(f"no cyclictest summary in its output: {text[-300:]!r}")
+    return {"avg_us": float(m[1]), "max_us": float(m[2])}
+
+
+def quantile(counts: list[tuple[int, int]], rank: float, beyond: float) -> float:
+    """The bucket where the histogram's running count reaches `rank`; `beyond` if only the overflows do."""
+    seen = 0
+    for bucket, count in counts:
+        seen += count
+        if seen >= rank:
+            return float(bucket)
+    return beyond
+
+
+class Sleeper:
+    """cyclictest in a session of its own, SCHED_OTHER, a 5 ms period; its histogram at the end, and its
+    measuring thread's run-queue wait per wake-up (schedstat, sampled while it runs): the part of the
+    latency the scheduler decides, without the timer interrupt's lateness that TCG adds on a busy host."""
+
+    def __init__(self, seconds: float, own_session: bool = True, histogram: bool = True) -> None:
+        self.seconds = seconds
+        self.histogram = histogram
+        self.proc = subprocess.Popen(
+            [*(["setsid", "-w"] if own_session else []), "cyclictest", "-q", "-m", "-t1", "-i", "5000",
+             "-D", f"{int(seconds)}", "--policy=other", *(["-h", str(HISTOGRAM_US)] if histogram else [])],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/tmp",
+        )
+        self.tid = sleeper_tid(self.proc)
+        self.first = self.last = schedstat(self.tid)
+        self.poller = threading.Thread(target=self._poll, daemon=True)
+        self.poller.start()
+
+    def _poll(self) -> None:
+        while self.proc.poll() is None:
+            time.sleep(0.25)
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                self.last = schedstat(self.tid)
+
+    def result(self) -> dict[str, float]:
+        text = self.proc.communicate(timeout=self.seconds + 60)[0]
+        out = parse_histogram(text) if self.histogram else parse_summary(text)
+        self.poller.join()
+        waits = self.last[2] - self.first[2]
+        out["runq_wait_us"] = (self.last[1] - self.first[1]) / max(waits, 1) / 1e3
+        return out
+
+
+TICK_EVENTS = ("sched/sched_switch", "sched/sched_wakeup", "irq_vectors/local_timer_entry")
+# "<comm>-<pid> [(<tgid>)] [<cpu>] <flags> <secs>: <event>: <fields>" (switch_trace.py's layout)
+TRACE_LINE = re.compile(r"^\s*.+?-\d+\s+(?:\(\s*[\d-]+\)\s+)?\[(\d+)\]\s+\S+\s+[\d.]+:\s+(\w+):\s+(.*)$",
+                        re.M)
+
+
+@contextlib.contextmanager
+def tick_trace() -> Iterator[list[str]]:
+    """The timer ticks, and cyclictest's wake-ups and switches in, for the block; the trace text lands in
+    the list. Filtered by its name, so a few thousand lines to read, not every switch of the hogs."""
+    tracing = wake_trace.TRACING
+    (tracing / "tracing_on").write_text("0")
+    (tracing / "buffer_size_kb").write_text("4096")
+    (tracing / "trace").write_text("")
+    (tracing / "events/sched/sched_wakeup/filter").write_text('comm == "cyclictest"')
+    (tracing / "events/sched/sched_switch/filter").write_text('next_comm == "cyclictest"')
+    for event in TICK_EVENTS:
+        (tracing / "events" / event / "enable").write_text("1")
+    (tracing / "tracing_on").write_text("1")
+    text: list[str] = []
+    try:
+        yield text
+    finally:
+        (tracing / "tracing_on").write_text("0")
+        for event in TICK_EVENTS:
+            (tracing / "events" / event / "enable").write_text("0")
+        text.append((tracing / "trace").read_text())
+        (tracing / "trace").write_text("")
+        for event in ("sched_wakeup", "sched_switch"):
+            (tracing / "events/sched" / event / "filter").write_text("0")
+
+
+def waited_ticks(text: str, tid: int) -> dict[str, float]:
+    """Of the sleeper's wake-ups, the fraction that waited through a timer tick of the CPU it woke on
+    before it ran. A wake-up that preempts runs before that CPU's next tick; one that waits for the running
+    task's slice to end runs at a tick at the earliest. Counted in ticks, not in time, so the emulator's
+    stalls on a loaded host (which stretch every time in the guest) do not blur it."""
+    woken_on, ticks, waited, wakeups = -1, 0, 0, 0
+    for m in TRACE_LINE.finditer(text):
+        cpu, event, rest = int(m[1]), m[2], m[3]
+        if event == "sched_wakeup" and f" pid={tid} " in f" {rest} ":
+            woken_on, ticks = int(rest.rsplit("target_cpu=", 1)[1].split()[0]), 0
+        elif woken_on < 0:
+            continue
+        elif event == "local_timer_entry" and cpu == woken_on:
+            ticks += 1
+        elif event == "sched_switch" and f"next_pid={tid} " in f"{rest} ":
+            wakeups += 1
+            waited += ticks > 0
+            woken_on = -1
+    return {"wakeups_traced": float(wakeups), "waited_a_tick": waited / wakeups if wakeups else float("nan")}
+
+
+def schedstat(tid: int) -> tuple[int, int, int]:
+    """A thread's run time, run-queue wait (ns) and runs so far (/proc/<tid>/schedstat)."""
+    run, wait, runs = Path(f"/proc/{tid}/schedstat").read_text().split()[:3]
+    return int(run), int(wait), int(runs)
+
+
+def sleeper_tid(proc: subprocess.Popen[str]) -> int:
+    """cyclictest's measuring thread (not its main thread). `setsid` execs cyclictest in place (its caller
+    leads no process group), so the process is `proc` itself: only its own task list is read, every 10 ms,
+    since a slow guest once took longer to walk /proc than a 2 s run lasts."""
+    tasks = Path(f"/proc/{proc.pid}/task")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            tids = [int(t.name) for t in tasks.iterdir() if t.name != str(proc.pid)]
+            if tids:
+                return tids[0]
+        time.sleep(0.01)
+    raise RuntimeError(f"cyclictest's measuring thread did not appear (exit {proc.poll()})")
+
+
+@contextlib.contextmanager
+def engine(active: bool, seconds: float) -> Iterator[tuple[int, subprocess.Popen[str]] | None]:
+    """The engine-step engine in this script's session: its tid and process, waiting for go."""
+    if not active:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, esb.__file__, "--engine", str(seconds)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd="/tmp")
+    try:
+        yield int(esb._out(proc).readline()), proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def earlier(folder: str | None) -> Iterator[None]:
+    """An earlier revision's scheduler loaded for the block (sched_overhead_bench.earlier), if asked."""
+    if folder is None:
+        yield
+        return
+    with sched_overhead_bench.earlier(Path(folder)):
+        yield
+
+
+def run_case(name: str, seconds: float, trace: bool) -> dict[str, Any]:
+    case = CASES[name]
+    out: dict[str, Any] = {}
+    with (
+        esb.hogs(case["hogs"], seconds) as hog,
+        earlier(case.get("earlier")),
+        esb.scheduler(case.get("sched", False), None) as sched,
+        engine(case.get("engine", False), seconds + 1) as eng,
+    ):
+        if eng is not None and sched is not None and case.get("intent"):
+            esb.apply_intent(sched, case["intent"])
+            assert eng[0] in {k.id for k in sched.read_back()}, "the intent did not reach the engine"
+        counters = sched.counters() if sched is not None else {}
+        cyc = Sleeper(seconds, case.get("own_session", True))
+        if eng is not None:
+            esb._in(eng[1]).write("go\n")
+            esb._in(eng[1]).flush()
+        if trace:
+            tid = cyc.tid
+            time.sleep(seconds / 3)
+            with wake_trace.tracing():
+                time.sleep(min(3.0, seconds / 3))
+            text = (wake_trace.TRACING / "trace").read_text()
+            out["trace"] = wake_trace.stages(list(wake_trace.parse(text)), tid)
+            out["trace"]["preempted_on_wake"] = preempted_on_wake(text, tid)
+        out.update(cyc.result())
+        if eng is not None:
+            out.update({f"engine_{k}": v for k, v in json.loads(esb._out(eng[1]).readline()).items()})
+            eng[1].wait(timeout=30)
+        if sched is not None:
+            after = sched.counters()
+            for key in ("fair_preemptions", "fair_dispatches", "direct_dispatches", "preemptions",
+                        "demotions"):
+                out[key] = after.get(key, 0) - counters.get(key, 0)
+            out["health_ok"] = float(sched.health().state.value == "running")
+    out.update(hog)
+    return out
+
+
+def paired(rounds: int, seconds: float) -> dict[str, Any]:
+    """The lab test's measurement (tests/vm/test_scheduler.py): the same hogs throughout; the sleeper run
+    `rounds` times under EEVDF and `rounds` times under ours (no policy), ours loaded once with EEVDF's
+    runs before and after it, so a drift of the host's pace weighs on both. One load: five cost 43 s of a
+    92 s run in a guest on a host at load 6 (the test has a minute). One stress-ng, no engine."""
+    runs: dict[str, list[dict[str, float]]] = {"EEVDF": [], "ours no policy": []}
+    took: dict[str, float] = {"load": 0.0, "unload": 0.0, "measure": 0.0}
+    started = time.monotonic()
+    with esb.hogs(True, rounds * 2 * (seconds + 5)) as hog:
+        for _ in range(rounds // 2):
+            runs["EEVDF"].append(measure(seconds, took))
+        t0 = time.monotonic()
+        with esb.scheduler(True, None) as sched:
+            assert sched is not None
+            took["load"] += time.monotonic() - t0
+            for _ in range(rounds):
+                runs["ours no policy"].append(measure(seconds, took))
+            healthy = float(sched.health().state.value == "running")
+            t0 = time.monotonic()
+        took["unload"] += time.monotonic() - t0
+        for run in runs["ours no policy"]:
+            run["health_ok"] = healthy
+        for _ in range(rounds - rounds // 2):
+            runs["EEVDF"].append(measure(seconds, took))
+        took["total"] = time.monotonic() - started
+    return {"runs": runs, "hogs": hog, "seconds": seconds, "kernel": os.uname().release,
+            "cpus": os.cpu_count(), "took_s": took}
+
+
+def measure(seconds: float, took: dict[str, float]) -> dict[str, float]:
+    t0 = time.monotonic()
+    with tick_trace() as trace:
+        sleeper = Sleeper(seconds, histogram=False)
+        out = sleeper.result()
+    out.update(waited_ticks(trace[0], sleeper.tid))
+    took["measure"] += time.monotonic() - t0
+    return out
+
+
+def preempted_on_wake(text: str, tid: int) -> dict[str, int]:
+    """How each of the sleeper's wake-ups ended up running: on the CPU it woke on (`same`), another, and
+    whether that CPU was switched straight from a hog (`from_hog`: a wake-up preemption or a slice end)."""
+    counts: collections.Counter[str] = collections.Counter()
+    woke_on = -1
+    for _, cpu, _, event, f in wake_trace.parse(text):
+        if event == "sched_wakeup" and int(f.get("pid", -1)) == tid:
+            woke_on = int(f.get("target_cpu", -1))
+        elif event == "sched_switch" and int(f.get("next_pid", -1)) == tid and woke_on >= 0:
+            counts["same" if cpu == woke_on else "other"] += 1
+            counts["from_hog" if f.get("prev_comm", "").startswith("stress-ng") else "from_other"] += 1
+            woke_on = -1
+    return dict(counts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", default="EEVDF,ours no policy,EEVDF engine,ours engine boosted")
+    parser.add_argument("--trace", action="store_true", help="trace the sleeper's wake-ups in every run")
+    parser.add_argument("--progress", type=Path, default=None,
+                        help="append each case's result there as a JSON line as soon as it ends")
+    parser.add_argument("--earlier", type=Path, default=None,
+                        help=f"an earlier revision's folder (scripts/bench-earlier-scheduler): {EARLIER!r}")
+    parser.add_argument("--paired", action="store_true", help="the lab test's run: see paired()")
+    esb.add_skip(parser)
+    args = parser.parse_args()
+    if args.paired:
+        print(json.dumps(paired(args.rounds, args.seconds)))
+        return 0
+    if args.earlier is not None:
+        CASES[EARLIER] = {"hogs": True, "earlier": str(args.earlier)}
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
+    esb.interleave(names, args.rounds, lambda name: run_case(name, args.seconds, args.trace), args.progress,
+                   args.seconds, args.skip)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
