@@ -259,7 +259,9 @@ def test_list_matches_shows_a_renamed_thread(agent, scope: str) -> None:  # type
         def mine() -> list[pb.Match]:
             return [m for m in stub.ListMatches(pb.ListMatchesRequest()).matches if m.tid == t.tid]
 
-        assert not mine()
+        # Not matched before the rename. Waited for, not read once: under process scope a thread of this
+        # process from the case before (renamed, then gone) counts until the agent has handled its exit.
+        wait_for(lambda: not mine(), what="no match for the thread before its rename")
         t.rename("gn-engine-7")
         (m,) = wait_for(mine, what="the renamed thread in ListMatches")
         assert (m.tgid, m.comm, m.intent, m.priority, m.slice_ns, m.scope) == (

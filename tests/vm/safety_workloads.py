@@ -48,7 +48,11 @@ from tests.vm.sched_workloads import (
 )
 from tests.vm.switch_trace import switches
 
-WATCHDOG_MS = 2000
+# The scenarios' watchdog, below the agent's default so that a starved task ejects within a run. Not 2 s
+# (until 2026-12-05): a busy host stops the emulated guest for up to 2.3 s at a time (measured: one
+# clean clone's make test beside other work had three scenarios ejected by the watchdog, each after a
+# stall of 1.8-2.3 s in which the guest did not run at all). Each scenario still asserts its own bounds.
+WATCHDOG_MS = 5000
 OURS = {"state": "enabled", "ops": "gthulhu"}  # what state() reads while our scheduler is attached
 CPU_ONLINE = "/sys/devices/system/cpu/cpu{}/online"
 

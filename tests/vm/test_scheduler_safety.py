@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.lab_guest("safety")]
 both_kernels = pytest.mark.parametrize("lab", matrix.BOTH_KERNELS, indirect=True)
 SCRIPT = "tests/vm/safety_workloads.py"
 ENABLED = {"state": "enabled", "ops": "gthulhu"}
-WATCHDOG_MS = 2000  # what every scenario lowers the watchdog to (safety_workloads.py)
+LONGEST_WAIT_MS = 1000  # a boosted mix's longest wait, whatever the watchdog
 # The strongest level's mean wait over the weakest's, median of five rounds: 0.79, 0.81, 0.79, 0.84 and
 # 0.89 in five runs (2026-12-05, 7.3, load average 6: beside another lab guest and a kernel build), single
 # rounds 0.61-1.45. The bound says what users rely on, a stronger boost never waits longer, 0.11 above
@@ -78,7 +78,7 @@ def test_random_mixes_bounded_waits_and_never_worse_off(lab: Any) -> None:
         # against a bound of 433 ms, so the test asserted only half the watchdog.
         stalled = res["emulator_stalls"]["total_ms"]
         assert max(waits) <= res["bound_ms"] + stalled, (seed, res)
-        assert max(waits) < WATCHDOG_MS / 2, (seed, res)
+        assert max(waits) < LONGEST_WAIT_MS, (seed, res)
         assert res["compare"], (seed, res)
         worst.append(min(c["boosted"] / max(c["unboosted"], 1e-3) for c in res["compare"]))
     # Each boosted thread, not only the lowest and the highest priority as before (2026-12-02); and no
