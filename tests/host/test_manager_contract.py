@@ -234,8 +234,13 @@ def test_strategy_with_blank_regex_governs_the_pod_but_its_pause_container(lab: 
                 wait_for("the pod's worker governed", lambda: worker in tids(agent, key))
                 assert pod.proc.pid in tids(agent, key)  # the process leader too
                 assert pause not in tids(agent, key)
-                status = {s.key: s for s in agent.status("manager-pods").intents}
-                assert any("every task of the pod but its pause container" in w for w in status[key].warnings)
+
+                def warned() -> bool:  # status is the status thread's projection: waited for, not read once
+                    status = {s.key: s for s in agent.status("manager-pods").intents}
+                    return key in status and any("every task of the pod but its pause container" in w
+                                                 for w in status[key].warnings)
+
+                wait_for("the intent's warning in status", warned)
                 assert "every task of the pod but its pause container" in cli_status(agent)
                 assert manager("GET", "/api/v1/intents/merkle")["rootHash"] == shell_merkle(
                     pod_intent_rows(intents)
