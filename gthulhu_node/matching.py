@@ -105,7 +105,6 @@ class CompiledIntent:
 
     key: str  # "source/id"
     intent: Intent
-    pattern: Any  # re2._Regexp
     rank: tuple[int, int, str]
     # owner selectors, compiled: None when the intent has none
     uids: frozenset[int] | None = None
@@ -127,6 +126,14 @@ class CompiledIntent:
         if self.exe is not None and self.exe.search(owner.exe) is None:
             return False
         return not named_only or owner.uid == 0 or self.intent.names_owner
+
+    @property
+    def pattern(self) -> Any:
+        """The compiled pattern (re2._Regexp), compiled when asked for: matching goes through RE2 sets
+        (PatternSet), and a program kept per intent for the policy's life held 30 MB for a Manager push of
+        10,000 patterns of 280 characters (issue 38, item 6). Short patterns come from compile_pattern's
+        cache."""
+        return compile_pattern(self.intent.matching_pattern, max_bytes=None)
 
     @property
     def priority(self) -> int:
@@ -212,10 +219,11 @@ def read_pod_uid(tgid: int, proc_root: Path = Path("/proc")) -> str | None:
 
 
 def _compile(key: str, intent: Intent) -> CompiledIntent:
+    # refuses here too what its source refused (its size was checked there); the program is not kept
+    compile_pattern(intent.matching_pattern, max_bytes=None)
     return CompiledIntent(
         key,
         intent,
-        compile_pattern(intent.matching_pattern, max_bytes=None),  # its size was checked by its source
         precedence_rank(key, intent),
         uids=resolve_users(intent.users)[0] if intent.users else None,
         cgroup=compile_pattern(intent.cgroup_regex, "cgroupRegex") if intent.cgroup_regex else None,
@@ -240,14 +248,14 @@ class PatternSet:
     falls back to per-pattern searches (slower, never wrong).
     """
 
-    def __init__(self, patterns: Sequence[tuple[str, Any]]) -> None:
-        """`patterns`: (pattern text, its compiled RE2) pairs; `match` returns their indices."""
+    def __init__(self, patterns: Sequence[str]) -> None:
+        """`patterns`: pattern texts (each valid for compile_pattern); `match` returns their indices."""
         self._sets: list[tuple[Any, list[int]]] = []  # (re2.Set, set index -> pattern index)
         self._loose: list[tuple[int, Any]] = []  # (pattern index, compiled): searched one by one
         for start in range(0, len(patterns), SET_CHUNK):
             self._add_chunk(patterns, range(start, min(start + SET_CHUNK, len(patterns))))
 
-    def _add_chunk(self, patterns: Sequence[tuple[str, Any]], indices: range) -> None:
+    def _add_chunk(self, patterns: Sequence[str], indices: range) -> None:
         options = re2.Options()
         options.max_mem = SET_MAX_MEM
         options.log_errors = False
@@ -255,9 +263,9 @@ class PatternSet:
         members: list[int] = []
         for i in indices:
             try:
-                rset.Add(patterns[i][0])
+                rset.Add(patterns[i])
             except re2.error:
-                self._loose.append((i, patterns[i][1]))
+                self._loose.append((i, compile_pattern(patterns[i], max_bytes=None)))
                 continue
             members.append(i)
         try:
@@ -269,7 +277,7 @@ class PatternSet:
         if working:
             self._sets.append((rset, members))
         else:
-            self._loose.extend((i, patterns[i][1]) for i in members)
+            self._loose.extend((i, compile_pattern(patterns[i], max_bytes=None)) for i in members)
 
     @property
     def loose(self) -> int:
@@ -293,9 +301,9 @@ class PatternSet:
 _last_patterns: tuple[tuple[str, ...], PatternSet] | None = None
 
 
-def _pattern_set(patterns: Sequence[tuple[str, Any]]) -> PatternSet:
+def _pattern_set(patterns: Sequence[str]) -> PatternSet:
     global _last_patterns
-    key = tuple(p for p, _ in patterns)
+    key = tuple(patterns)
     last = _last_patterns
     if last is not None and last[0] == key:
         return last[1]
@@ -327,13 +335,11 @@ class PolicySet:
         self._cache: dict[str, CommMatch] = {}
         # distinct patterns (many intents may share one), each with its intents' positions in `ordered`
         by_pattern: dict[str, list[int]] = {}
-        compiled_of: dict[str, Any] = {}
         for pos, c in enumerate(ordered):
             by_pattern.setdefault(c.intent.matching_pattern, []).append(pos)
-            compiled_of.setdefault(c.intent.matching_pattern, c.pattern)
         distinct = sorted(by_pattern)  # in an order that does not depend on ranks: see _pattern_set
         self._positions: list[list[int]] = [by_pattern[p] for p in distinct]
-        self._patterns = _pattern_set([(p, compiled_of[p]) for p in distinct])
+        self._patterns = _pattern_set(distinct)
 
     @classmethod
     def build(cls, intents: Iterable[tuple[str, Intent]], *, named_only: bool = False) -> PolicySet:

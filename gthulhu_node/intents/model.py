@@ -87,7 +87,7 @@ def compile_pattern(
     if max_bytes is not None and size > max_bytes:
         raise ValueError(f"{field} is {size} bytes, at most {max_bytes} are allowed")
     try:
-        return _compiled(pattern)
+        return _compiled(pattern) if size <= CACHED_PATTERN_MAX_BYTES else _make_regexp(pattern, _OPTIONS)
     except re2.error as exc:
         why = exc.args[0] if exc.args else ""
         if isinstance(why, bytes):
@@ -97,8 +97,12 @@ def compile_pattern(
 
 
 # Validation compiles a pattern, and so does every policy build after it: a cache makes the second (and
-# a re-push of the same patterns) free. A compiled pattern is immutable and safe to share between threads;
-# about 2 KB each, and the entries of the policy in effect are shared with it.
+# a re-push of the same patterns) free. A compiled pattern is immutable and safe to share between threads.
+# Only short patterns (thread names are at most 15 bytes: real ones are short) are kept: a program grows
+# with its pattern, and 10,000 patterns of 280 characters held 30 MB (issue 38, item 6).
+CACHED_PATTERN_MAX_BYTES = 64
+
+
 @functools.lru_cache(maxsize=16_384)
 def _compiled(pattern: str) -> Any:
     return _make_regexp(pattern, _OPTIONS)

@@ -84,21 +84,23 @@ def bench_intents(n: int, salt: int) -> list[tuple[str, Intent]]:
 class PerPatternPolicySet(PolicySet):
     """The replaced matcher: every pattern compiled at build, one RE2 search per (comm, pattern)."""
 
+    _programs: dict[str, Any]
+
     @classmethod
     def build_old(cls, intents: Sequence[tuple[str, Intent]]) -> PerPatternPolicySet:
         options = re2.Options()
         options.max_mem = RE2_MAX_MEM
         options.log_errors = False
-        return cls(
-            CompiledIntent(key, i, re2.compile(i.matching_pattern, options), precedence_rank(key, i))
-            for key, i in intents
-        )
+        built = cls(CompiledIntent(key, i, precedence_rank(key, i)) for key, i in intents)
+        built._programs = {c.key: re2.compile(c.intent.matching_pattern, options) for c in built.ordered}
+        return built
 
     def match(self, comm: str) -> CommMatch:
         hit = self._cache.get(comm)
         if hit is not None:
             return hit
-        return self._remember(comm, [c for c in self.ordered if c.pattern.search(comm) is not None])
+        return self._remember(
+            comm, [c for c in self.ordered if self._programs[c.key].search(comm) is not None])
 
 
 def test_apply_1000_intents_to_2000_threads() -> None:
