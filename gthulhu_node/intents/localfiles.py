@@ -48,7 +48,7 @@ from gthulhu_node.intents.documents import DocumentError, load_json, load_yaml
 from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.store import IntentStore, StoreError
-from gthulhu_node.intents.trust import UntrustedError, check_directory, open_policy_file
+from gthulhu_node.intents.trust import UntrustedError, open_policy_directory, open_policy_file
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
@@ -209,8 +209,11 @@ def policy_files(directory: Path) -> list[Path]:
     change it: an error is never "no files", which would remove every local intent.
     """
     try:
-        check_directory(directory)
-        names = sorted(os.listdir(directory))
+        fd = open_policy_directory(directory)
+        try:
+            names = sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return []
     except UntrustedError as exc:

@@ -72,17 +72,6 @@ def check_writers(st: os.stat_result, what: str, *, sticky_ok: bool = False) -> 
         raise UntrustedError(f"{what} is group-writable (gid {st.st_gid}): chmod g-w")
 
 
-def check_directory(directory: Path) -> None:
-    """Refuse a policy directory that, or whose ancestors, someone other than root could change.
-
-    Raises FileNotFoundError when it does not exist, OSError when it cannot be examined.
-    """
-    real = Path(os.path.realpath(directory))
-    check_writers(os.stat(real), f"directory {real}")
-    for parent in real.parents:
-        check_writers(os.stat(parent), f"directory {parent} (above the policy directory)", sticky_ok=True)
-
-
 # Filesystems whose "files" are kernel interfaces: reading one can have effects (/proc/kmsg consumes the
 # kernel log) or show what the reader was not meant to see (/proc/self/cmdline). statfs(2)'s f_type.
 PSEUDO_FILESYSTEMS = {
@@ -125,6 +114,20 @@ def open_policy_file(path: Path) -> tuple[int, os.stat_result]:
 
     Raises UntrustedError (refused, not read) or OSError.
     """
+    return _open_walked(path, directory=False)
+
+
+def open_policy_directory(path: Path) -> int:
+    """Open the policy directory for listing, walked and checked as `open_policy_file` walks a file: every
+    component on the way trusted, the directory itself owned by root and writable by no one else (the
+    sticky bit excuses nothing there), opened relative to its checked parent and the same inode. Its
+    listing (`os.listdir(fd)`) then names the entries of the directory that was checked, whatever is
+    renamed meanwhile. Raises UntrustedError, FileNotFoundError or OSError.
+    """
+    return _open_walked(path, directory=True)[0]
+
+
+def _open_walked(path: Path, *, directory: bool) -> tuple[int, os.stat_result]:
     fds: list[int] = []
     try:
         dir_fd = _open_dir("/", None, Path("/"), fds)
@@ -165,6 +168,8 @@ def open_policy_file(path: Path) -> tuple[int, os.stat_result]:
                 check_writers(st, f"directory {where} (on the way to the file)", sticky_ok=True)
                 here, dir_fd = where, fd
                 continue
+            if directory:
+                return _open_checked_directory(dir_fd, name, st, where)
             return _open_checked(dir_fd, name, fd, st, where, via_link)
         raise UntrustedError("not a file: not read")
     finally:
@@ -178,6 +183,28 @@ def _open_dir(name: str, dir_fd: int | None, where: Path, fds: list[int]) -> int
     fds.append(fd)
     check_writers(os.fstat(fd), f"directory {where} (on the way to the file)", sticky_ok=True)
     return fd
+
+
+def _open_checked_directory(dir_fd: int, name: str, st: os.stat_result,
+                            where: Path) -> tuple[int, os.stat_result]:
+    """The policy directory, checked on its O_PATH descriptor, then opened for listing."""
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedError(f"{where} is {kind(st.st_mode)}, not a directory: not read")
+    check_writers(st, f"directory {where}")
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    return _same_inode(fd, st)
+
+
+def _same_inode(fd: int, st: os.stat_result) -> tuple[int, os.stat_result]:
+    """`fd` and its fstat when it is the inode that was checked (`st`); closed and refused otherwise."""
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            raise UntrustedError("replaced while it was being checked: not read")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, opened
 
 
 def _open_checked(dir_fd: int, name: str, path_fd: int, st: os.stat_result, where: Path,
@@ -195,11 +222,4 @@ def _open_checked(dir_fd: int, name: str, path_fd: int, st: os.stat_result, wher
     check_writers(st, what)
     fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY,
                  dir_fd=dir_fd)
-    try:
-        opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
-            raise UntrustedError("replaced while it was being checked: not read")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, opened
+    return _same_inode(fd, st)

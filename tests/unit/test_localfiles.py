@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from gthulhu_node.intents.localfiles import LocalPolicies, PolicyFileError, read_file
+from gthulhu_node.intents.localfiles import (
+    LocalPolicies,
+    PolicyDirError,
+    PolicyFileError,
+    policy_files,
+    read_file,
+)
 from gthulhu_node.intents.store import IntentStore
 
 # Upstream Gthulhu's documented REST body for a node scheduling policy, unchanged.
@@ -471,3 +477,28 @@ def test_a_swap_between_the_check_and_the_read_is_never_read(tmp_path: Path,
     swaps[:] = [rename_over]
     with pytest.raises(PolicyFileError, match="replaced while it was being checked: not read"):
         read_file(d / "p.yaml")
+
+
+def test_the_policy_directory_is_walked_like_its_files(tmp_path: Path) -> None:
+    """The directory was checked by its resolved path: a policies.d symlink nobody owned (left while its
+    parent was briefly writable) chose which root-owned directory was listed, since the link's owner and
+    the hops on the way were not looked at. Now it is walked on descriptors like every file."""
+    real = tmp_path / "real"
+    real.mkdir()
+    write(real / "a.yaml", "id: a\ncommandRegex: x\n")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "hop").symlink_to(real)
+    os.chown(theirs, NOBODY, -1)
+    left = tmp_path / "left.d"
+    left.symlink_to(real)
+    os.lchown(left, NOBODY, -1)
+    via = tmp_path / "via.d"
+    via.symlink_to(theirs / "hop")
+    for directory, words in ((left, f"symlink {left} is owned by uid 65534"),
+                             (via, f"directory {theirs} .*owned by uid 65534")):
+        with pytest.raises(PolicyDirError, match=words):
+            policy_files(directory)
+    os.lchown(left, 0, -1)
+    assert policy_files(left) == [left / "a.yaml"]  # a root-owned link is followed
+    assert policy_files(tmp_path / "missing.d") == []
