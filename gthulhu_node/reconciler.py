@@ -447,6 +447,21 @@ class Reconciler:
         """Keys the backend refused and that wait for their retry, with why."""
         return {k: f.reason for k, f in self._outbox.failed.items()}
 
+    def explain_view(
+        self, tid: int, tgid: int
+    ) -> tuple[dict[EntryKey, tuple[Entry | None, str, Entry | None, str]], str]:
+        """For `explain` (gthulhu_node/explain.py), O(1): the thread's TID and its TGID key, each with
+        (desired entry, the intent that wants it, applied entry, why the backend refused it or ""), and
+        the key of the thread's winner ("" when none)."""
+        out: dict[EntryKey, tuple[Entry | None, str, Entry | None, str]] = {}
+        for key in (EntryKey(KeyKind.TID, tid), EntryKey(KeyKind.TGID, tgid)):
+            want = self._desired.get(key)
+            failed = self._outbox.failed.get(key)
+            out[key] = (_entry(want), want.owner if want else "", self._applied.get(key),
+                        failed.reason.value if failed else "")
+        th = self._threads.get(tid)
+        return out, th.winner.key if th is not None and th.winner is not None else ""
+
     def next_retry_at(self) -> float:
         """When the earliest refused key is due to be written again (monotonic seconds; inf if none).
         The engine wakes up then; any `flush` from that moment on writes it."""

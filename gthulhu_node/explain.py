@@ -1,0 +1,346 @@
+"""`explain`: why one thread is (not) governed, intent by intent, from the agent's own matching.
+
+Why a module of its own: the answer must be the agent's, not a second implementation that drifts from it.
+Every verdict here comes from the objects the reconciler matches with (`PolicySet.match` for patterns
+and scope, `CompiledIntent.admits` and `pod_uid` for the owner and pod selectors, `Intent.selects_node`
+for the node, `matching.best` for the winner, `CompiledIntent.rank` (`precedence_rank`) for why it
+won); this module only records, for each intent, the first check that turned it away, in the order the
+reconciler makes them (node, in effect, pattern and scope, pod, owner). The owner is read with the
+reconciler's own readers (`read_owner`, `read_pod_uid`).
+
+Two halves: `explain_task` (pure: a policy, the store's intents, one thread and its process) and
+`held_for` (run on the engine thread through `Engine.call`: what the reconciler wrote for the thread's
+TID and TGID and what the backend reads back for them), so the agent touches nothing of its own tables
+from another thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gthulhu_node.backends.base import Entry, EntryKey
+from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
+from gthulhu_node.errors import NotFound
+from gthulhu_node.intents.model import Intent, Scope, intent_key
+from gthulhu_node.intents.status import IntentState, IntentStatus
+from gthulhu_node.intents.store import SourceSet
+from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
+from gthulhu_node.reconciler import Reconciler
+from gthulhu_node.tasks.procfs import Task, read_task
+
+# The fields a line names as the first reason an intent does not govern a thread.
+NODE = "node"  # nodeNames / nodeSelectors do not select this node
+FAILED = "failed"  # the intent is Failed (a Manager entry that became no intent, a policy that failed)
+PENDING = "pending"  # stored, not yet in the policy the reconciler holds
+COMMAND = "commandRegex"
+SCOPE = "scope"  # scope=thread: the pattern matches another thread of the process, not this one
+POD = "podUID"
+OWNER = "owner"  # the process's owner could not be read (gone): owner selectors fail closed
+USERS = "users"
+CGROUP = "cgroupRegex"
+EXE = "executableRegex"
+NAMED_ONLY = "named_only"
+
+# precedence_rank's components, in its order (docs/watching.md, "Precedence")
+_RULES = ("priority", "executionTime", "source/id")
+
+
+class NoSuchTask(NotFound):
+    """No thread with that TID (or no process with that PID) on this host."""
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """The thread explained: what the kernel says it is, and who owns its process."""
+
+    tid: int
+    tgid: int
+    comm: str
+    owner: Owner | None  # None: gone, or unreadable (then owner selectors fail closed, as in the agent)
+    pod_uid: str | None
+    owner_error: str = ""  # why the owner could not be read, when not because the process is gone
+    process_comms: tuple[tuple[int, str], ...] = ()  # (tid, comm) of every thread of the process
+
+
+@dataclass(frozen=True, slots=True)
+class IntentLine:
+    """One intent of one source, against the thread."""
+
+    key: str
+    matched: bool
+    field: str = ""  # the first check it failed ("" when matched)
+    reason: str = ""  # that check, in words
+    state: str = ""  # its status (IntentState value), "" when the agent has none yet
+    note: str = ""  # what else a matched intent's status says (a Failed write, a noop)
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    subject: Subject
+    lines: tuple[IntentLine, ...]
+    winner: str  # "source/id", "" when no intent governs the thread
+    why: tuple[str, ...]  # why the winner beats each intent it shadows, one line each
+    shadows: tuple[str, ...]  # intents that match the thread but lose to the winner
+    winner_priority: int = 0
+    winner_slice_ns: int = 0
+    winner_scope: str = ""
+
+    @property
+    def governed(self) -> bool:
+        return bool(self.winner)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldEntry:
+    """One key the agent may hold for the thread: its desired entry, what it believes the backend holds
+    (written and acknowledged), and what the backend reads back now."""
+
+    key: str  # "tid:123" / "tgid:100"
+    owner: str  # the intent that produced the desired entry, "" when none
+    desired: Entry | None
+    applied: Entry | None
+    read_back: Entry | None
+    failure: str = ""  # why the backend refused it, when it waits for a retry
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What the agent holds for a thread (its TID and its TGID), gathered on the engine thread."""
+
+    backend: str
+    entries: tuple[HeldEntry, ...]
+    read_back: str  # how the backend's values were read ("" when they were)
+    kernel: Mapping[str, str] = field(default_factory=dict)  # what the kernel shows now (eevdf: nice, ...)
+    agent_winner: str = ""  # the reconciler's own winner for the TID ("" when none)
+
+
+# ---- the subject -----------------------------------------------------------------------------------
+
+
+def tgid_of(tid: int, proc_root: Path = Path("/proc")) -> int:
+    """The process of a thread (`Tgid:` of /proc/<tid>/status; the kernel resolves any TID there)."""
+    try:
+        with open(b"%s/%d/status" % (os.fsencode(proc_root), tid), "rb") as f:
+            text = f.read(4096)
+    except FileNotFoundError:
+        raise NoSuchTask(f"no task {tid} on this host") from None
+    for line in text.splitlines():
+        if line.startswith(b"Tgid:"):
+            return int(line.split()[1])
+    raise NoSuchTask(f"no task {tid} on this host (no Tgid in its status)")
+
+
+def threads_of(tgid: int, proc_root: Path = Path("/proc")) -> list[Task]:
+    """Every thread of a process now (by TID), read with the scanner's reader."""
+    try:
+        names = os.listdir(b"%s/%d/task" % (os.fsencode(proc_root), tgid))
+    except FileNotFoundError:
+        raise NoSuchTask(f"no process {tgid} on this host") from None
+    out = [t for n in sorted(names, key=int) if (t := read_task(tgid, int(n), proc_root)) is not None]
+    if not out:
+        raise NoSuchTask(f"no process {tgid} on this host")
+    return out
+
+
+def read_subject(tid: int, proc_root: Path = Path("/proc"), tgid: int | None = None) -> Subject:
+    """The thread, its process's threads and owner, read as the reconciler reads them."""
+    tgid = tgid_of(tid, proc_root) if tgid is None else tgid
+    threads = threads_of(tgid, proc_root)
+    me = next((t for t in threads if t.tid == tid), None)
+    if me is None:
+        raise NoSuchTask(f"no task {tid} in process {tgid}")
+    error = ""
+    try:
+        owner = read_owner(tgid, proc_root)
+        pod = read_pod_uid(tgid, proc_root)
+    except OSError as exc:  # unknown, not "nobody": selectors that ask fail closed, as in the agent
+        owner, pod, error = None, None, str(exc)
+    return Subject(tid, tgid, me.comm, owner, pod, error, tuple((t.tid, t.comm) for t in threads))
+
+
+# ---- the explanation -------------------------------------------------------------------------------
+
+
+def _owner_reason(c: CompiledIntent, subject: Subject, named_only: bool) -> tuple[str, str]:
+    """The first owner check `admits` failed (called only when it did), in admits's own order."""
+    owner = subject.owner
+    if owner is None:
+        why = subject.owner_error or "the process is gone"
+        if c.needs_owner:
+            return OWNER, f"its owner selectors need the process's owner, which could not be read ({why})"
+        return NAMED_ONLY, f"named_only: the process's owner could not be read ({why})"
+    if c.uids is not None and owner.uid not in c.uids:
+        return USERS, f"users {list(c.intent.users)} do not include uid {owner.uid}"
+    if c.cgroup is not None and c.cgroup.search(owner.cgroup) is None:
+        return CGROUP, f"cgroupRegex {c.intent.cgroup_regex!r} does not match cgroup {owner.cgroup!r}"
+    if c.exe is not None and c.exe.search(owner.exe) is None:
+        return EXE, f"executableRegex {c.intent.executable_regex!r} does not match {owner.exe!r}"
+    return NAMED_ONLY, (f"security.unprivileged_tasks is named_only: uid {owner.uid} is not root and the "
+                        "intent names no user, cgroup or pod")
+
+
+def _pattern_reason(c: CompiledIntent, subject: Subject, policy: PolicySet) -> tuple[str, str] | None:
+    """None when the intent's pattern covers the thread under its scope; else the field and why."""
+    pattern = c.intent.matching_pattern
+    if c.scope is Scope.PROCESS:
+        if any(c in policy.match(comm).process for _, comm in subject.process_comms):
+            return None
+        return COMMAND, (f"{pattern!r} matches no thread of process {subject.tgid} (scope=process; this "
+                         f"thread's comm is {subject.comm!r})")
+    if c in policy.match(subject.comm).thread:
+        return None
+    others = [f"{tid} ({comm!r})" for tid, comm in subject.process_comms
+              if tid != subject.tid and c in policy.match(comm).thread]
+    if others:
+        return SCOPE, (f"scope=thread: {pattern!r} matches thread {', '.join(others[:3])} of this process, "
+                       f"not this one ({subject.comm!r})")
+    return COMMAND, f"{pattern!r} does not match comm {subject.comm!r}"
+
+
+def _check(c: CompiledIntent, subject: Subject, policy: PolicySet) -> tuple[str, str] | None:
+    """The first check that turns `c` away from the thread, in the reconciler's order; None if none."""
+    miss = _pattern_reason(c, subject, policy)
+    if miss is not None:
+        return miss
+    if c.pod_uid is not None and c.pod_uid != subject.pod_uid:
+        where = f"pod {subject.pod_uid}" if subject.pod_uid else "no pod"
+        return POD, f"podUID {c.intent.pod_uid} is not the process's ({where})"
+    if not c.admits(subject.owner, policy.named_only):
+        return _owner_reason(c, subject, policy.named_only)
+    return None
+
+
+def why_wins(winner: CompiledIntent, loser: CompiledIntent) -> str:
+    """Which rule of the precedence decides between two intents: the first component of
+    `precedence_rank` in which they differ (no priority numbers compared here)."""
+    i = next((n for n, (w, lo) in enumerate(zip(winner.rank, loser.rank, strict=True)) if w != lo), 2)
+    rule = _RULES[i]
+    if i == 0:
+        detail = f"priority {winner.priority} over {loser.priority}"
+    elif i == 1:
+        detail = f"executionTime {winner.slice_ns} ns over {loser.slice_ns} ns (same priority)"
+    else:
+        detail = f"{winner.key} sorts before {loser.key} (same priority and executionTime)"
+    return f"{winner.key} beats {loser.key} on {rule} (precedence rule {i + 1}): {detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One intent as the store holds it, with its status (None when the agent has not computed one)."""
+
+    key: str
+    intent: Intent | None  # None for a Manager entry that became no intent
+    status: IntentStatus | None
+    failed: str = ""  # a Manager entry's reason
+
+
+def listed_intents(sources: Mapping[str, SourceSet], statuses: Iterable[IntentStatus]) -> list[Listed]:
+    """Every intent of every source, including a lenient sender's entries that became none."""
+    by_key = {s.key: s for s in statuses}
+    out: list[Listed] = []
+    for name in sorted(sources):
+        ss = sources[name]
+        for entry in ss.entries:
+            if entry.failed:
+                key = intent_key(name, entry.key)
+                out.append(Listed(key, None, by_key.get(key), entry.failed))
+        for i in ss.intents:
+            key = intent_key(name, i.id)
+            out.append(Listed(key, i, by_key.get(key)))
+    return out
+
+
+def explain_task(
+    subject: Subject,
+    policy: PolicySet,
+    intents: Sequence[Listed],
+    *,
+    node_name: str,
+    node_labels: Mapping[str, str],
+) -> Explanation:
+    """Every intent against one thread, the winner (matching.best over the same candidates the
+    reconciler takes: the strongest thread-scope match and the process's strongest process-scope one),
+    why it wins and what it shadows. `policy` is the one the reconciler holds."""
+    labels = dict(node_labels)
+    lines: list[IntentLine] = []
+    thread_cands: list[CompiledIntent] = []
+    process_cands: list[CompiledIntent] = []
+    for item in intents:
+        state = item.status.state.value if item.status is not None else ""
+        if item.intent is None:
+            lines.append(IntentLine(item.key, False, FAILED, f"the entry became no intent: {item.failed}",
+                                    state))
+            continue
+        if not item.intent.selects_node(node_name, labels):
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "no labels"
+            lines.append(IntentLine(item.key, False, NODE, f"its nodeNames/nodeSelectors do not select "
+                                    f"node {node_name!r} ({shown})", state))
+            continue
+        c = policy.by_key.get(item.key)
+        if c is None or c.intent != item.intent:
+            if item.status is not None and item.status.state is IntentState.FAILED:
+                lines.append(IntentLine(item.key, False, FAILED, item.status.reason, state))
+            else:
+                why = "stored, not yet in the policy the agent holds (being applied)"
+                lines.append(IntentLine(item.key, False, PENDING, why, state))
+            continue
+        miss = _check(c, subject, policy)
+        if miss is not None:
+            lines.append(IntentLine(item.key, False, miss[0], miss[1], state))
+            continue
+        note = ""
+        if item.status is not None and item.status.state is IntentState.FAILED:
+            note = f"status Failed: {item.status.reason}"
+        elif c.is_noop:
+            note = "noop: priority 0 and executionTime 0 (wins like any other, writes nothing)"
+        lines.append(IntentLine(item.key, True, state=state, note=note))
+        (process_cands if c.scope is Scope.PROCESS else thread_cands).append(c)
+    # the candidates the reconciler takes (_assign): its strongest thread match and the process winner
+    thread_best = best(thread_cands)
+    winner = best((thread_best, best(process_cands)))
+    if winner is None:
+        return Explanation(subject, tuple(lines), "", (), ())
+    shadowed = sorted((c for c in (*thread_cands, *process_cands) if c is not winner), key=lambda c: c.rank)
+    return Explanation(
+        subject,
+        tuple(lines),
+        winner.key,
+        tuple(why_wins(winner, c) for c in shadowed),
+        tuple(c.key for c in shadowed),
+        winner.priority,
+        winner.slice_ns,
+        winner.scope.value,
+    )
+
+
+# ---- what the agent holds (on the engine thread) ----------------------------------------------------
+
+
+def held_for(reconciler: Reconciler, tid: int, tgid: int) -> Held:
+    """What the reconciler wrote for the thread's TID and TGID keys and what its backend reads back.
+    Run on the engine thread (`Engine.call`): the reconciler and the backend are that thread's."""
+    backend = reconciler.backend
+    view, agent_winner = reconciler.explain_view(tid, tgid)
+    read_note = ""
+    try:
+        back: dict[EntryKey, Entry] = backend.read_back()
+    except Exception as exc:  # a backend down (ejected, reloading) answers nothing: say so, not "empty"
+        back, read_note = {}, f"not read back: {exc}"
+    entries = tuple(
+        HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
+        for k, (desired, owner, applied, failure) in view.items()
+        if desired is not None or applied is not None or k in back
+    )
+    return Held(backend.name, entries, read_note, {}, agent_winner)
+
+
+def kernel_attrs(tid: int) -> dict[str, str]:
+    """What the kernel shows for the thread now (sched_getattr): the eevdf backend's settings."""
+    try:
+        a = SchedAttrSyscalls().get(tid)
+    except OSError as exc:
+        return {"error": str(exc)}
+    return {"policy": a.policy_name, "nice": str(a.nice), "slice_ns": str(a.runtime_ns)}
