@@ -36,6 +36,7 @@ from gthulhu_node.backends.base import Backend, BackendState, SchedulerRefused
 from gthulhu_node.backends.select import fallback_after_ejections, fallback_after_refusal, select_backend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
+from gthulhu_node.explain import Report, explain_in_agent
 from gthulhu_node.feed import EngineFrame
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
@@ -658,6 +659,10 @@ class Agent:
         found = sorted((m for m in frame.matches.values() if not intent or m.intent_key == intent),
                        key=lambda m: (m.tgid, m.tid))
         return [MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope) for m in found]
+
+    def explain(self, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]:
+        """Why threads are (not) governed: gthulhu_node/explain.py, its one entry into the agent."""
+        return explain_in_agent(self, tid=tid, pid=pid, comm_regex=comm_regex)
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: readiness, backend, intents by state and tasks matched."""

@@ -14,6 +14,7 @@ from gthulhu_node.errors import GthulhuError, edge_of
 # Each module under gthulhu_node/commands/ defines register(subparsers) and sets `func` on its parsers.
 COMMANDS: list[str] = [
     "client",
+    "explain",
     "run",
     "probe",
     "compare",

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gthulhu_node.backends.base import Entry, EntryKey
 from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
-from gthulhu_node.errors import NotFound
-from gthulhu_node.intents.model import Intent, Scope, intent_key
+from gthulhu_node.errors import InvalidInput, NotFound, Unavailable
+from gthulhu_node.intents.model import Intent, Scope, compile_pattern, intent_key
 from gthulhu_node.intents.status import IntentState, IntentStatus
 from gthulhu_node.intents.store import SourceSet
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
 from gthulhu_node.reconciler import Reconciler
-from gthulhu_node.tasks.procfs import Task, read_task
+from gthulhu_node.tasks.procfs import Task, read_task, snapshot
+
+if TYPE_CHECKING:
+    from gthulhu_node.agent import Agent
 
 # The fields a line names as the first reason an intent does not govern a thread.
 NODE = "node"  # nodeNames / nodeSelectors do not select this node
@@ -46,6 +50,10 @@ NAMED_ONLY = "named_only"
 
 # precedence_rank's components, in its order (docs/watching.md, "Precedence")
 _RULES = ("priority", "executionTime", "source/id")
+
+
+# At most this many threads per request: a --comm that matches every thread asks too broad a question.
+MAX_THREADS = 512
 
 
 class NoSuchTask(NotFound):
@@ -319,22 +327,26 @@ def explain_task(
 # ---- what the agent holds (on the engine thread) ----------------------------------------------------
 
 
-def held_for(reconciler: Reconciler, tid: int, tgid: int) -> Held:
-    """What the reconciler wrote for the thread's TID and TGID keys and what its backend reads back.
-    Run on the engine thread (`Engine.call`): the reconciler and the backend are that thread's."""
+def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int]]) -> list[Held]:
+    """What the reconciler wrote for each (tid, tgid)'s TID and TGID keys and what its backend reads back
+    (one read-back for all). Run on the engine thread (`Engine.call`): the reconciler and the backend are
+    that thread's."""
     backend = reconciler.backend
-    view, agent_winner = reconciler.explain_view(tid, tgid)
     read_note = ""
     try:
         back: dict[EntryKey, Entry] = backend.read_back()
     except Exception as exc:  # a backend down (ejected, reloading) answers nothing: say so, not "empty"
         back, read_note = {}, f"not read back: {exc}"
-    entries = tuple(
-        HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
-        for k, (desired, owner, applied, failure) in view.items()
-        if desired is not None or applied is not None or k in back
-    )
-    return Held(backend.name, entries, read_note, {}, agent_winner)
+    out: list[Held] = []
+    for tid, tgid in threads:
+        view, agent_winner = reconciler.explain_view(tid, tgid)
+        entries = tuple(
+            HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
+            for k, (desired, owner, applied, failure) in view.items()
+            if desired is not None or applied is not None or k in back
+        )
+        out.append(Held(backend.name, entries, read_note, {}, agent_winner))
+    return out
 
 
 def kernel_attrs(tid: int) -> dict[str, str]:
@@ -344,3 +356,74 @@ def kernel_attrs(tid: int) -> dict[str, str]:
     except OSError as exc:
         return {"error": str(exc)}
     return {"policy": a.policy_name, "nice": str(a.nice), "slice_ns": str(a.runtime_ns)}
+
+
+# ---- in the agent ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One thread's explanation and what the agent holds for it."""
+
+    explanation: Explanation
+    held: Held
+
+
+def select_threads(tid: int, pid: int, comm_regex: str, proc_root: Path = Path("/proc")) -> list[Task]:
+    """The threads a request names: one TID, every thread of a PID (a TID given as `pid` that leads no
+    process is that thread alone), or every thread whose comm matches."""
+    if sum((tid != 0, pid != 0, bool(comm_regex))) != 1:
+        raise InvalidInput("name exactly one of: a tid, a pid, a comm regex")
+    if tid < 0 or pid < 0:
+        raise InvalidInput("a tid or pid is a positive number")
+    if tid:
+        tgid = tgid_of(tid, proc_root)
+        me = read_task(tgid, tid, proc_root)
+        if me is None:
+            raise NoSuchTask(f"no task {tid} on this host")
+        return [me]
+    if pid:  # a process's leader: all of its threads; any other thread: that one
+        tgid = tgid_of(pid, proc_root)
+        if tgid != pid:
+            return select_threads(pid, 0, "", proc_root)
+        return threads_of(pid, proc_root)
+    try:
+        pattern = compile_pattern(comm_regex, "comm regex")
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    snap = snapshot(proc_root)
+    found = sorted((t for t in snap.tasks.values() if pattern.search(t.comm) is not None),
+                   key=lambda t: (t.tgid, t.tid))
+    if not found:
+        raise NoSuchTask(f"no thread on this host has a comm matching {comm_regex!r}")
+    if len(found) > MAX_THREADS:
+        raise InvalidInput(f"{len(found)} threads match {comm_regex!r}, at most {MAX_THREADS} are explained "
+                           "at once: narrow the pattern or name a pid")
+    return found
+
+
+def explain_in_agent(agent: Agent, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]:
+    """`explain` as the running agent answers it: its policy, store, status and the reconciler's entries
+    (read on the engine thread), the backend's read-back, and for the eevdf backend the kernel's view."""
+    proc_root = agent.config.watch.proc_root
+    tasks = select_threads(tid, pid, comm_regex, proc_root)
+    engine = agent.engine
+    if engine is None or not engine.running:
+        raise Unavailable("the agent's engine is not running: nothing to explain against")
+    pairs = [(t.tid, t.tgid) for t in tasks]
+    policy, held = engine.call(lambda r: (r.policy, held_for(r, pairs)), timeout=10.0)
+    listed = listed_intents(agent.store.snapshot(), agent.board.intents())
+    node = agent.config.node
+    out: list[Report] = []
+    for task, h in zip(tasks, held, strict=True):
+        try:
+            subject = read_subject(task.tid, proc_root, tgid=task.tgid)
+        except NoSuchTask:
+            if tid:
+                raise
+            continue  # one of many threads exited meanwhile
+        ex = explain_task(subject, policy, listed, node_name=node.name, node_labels=node.labels)
+        if h.backend == "eevdf":
+            h = replace(h, kernel=kernel_attrs(task.tid))
+        out.append(Report(ex, h))
+    return out

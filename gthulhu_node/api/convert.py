@@ -8,6 +8,8 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.backends.base import Entry
+from gthulhu_node.explain import Report
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
 from gthulhu_node.intents.status import (
@@ -156,4 +158,41 @@ def match_to_pb(m: MatchRow) -> pb.Match:
         priority=m.priority,
         slice_ns=m.slice_ns,
         scope=m.scope,
+    )
+
+
+def _sched_entry(e: Entry | None) -> pb.SchedEntry | None:
+    if e is None:
+        return None
+    return pb.SchedEntry(priority=e.priority, slice_ns=e.slice_ns, start_time=e.start_time)
+
+
+def report_to_pb(r: Report) -> pb.ThreadExplanation:
+    ex, held, s = r.explanation, r.held, r.explanation.subject
+    owner = s.owner
+    return pb.ThreadExplanation(
+        tid=s.tid,
+        tgid=s.tgid,
+        comm=s.comm,
+        owner_known=owner is not None,
+        uid=owner.uid if owner is not None else 0,
+        cgroup=owner.cgroup if owner is not None else "",
+        exe=owner.exe if owner is not None else "",
+        pod_uid=s.pod_uid or "",
+        owner_error=s.owner_error,
+        intents=[pb.ExplainIntent(intent=ln.key, matched=ln.matched, field=ln.field, reason=ln.reason,
+                                  state=ln.state, note=ln.note) for ln in ex.lines],
+        winner=ex.winner,
+        priority=ex.winner_priority,
+        slice_ns=ex.winner_slice_ns,
+        scope=ex.winner_scope,
+        why=list(ex.why),
+        shadows=list(ex.shadows),
+        backend=held.backend,
+        entries=[pb.HeldEntry(key=e.key, intent=e.owner, desired=_sched_entry(e.desired),
+                              applied=_sched_entry(e.applied), read_back=_sched_entry(e.read_back),
+                              failure=e.failure) for e in held.entries],
+        read_back=held.read_back,
+        kernel=dict(held.kernel),
+        agent_winner=held.agent_winner,
     )

@@ -29,6 +29,7 @@ from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.config import ApiConfig
 from gthulhu_node.errors import GthulhuError, InvalidInput, LimitExceeded, edge_of
+from gthulhu_node.explain import Report
 from gthulhu_node.intents.model import check_source
 from gthulhu_node.intents.parse import IntentValidationError
 from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
@@ -55,6 +56,8 @@ class AgentAPI(Protocol):
     def status(self, source: str = "") -> StatusSnapshot: ...
 
     def matches(self, intent: str = "") -> list[MatchRow]: ...
+
+    def explain(self, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]: ...
 
     def sync(self, timeout: float = 5.0) -> None:
         """Wait until the last store change is in effect and status reflects it (best effort)."""
@@ -166,6 +169,13 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
                 matches=[convert.match_to_pb(m) for m in self._agent.matches(request.intent)]
             ),
         )
+
+    def Explain(self, request: pb.ExplainRequest, context: grpc.ServicerContext) -> pb.ExplainResponse:
+        def run() -> pb.ExplainResponse:
+            reports = self._agent.explain(tid=request.tid, pid=request.pid, comm_regex=request.comm_regex)
+            return pb.ExplainResponse(threads=[convert.report_to_pb(r) for r in reports])
+
+        return self._call("Explain", context, run)
 
     def WatchStatus(
         self, request: pb.WatchStatusRequest, context: grpc.ServicerContext

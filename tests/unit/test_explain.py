@@ -207,13 +207,13 @@ def test_held_for_reads_the_reconcilers_entries_and_the_backends(proc: FakeProc)
     policy = PolicySet.build([("t/eng", intent("eng", slice_ns=2_000_000))])
     r = Reconciler(backend, policy=policy, proc_root=proc.root)
     r.apply_snapshot(snapshot(proc.root))
-    held = explain.held_for(r, 101, 100)
+    (held,) = explain.held_for(r, [(101, 100)])
     assert held.backend == "dry-run" and held.agent_winner == "t/eng" and held.read_back == ""
     (tid_entry,) = held.entries
     want = Entry(10, 2_000_000, 100)
     assert (tid_entry.key, tid_entry.owner) == ("tid:101", "t/eng")
     assert tid_entry.desired == tid_entry.applied == tid_entry.read_back == want
     del backend.table[next(iter(backend.table))]  # someone else's change: the read-back says so
-    assert explain.held_for(r, 101, 100).entries[0].read_back is None
-    assert explain.held_for(r, 100, 100).entries == ()  # the leader is not governed
+    assert explain.held_for(r, [(101, 100)])[0].entries[0].read_back is None
+    assert explain.held_for(r, [(100, 100)])[0].entries == ()  # the leader is not governed
     backend.stop()

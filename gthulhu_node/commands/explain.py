@@ -1,0 +1,96 @@
+"""`gthulhu-node explain PID|TID|--comm REGEX`: why threads are (not) governed, as the agent answers it
+(the Explain RPC; gthulhu_node/explain.py computes it inside the agent).
+
+Exit codes, for scripts: 0 every thread explained is governed by an intent; 1 at least one is not; 2 an
+error (the agent cannot be reached, no such task, a bad pattern).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.commands.client import (
+    TIMEOUT_S,
+    _call,
+    _connection_args,
+    _dump,
+    _err,
+    _quiet_logs,
+    _slice,
+    _table,
+    _to_dict,
+)
+
+EXIT_GOVERNED, EXIT_NOT_GOVERNED, EXIT_ERROR = 0, 1, 2
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "explain", help="why a thread is (not) governed: every intent against it, the winner and why",
+        description="For each thread: its comm, owner, cgroup and exe; every intent of every source, "
+        "matched or not with the first reason it did not; the winner, why it wins and what it shadows; "
+        "what the agent wrote for the thread's TID and TGID and what the backend reads back. A PID "
+        "explains each of its threads. Exit status: 0 every thread governed, 1 one is not, 2 an error.")
+    p.add_argument("pid", nargs="?", type=int, default=0, metavar="PID|TID",
+                   help="a process (each of its threads) or one thread")
+    p.add_argument("--comm", default="", metavar="REGEX",
+                   help="every thread whose comm matches this RE2 pattern (unanchored search)")
+    _connection_args(p)
+    p.set_defaults(func=cmd_explain)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    _quiet_logs()
+    if bool(args.pid) == bool(args.comm):
+        _err("explain takes a PID or TID, or --comm REGEX (one of them)")
+        return EXIT_ERROR
+    request = pb.ExplainRequest(pid=args.pid, comm_regex=args.comm)
+    rc, resp = _call(args, lambda s: s.Explain(request, timeout=TIMEOUT_S))
+    if rc:
+        return EXIT_ERROR
+    if args.output == "json":
+        _dump(_to_dict(resp))
+    else:
+        print("\n\n".join(describe(t) for t in resp.threads))
+    return EXIT_GOVERNED if all(t.winner for t in resp.threads) else EXIT_NOT_GOVERNED
+
+
+def _entry(e: pb.SchedEntry, present: bool) -> str:
+    return f"prio {e.priority} slice {_slice(e.slice_ns)}" if present else "-"
+
+
+def describe(t: pb.ThreadExplanation) -> str:
+    """One thread, for people."""
+    owner = (f"uid {t.uid}, cgroup {t.cgroup or '-'}, exe {t.exe or '-'}" if t.owner_known
+             else f"owner unknown ({t.owner_error or 'the process is gone'})")
+    pod = f", pod {t.pod_uid}" if t.pod_uid else ""
+    out = [f"thread {t.tid} ({t.comm}) of process {t.tgid}: {owner}{pod}"]
+    if t.winner:
+        out.append(f"governed by {t.winner}: priority {t.priority}, slice {_slice(t.slice_ns)}, "
+                   f"scope {t.scope}")
+        out.extend(f"  {w}" for w in t.why)
+    else:
+        out.append("not governed: no intent matches it (reasons below)")
+    if t.agent_winner != t.winner:
+        out.append(f"  the agent's table says {t.agent_winner or 'none'}: a change is being applied; "
+                   "ask again")
+    rows = []
+    for i in t.intents:
+        verdict = "WINS" if i.intent == t.winner else "shadowed" if i.intent in t.shadows else \
+            "matches" if i.matched else "no"
+        rows.append([i.intent, verdict, i.field or "-", i.reason or i.note or "-"])
+    out.append(_table(["INTENT", "MATCH", "FIELD", "REASON"], rows) if rows else "no intents in any source")
+    out.append(f"agent (backend {t.backend}):" + (f" {t.read_back}" if t.read_back else ""))
+    if t.entries:
+        out.append(_table(
+            ["KEY", "INTENT", "DESIRED", "APPLIED", "READ BACK", "REFUSED"],
+            [[e.key, e.intent or "-", _entry(e.desired, e.HasField("desired")),
+              _entry(e.applied, e.HasField("applied")), _entry(e.read_back, e.HasField("read_back")),
+              e.failure or "-"] for e in t.entries]))
+    else:
+        out.append("  no entry for its TID or TGID")
+    if t.kernel:
+        out.append("  kernel now: " + ", ".join(f"{k} {v}" for k, v in sorted(t.kernel.items())))
+    return "\n".join(out)

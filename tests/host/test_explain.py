@@ -1,0 +1,123 @@
+"""`explain` against a real agent (dry-run backend) and real threads of this process renamed with prctl:
+the threads it calls governed are exactly those `matches` lists, each reason shows, the agent's entries
+and the backend's read-back, the CLI's tables, JSON and exit statuses, over the real unix socket."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from tests.host.agent_support import NamedThread, intent, run_cli, running_agent, stub_of, wait_for
+
+pytestmark = pytest.mark.host
+
+INTENTS = [
+    intent("eng", "^gn-ex-eng$", priority=10, execution_time=2_000_000),
+    intent("both", "^gn-ex-(eng|aux)$", priority=2),
+    intent("elsewhere", "^gn-ex-aux$", priority=9, node_names=["other-node"]),
+    intent("root-only", "^gn-ex-aux$", priority=9, users=["4242"]),
+    intent("nothing", "^gn-ex-none$", priority=1),
+]
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[tuple[Any, dict[str, NamedThread]]]:
+    with running_agent() as agent, stub_of(agent) as stub:
+        threads = {name: NamedThread(f"gn-ex-{name}") for name in ("eng", "aux", "idle")}
+        for t in threads.values():
+            t.__enter__()
+        try:
+            stub.ApplyIntents(pb.ApplyIntentsRequest(source="ex", intents=INTENTS))
+            agent.sync()
+            wait_for(lambda: {m.comm for m in agent.matches()} >= {"gn-ex-eng", "gn-ex-aux"},
+                     what="both renamed threads matched")
+            yield agent, threads
+        finally:
+            for t in threads.values():
+                t.__exit__()
+
+
+def explain(agent: Any, **request: Any) -> list[pb.ThreadExplanation]:
+    with stub_of(agent) as stub:
+        return list(stub.Explain(pb.ExplainRequest(**request)).threads)
+
+
+def test_governed_is_exactly_what_matches_lists(world: Any) -> None:
+    agent, _ = world
+    agent.sync()
+    listed = {m.tid: m.intent for m in agent.matches() if m.tgid == os.getpid()}
+    threads = explain(agent, pid=os.getpid())
+    assert {t.tid for t in threads} == {int(n) for n in os.listdir(f"/proc/{os.getpid()}/task")}
+    governed = {t.tid: t.winner for t in threads if t.winner}
+    assert governed == listed and len(governed) == 2
+    assert all(t.agent_winner == t.winner for t in threads)
+
+
+def test_reasons_winner_and_shadows(world: Any) -> None:
+    agent, threads = world
+    (aux,) = explain(agent, tid=threads["aux"].tid)
+    lines = {i.intent: i for i in aux.intents}
+    assert aux.comm == "gn-ex-aux" and aux.tgid == os.getpid() and aux.owner_known and aux.uid == os.getuid()
+    assert aux.exe == os.readlink(f"/proc/{os.getpid()}/exe")
+    assert aux.winner == "ex/both" and list(aux.shadows) == []
+    # ex/eng's pattern matches the eng thread of this same process, not this one: scope=thread says why
+    assert (lines["ex/eng"].field, lines["ex/elsewhere"].field) == ("scope", "node")
+    assert f"{threads['eng'].tid} ('gn-ex-eng')" in lines["ex/eng"].reason
+    assert lines["ex/root-only"].field == "users" and "4242" in lines["ex/root-only"].reason
+    assert lines["ex/nothing"].field == "commandRegex"
+    (eng,) = explain(agent, tid=threads["eng"].tid)
+    assert eng.winner == "ex/eng" and list(eng.shadows) == ["ex/both"]
+    assert eng.why == ["ex/eng beats ex/both on priority (precedence rule 1): priority 10 over 2"]
+    (entry,) = eng.entries
+    assert entry.key == f"tid:{eng.tid}" and entry.intent == "ex/eng" and entry.failure == ""
+    assert entry.desired == entry.applied == entry.read_back
+    assert (entry.read_back.priority, entry.read_back.slice_ns) == (10, 2_000_000)
+    assert eng.backend == "dry-run" and eng.read_back == ""
+    (idle,) = explain(agent, tid=threads["idle"].tid)
+    assert idle.winner == "" and not idle.entries
+    assert {i.intent: i.field for i in idle.intents} == {
+        "ex/eng": "scope", "ex/both": "scope", "ex/elsewhere": "node", "ex/root-only": "scope",
+        "ex/nothing": "commandRegex"}
+
+
+def test_comm_selects_threads_and_bad_requests_are_refused(world: Any) -> None:
+    agent, threads = world
+    got = explain(agent, comm_regex="^gn-ex-(eng|idle)$")
+    assert sorted(t.tid for t in got) == sorted((threads["eng"].tid, threads["idle"].tid))
+    with stub_of(agent) as stub:
+        for request, code in ((pb.ExplainRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+                              (pb.ExplainRequest(tid=1, pid=1), grpc.StatusCode.INVALID_ARGUMENT),
+                              (pb.ExplainRequest(comm_regex="("), grpc.StatusCode.INVALID_ARGUMENT),
+                              (pb.ExplainRequest(comm_regex="^gn-ex-never$"), grpc.StatusCode.NOT_FOUND),
+                              (pb.ExplainRequest(tid=0x3FFFFF), grpc.StatusCode.NOT_FOUND)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Explain(request)
+            assert err.value.code() == code, request
+
+
+def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
+    agent, threads = world
+    sock = ["--socket", str(agent.config.api.socket)]
+    eng = run_cli("explain", str(threads["eng"].tid), *sock)
+    assert eng.returncode == 0, eng.stderr
+    assert f"thread {threads['eng'].tid} (gn-ex-eng)" in eng.stdout
+    assert "governed by ex/eng: priority 10, slice 2ms, scope thread" in eng.stdout
+    assert "precedence rule 1" in eng.stdout and "READ BACK" in eng.stdout
+    idle = run_cli("explain", str(threads["idle"].tid), *sock)
+    assert idle.returncode == 1 and "not governed" in idle.stdout
+    doc = json.loads(run_cli("explain", "--comm", "^gn-ex-", "-o", "json", *sock).stdout)
+    assert {t["comm"]: t["winner"] for t in doc["threads"]} == {
+        "gn-ex-eng": "ex/eng", "gn-ex-aux": "ex/both", "gn-ex-idle": ""}
+    whole = run_cli("explain", str(os.getpid()), *sock)  # the main thread is governed by nothing
+    assert whole.returncode == 1 and whole.stdout.count("\nthread ") + 1 >= 4
+    gone = run_cli("explain", str(0x3FFFFF), *sock)
+    assert gone.returncode == 2 and "no task" in gone.stderr
+    nowhere = run_cli("explain", "1", "--socket", "/nonexistent/api.sock")
+    assert nowhere.returncode == 2 and "not running" in nowhere.stderr
+    assert run_cli("explain", *sock).returncode == 2
