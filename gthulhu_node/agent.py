@@ -323,6 +323,7 @@ class Agent:
             self.config.rest, self.store, node_name=self.config.node.name, status=self.status,
             metrics_text=self._pod_metrics_text,
             backend_name=lambda: self.backend.name if self.backend is not None else "",
+            explain=lambda tid, pid, comm: self.explain(tid=tid, pid=pid, comm_regex=comm),
         )
         return self.rest
 

@@ -22,9 +22,12 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from google.protobuf.json_format import MessageToDict
 
 from gthulhu_node import __version__
+from gthulhu_node.api.convert import report_to_pb
 from gthulhu_node.errors import GthulhuError, InvalidInput, edge_of
+from gthulhu_node.explain import Report
 from gthulhu_node.intents.documents import DocumentError, load_json
 from gthulhu_node.intents.model import SenderEntry
 from gthulhu_node.intents.status import IntentState, IntentStatus, StatusSnapshot
@@ -55,6 +58,9 @@ CLIENT_ID = web.RequestKey("client_id", str)  # who the bearer token was issued 
 CLIENTS_REMEMBERED = 1024  # client ids logged at info on their first token; more are logged at debug
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ExplainFn = Callable[[int, int, str], list[Report]]  # (tid, pid, comm regex) -> one report per thread
+PRIVATE_VIEW_REFUSAL = ("this route shows threads' comm, owner, cgroup and exe: it is served only on a "
+                        "listener with mutual TLS")
 StatusFn = Callable[[str], StatusSnapshot]
 
 
@@ -134,7 +140,14 @@ class DecisionMakerApi:
         runtime_config: RuntimeConfig | None = None,
         proc_root: Path = Path("/proc"),
         backend_name: Callable[[], str] = lambda: "sched_ext",
+        explain: ExplainFn | None = None,
+        private_views: bool = False,
     ) -> None:
+        """`explain`: the agent's `explain` (gthulhu_node/explain.py), served at GET /api/v1/explain only
+        when `private_views` (the listener runs mutual TLS): it shows threads' comm, owner, cgroup and
+        exe, which a plain-HTTP listener would hand to anyone on the path."""
+        self._explain = explain
+        self._private_views = private_views
         self._store = store
         self._runtime = runtime_config if runtime_config is not None else RuntimeConfig(None, frozenset())
         self._proc_root = proc_root
@@ -185,6 +198,8 @@ class DecisionMakerApi:
         app.router.add_get("/api/v1/pods/pids", self.pods_pids)
         app.router.add_post("/api/v1/runtime-config", self.apply_runtime_config)
         app.router.add_get("/api/v1/runtime-config", self.get_runtime_config)
+        if self._explain is not None:
+            app.router.add_get("/api/v1/explain", self.explain)
         return app
 
     @web.middleware
@@ -420,6 +435,27 @@ class DecisionMakerApi:
             "timestamp": now_rfc3339(),
             "node_name": self._node_name,
         })
+
+    def _refuse_private(self) -> web.Response | None:
+        """The answer to a route that shows who runs what, on a listener without mutual TLS."""
+        if self._private_views:
+            return None
+        return failure(403, f"{PRIVATE_VIEW_REFUSAL} (rest.insecure_allow_plain_http is set)")
+
+    async def explain(self, request: web.Request) -> web.Response:
+        """Why threads are (not) governed, for the Manager's UI: `?tid=N`, `?pid=N` or `?comm=REGEX`
+        (one of them); the same answer as the Explain RPC, in its JSON mapping."""
+        refused = self._refuse_private()
+        if refused is not None:
+            return refused
+        assert self._explain is not None
+        query = request.query
+        try:
+            tid, pid = (int(query.get(name, "0")) for name in ("tid", "pid"))
+        except ValueError:
+            raise InvalidInput("tid and pid are numbers") from None
+        reports = await asyncio.to_thread(self._explain, tid, pid, query.get("comm", ""))
+        return success({"threads": [MessageToDict(report_to_pb(r)) for r in reports]})
 
     async def apply_runtime_config(self, request: web.Request) -> web.Response:
         fields = parse_body(await self._json(request))

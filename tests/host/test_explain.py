@@ -4,8 +4,10 @@ and the backend's read-back, the CLI's tables, JSON and exit statuses, over the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,3 +123,30 @@ def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
     nowhere = run_cli("explain", "1", "--socket", "/nonexistent/api.sock")
     assert nowhere.returncode == 2 and "not running" in nowhere.stderr
     assert run_cli("explain", *sock).returncode == 2
+
+
+def test_eevdf_backend_read_back_and_kernel_view() -> None:
+    """With the eevdf backend the answer carries its read-back (sched_getattr of every covered thread) and
+    what the kernel shows for the thread now: the nice, slice and policy it set."""
+    from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+    from tests.host.agent_support import short_dir
+
+    base = short_dir()
+    backend = EevdfBackend(cover_interval_s=0.05, journal=base / "eevdf-threads.journal")
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, base, True)
+        agent = stack.enter_context(running_agent(base, backend=backend))
+        t = stack.enter_context(NamedThread("gn-ex-eevdf"))
+        stub = stack.enter_context(stub_of(agent))
+        stub.ApplyIntents(pb.ApplyIntentsRequest(
+            source="ex", intents=[intent("e", "^gn-ex-eevdf$", priority=15, execution_time=500_000)]))
+        agent.sync()
+        wait_for(lambda: any(m.tid == t.tid for m in agent.matches()), what="the thread matched")
+        (got,) = wait_for(lambda: [x for x in explain(agent, tid=t.tid) if x.entries
+                                   and x.entries[0].HasField("read_back")], what="the entry read back")
+        assert got.backend == "eevdf" and got.winner == "ex/e"
+        assert (got.entries[0].read_back.priority, got.entries[0].read_back.slice_ns) == (15, 500_000)
+        assert dict(got.kernel) == {"policy": "SCHED_OTHER", "nice": str(nice_for_priority(15)),
+                                    "slice_ns": "500000"}
+        out = run_cli("explain", str(t.tid), "--socket", str(agent.config.api.socket))
+        assert out.returncode == 0 and f"nice {nice_for_priority(15)}" in out.stdout
