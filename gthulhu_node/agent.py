@@ -659,7 +659,8 @@ class Agent:
             return []
         found = sorted((m for m in frame.matches.values() if not intent or m.intent_key == intent),
                        key=lambda m: (m.tgid, m.tid))
-        return [MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope) for m in found]
+        return [MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope, m.overlaps)
+                for m in found]
 
     def explain(self, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]:
         """Why threads are (not) governed: gthulhu_node/explain.py, its one entry into the agent."""

@@ -68,7 +68,7 @@ def preview(
             warnings.append(f"overlaps with {winner} on {n} tasks: {winner} wins")
         out.append(PreviewIntent(key, intent, True, st.applied_tasks, tuple(warnings)))
     rows = tuple(
-        MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope)
+        MatchRow(m.tid, m.tgid, m.comm, m.intent_key, m.priority, m.slice_ns, m.scope, m.overlaps)
         for m in reconciler.matches()
         if m.intent_key in mine_keys
     )

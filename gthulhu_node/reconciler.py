@@ -69,6 +69,7 @@ class Match:
     scope: str  # the winning intent's scope: "thread" or "process"
     entry: str  # the key that carries it ("tid:123", "tgid:100"), "" when nothing is written (noop)
     applied: bool  # the backend holds that entry as computed
+    overlaps: tuple[str, ...] = ()  # the other intents it matches, which the winner beats (sorted keys)
 
 
 @dataclass(slots=True)
@@ -515,8 +516,9 @@ class Reconciler:
         elif proc.winner is not None and not proc.winner.is_noop:
             entry_key = EntryKey(KeyKind.TGID, task.tgid)
         ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
+        lost = tuple(sorted(th.counted[0] - {w.key})) if th.counted is not None else ()
         return Match(tid, task.tgid, task.comm, w.key, w.priority, w.slice_ns, w.scope.value,
-                     str(entry_key) if entry_key is not None else "", ok)
+                     str(entry_key) if entry_key is not None else "", ok, lost)
 
     def intent_stats(self) -> dict[str, IntentStats]:
         """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
@@ -1066,6 +1068,7 @@ class Reconciler:
             self._tally(new, +1)
         self._matched += (new is not None) - (old is not None)
         th.counted = new
+        self._row_tids.add(th.task.tid)  # its row shows what it beats (Match.overlaps)
 
     def _uncount(self, th: _Thread) -> None:
         if th.counted is not None:

@@ -158,6 +158,7 @@ def match_to_pb(m: MatchRow) -> pb.Match:
         priority=m.priority,
         slice_ns=m.slice_ns,
         scope=m.scope,
+        overlaps=list(m.overlaps),
     )
 
 

@@ -311,9 +311,9 @@ def cmd_matches(args: argparse.Namespace) -> int:
     if not resp.matches:
         print("no thread is governed by an intent right now")
         return 0
-    print(_table(["TID", "TGID", "COMM", "INTENT", "PRIO", "SLICE", "SCOPE"],
-                 [[m.tid, m.tgid, m.comm, m.intent, m.priority, _slice(m.slice_ns), m.scope]
-                  for m in resp.matches]))
+    print(_table(["TID", "TGID", "COMM", "INTENT", "PRIO", "SLICE", "SCOPE", "BEATS"],
+                 [[m.tid, m.tgid, m.comm, m.intent, m.priority, _slice(m.slice_ns), m.scope,
+                   ",".join(m.overlaps) or "-"] for m in resp.matches]))
     return 0
 
 

@@ -105,6 +105,7 @@ class MatchRow:
     priority: int
     slice_ns: int
     scope: str
+    overlaps: tuple[str, ...] = ()  # other intents it matches, beaten by `intent` (precedence)
 
 
 @dataclass(frozen=True, slots=True)

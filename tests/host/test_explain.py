@@ -59,6 +59,28 @@ def test_governed_is_exactly_what_matches_lists(world: Any) -> None:
     governed = {t.tid: t.winner for t in threads if t.winner}
     assert governed == listed and len(governed) == 2
     assert all(t.agent_winner == t.winner for t in threads)
+    # the overlaps per thread: explain's shadows are what `matches` shows the winner beats
+    overlaps = {m.tid: list(m.overlaps) for m in agent.matches() if m.tgid == os.getpid()}
+    assert {t.tid: sorted(t.shadows) for t in threads if t.winner} == overlaps
+    assert sorted(overlaps.values()) == [[], ["ex/both"]]
+
+
+def test_overlaps_in_matches_cli_and_the_lost_tasks_metric(world: Any) -> None:
+    agent, threads = world
+    rows = json.loads(run_cli("matches", "-o", "json", "--socket", str(agent.config.api.socket),
+                              check=True).stdout)["matches"]
+    by_tid = {r["tid"]: r for r in rows}
+    assert by_tid[threads["eng"].tid]["overlaps"] == ["ex/both"]
+    assert by_tid[threads["aux"].tid]["overlaps"] == []
+    table = run_cli("matches", "--socket", str(agent.config.api.socket), check=True).stdout
+    assert "BEATS" in table and "ex/both" in table
+    from gthulhu_node.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.attach(agent)
+    families = {f.name: f for f in metrics.registry.collect()}
+    lost = {s.labels["intent"]: s.value for s in families["gthulhu_node_intent_lost_tasks"].samples}
+    assert lost["ex/both"] == 1 and lost["ex/eng"] == 0
 
 
 def test_reasons_winner_and_shadows(world: Any) -> None:
