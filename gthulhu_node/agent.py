@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +58,7 @@ from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
 from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.outbox import FailureReason
+from gthulhu_node.preview import Displaced, Preview, preview_in_agent
 from gthulhu_node.reconciler import IntentStats, Reconciler
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
 from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
@@ -324,6 +325,7 @@ class Agent:
             metrics_text=self._pod_metrics_text,
             backend_name=lambda: self.backend.name if self.backend is not None else "",
             explain=lambda tid, pid, comm: self.explain(tid=tid, pid=pid, comm_regex=comm),
+            preview=self.preview,
         )
         return self.rest
 
@@ -665,6 +667,10 @@ class Agent:
     def explain(self, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]:
         """Why threads are (not) governed: gthulhu_node/explain.py, its one entry into the agent."""
         return explain_in_agent(self, tid=tid, pid=pid, comm_regex=comm_regex)
+
+    def preview(self, source: str, intents: Sequence[Intent]) -> tuple[Preview, list[Displaced]]:
+        """What intents not applied would do now: gthulhu_node/preview.py. Changes nothing."""
+        return preview_in_agent(self, source, intents)
 
     def summary(self) -> str:
         """One line for systemd's STATUS=: readiness, backend, intents by state and tasks matched."""

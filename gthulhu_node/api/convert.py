@@ -21,6 +21,7 @@ from gthulhu_node.intents.status import (
     StatusEvent,
     StatusSnapshot,
 )
+from gthulhu_node.preview import Displaced, Preview
 
 STATE_TO_PB = {
     IntentState.PENDING: pb.INTENT_STATE_PENDING,
@@ -196,4 +197,16 @@ def report_to_pb(r: Report) -> pb.ThreadExplanation:
         read_back=held.read_back,
         kernel=dict(held.kernel),
         agent_winner=held.agent_winner,
+    )
+
+
+def preview_to_pb(result: Preview, displaced: Sequence[Displaced]) -> pb.PreviewResponse:
+    return pb.PreviewResponse(
+        intents=[pb.PreviewIntent(intent=p.key, for_this_node=p.for_this_node, would_govern=p.matched_tasks,
+                                  would_lose=p.lost_tasks, warnings=list(p.warnings))
+                 for p in result.intents],
+        matches=[match_to_pb(m) for m in result.matches],
+        displaced=[pb.Displaced(tid=d.tid, tgid=d.tgid, comm=d.comm, now=d.now, then=d.then)
+                   for d in displaced],
+        tasks_scanned=result.tasks_scanned,
     )

@@ -14,7 +14,7 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +30,12 @@ from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2_grpc as pb_grpc
 from gthulhu_node.config import ApiConfig
 from gthulhu_node.errors import GthulhuError, InvalidInput, LimitExceeded, edge_of
 from gthulhu_node.explain import Report
-from gthulhu_node.intents.model import check_source
-from gthulhu_node.intents.parse import IntentValidationError
+from gthulhu_node.intents.model import Intent, check_source
+from gthulhu_node.intents.parse import IntentValidationError, check_set
 from gthulhu_node.intents.status import MatchRow, StatusBoard, StatusEvent, StatusSnapshot
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.preview import Displaced, Preview
 from gthulhu_node.workers import Flag
 
 log = structlog.get_logger(__name__)
@@ -58,6 +59,8 @@ class AgentAPI(Protocol):
     def matches(self, intent: str = "") -> list[MatchRow]: ...
 
     def explain(self, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]: ...
+
+    def preview(self, source: str, intents: Sequence[Intent]) -> tuple[Preview, list[Displaced]]: ...
 
     def sync(self, timeout: float = 5.0) -> None:
         """Wait until the last store change is in effect and status reflects it (best effort)."""
@@ -176,6 +179,16 @@ class NodeAgentService(pb_grpc.NodeAgentServicer):
             return pb.ExplainResponse(threads=[convert.report_to_pb(r) for r in reports])
 
         return self._call("Explain", context, run)
+
+    def Preview(self, request: pb.PreviewRequest, context: grpc.ServicerContext) -> pb.PreviewResponse:
+        def run() -> pb.PreviewResponse:
+            source = self._client_source(request.source or "cli")
+            limit = self._agent.store.max_intents_per_source
+            intents = convert.intents_from_pb(request.intents, max_count=limit)
+            check_set(intents, max_count=limit)
+            return convert.preview_to_pb(*self._agent.preview(source, intents))
+
+        return self._call("Preview", context, run)
 
     def WatchStatus(
         self, request: pb.WatchStatusRequest, context: grpc.ServicerContext

@@ -202,7 +202,8 @@ def _dry_run(args: argparse.Namespace, intents: list[Intent]) -> int:
         return EXIT_BAD_FILE
     others, compared = _running_intents(args, exclude_source=args.source)
     result = preview(args.source, intents, node_name=cfg.node.name, node_labels=dict(cfg.node.labels),
-                     others=others, proc_root=cfg.watch.proc_root)
+                     others=others, proc_root=cfg.watch.proc_root,
+                     named_only=cfg.security.unprivileged_tasks == "named_only")
     if args.output == "json":
         _dump({
             "valid": True,

@@ -25,13 +25,14 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from gthulhu_node import __version__
-from gthulhu_node.api.convert import report_to_pb
+from gthulhu_node.api.convert import preview_to_pb, report_to_pb
 from gthulhu_node.errors import GthulhuError, InvalidInput, edge_of
 from gthulhu_node.explain import Report
 from gthulhu_node.intents.documents import DocumentError, load_json
-from gthulhu_node.intents.model import SenderEntry
+from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.status import IntentState, IntentStatus, StatusSnapshot
 from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.preview import Displaced, Preview
 from gthulhu_node.rest.auth import CLIENT_ID_MAX, TokenAuthority, TokenError
 from gthulhu_node.rest.merkle import EMPTY_ROOT, records_root
 from gthulhu_node.rest.pods import pods_on_node
@@ -59,6 +60,7 @@ CLIENTS_REMEMBERED = 1024  # client ids logged at info on their first token; mor
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ExplainFn = Callable[[int, int, str], list[Report]]  # (tid, pid, comm regex) -> one report per thread
+PreviewFn = Callable[[str, Sequence[Intent]], tuple[Preview, list[Displaced]]]  # (source, intents)
 PRIVATE_VIEW_REFUSAL = ("this route shows threads' comm, owner, cgroup and exe: it is served only on a "
                         "listener with mutual TLS")
 StatusFn = Callable[[str], StatusSnapshot]
@@ -141,12 +143,15 @@ class DecisionMakerApi:
         proc_root: Path = Path("/proc"),
         backend_name: Callable[[], str] = lambda: "sched_ext",
         explain: ExplainFn | None = None,
+        preview: PreviewFn | None = None,
         private_views: bool = False,
     ) -> None:
-        """`explain`: the agent's `explain` (gthulhu_node/explain.py), served at GET /api/v1/explain only
-        when `private_views` (the listener runs mutual TLS): it shows threads' comm, owner, cgroup and
-        exe, which a plain-HTTP listener would hand to anyone on the path."""
+        """`explain`, `preview`: the agent's (gthulhu_node/explain.py, preview.py), served at
+        GET /api/v1/explain and POST /api/v1/preview only when `private_views` (the listener runs mutual
+        TLS): they show threads' comm, owner, cgroup and exe, which a plain-HTTP listener would hand to
+        anyone on the path."""
         self._explain = explain
+        self._preview = preview
         self._private_views = private_views
         self._store = store
         self._runtime = runtime_config if runtime_config is not None else RuntimeConfig(None, frozenset())
@@ -200,6 +205,8 @@ class DecisionMakerApi:
         app.router.add_get("/api/v1/runtime-config", self.get_runtime_config)
         if self._explain is not None:
             app.router.add_get("/api/v1/explain", self.explain)
+        if self._preview is not None:
+            app.router.add_post("/api/v1/preview", self.preview)
         return app
 
     @web.middleware
@@ -456,6 +463,19 @@ class DecisionMakerApi:
             raise InvalidInput("tid and pid are numbers") from None
         reports = await asyncio.to_thread(self._explain, tid, pid, query.get("comm", ""))
         return success({"threads": [MessageToDict(report_to_pb(r)) for r in reports]})
+
+    async def preview(self, request: web.Request) -> web.Response:
+        """What a node-intents push (the same body) would do on this node now, without applying it:
+        the Preview RPC's answer for source `manager`, plus the entries that would fail."""
+        refused = self._refuse_private()
+        if refused is not None:
+            return refused
+        assert self._preview is not None
+        push = node_policies(await self._json(request), self._store.max_intents_per_source)
+        result, displaced = await asyncio.to_thread(self._preview, NODE_SOURCE, push.intents)
+        data = MessageToDict(preview_to_pb(result, displaced))
+        data["failed"] = [{"key": e.key, "error": e.failed} for e in push.entries if e.failed]
+        return success(data)
 
     async def apply_runtime_config(self, request: web.Request) -> web.Response:
         fields = parse_body(await self._json(request))

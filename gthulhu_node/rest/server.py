@@ -26,7 +26,7 @@ from gthulhu_node.config import RestConfig
 from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.lifecycle import Health
-from gthulhu_node.rest.app import DecisionMakerApi, ExplainFn, RestStats, StatusFn
+from gthulhu_node.rest.app import DecisionMakerApi, ExplainFn, PreviewFn, RestStats, StatusFn
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
 from gthulhu_node.rest.listener import BoundedListener, ListenerStats
 from gthulhu_node.rest.runtime_config import RuntimeConfig
@@ -117,8 +117,9 @@ class RestServer:
         metrics_text: Callable[[], bytes] | None = None,
         backend_name: Callable[[], str] = lambda: "sched_ext",
         explain: ExplainFn | None = None,
+        preview: PreviewFn | None = None,
     ) -> None:
-        """`explain`: served only under mutual TLS (DecisionMakerApi).
+        """`explain`, `preview`: served only under mutual TLS (DecisionMakerApi).
         `metrics_text`: when given, `GET /metrics` (no token, like upstream's) serves what it returns
         (Prometheus text); otherwise that route is absent and metrics stay on the agent's own listener.
         `backend_name`: the backend running now (what a runtime-config field can change depends on it)."""
@@ -129,6 +130,7 @@ class RestServer:
         self._metrics_text = metrics_text
         self._backend_name = backend_name
         self._explain = explain
+        self._preview = preview
         self._stats = RestStats(insecure=config.insecure_allow_plain_http)
         self._listener_stats = ListenerStats()
         self._thread: Spawned | None = None
@@ -194,6 +196,7 @@ class RestServer:
             runtime_config=RuntimeConfig(self._store.state_dir, frozenset(self._config.runtime_config_allow)),
             backend_name=self._backend_name,
             explain=self._explain,
+            preview=self._preview,
             private_views=not self._config.insecure_allow_plain_http,
         )
         self._api = api

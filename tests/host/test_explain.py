@@ -172,3 +172,38 @@ def test_eevdf_backend_read_back_and_kernel_view() -> None:
                                     "slice_ns": "500000"}
         out = run_cli("explain", str(t.tid), "--socket", str(agent.config.api.socket))
         assert out.returncode == 0 and f"nice {nice_for_priority(15)}" in out.stdout
+
+
+def agent_state(agent: Any) -> tuple[Any, ...]:
+    """Everything a preview must leave as it is: the store, status, matches and the reconciler's tables
+    (desired, applied, and its policy), read on the engine thread."""
+    tables = agent.engine.call(lambda r: (r.desired(), r.applied(), r.policy))
+    status = agent.status()
+    return (agent.store.snapshot(), status.intents, status.sources,
+            [(m.tid, m.intent, m.overlaps) for m in agent.matches()], tables)
+
+
+def test_preview_answers_and_changes_nothing(world: Any) -> None:
+    agent, threads = world
+    agent.sync()
+    before = agent_state(agent)
+    with stub_of(agent) as stub:
+        resp = stub.Preview(pb.PreviewRequest(source="ui", intents=[
+            intent("aux-first", "^gn-ex-aux$", priority=20),
+            intent("idle-too", "^gn-ex-idle$", priority=1),
+            intent("loser", "^gn-ex-eng$", priority=1),
+            intent("away", "^gn-ex-idle$", priority=1, node_names=["other-node"])]))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Preview(pb.PreviewRequest(intents=[intent("bad", "(")]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    by_key = {p.intent: p for p in resp.intents}
+    assert (by_key["ui/aux-first"].would_govern, by_key["ui/idle-too"].would_govern) == (1, 1)
+    assert (by_key["ui/loser"].would_govern, by_key["ui/loser"].would_lose) == (0, 1)
+    assert any("overlaps with ex/eng" in w for w in by_key["ui/loser"].warnings)
+    assert not by_key["ui/away"].for_this_node
+    assert {(m.tid, m.intent) for m in resp.matches} == {(threads["aux"].tid, "ui/aux-first"),
+                                                         (threads["idle"].tid, "ui/idle-too")}
+    displaced = [(d.tid, d.now, d.then) for d in resp.displaced]
+    assert displaced == [(threads["aux"].tid, "ex/both", "ui/aux-first")]
+    assert resp.tasks_scanned > 3
+    assert agent_state(agent) == before

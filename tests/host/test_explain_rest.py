@@ -42,6 +42,18 @@ def test_explain_over_mtls() -> None:
         assert gone.status == 404 and "no task" in gone.body["error"]
         anonymous = call(manager.base, "GET", f"/api/v1/explain?tid={t.tid}", ctx=manager.ctx)
         assert anonymous.status == 401
+        # a preview of a push that would give the thread to another policy, and one entry it cannot honour
+        held = agent.store.snapshot()
+        preview = manager("POST", "/api/v1/preview", {"policies": [
+            {"policyID": "p2", "nodeID": "test-node", "commandRegex": "^gn-rx-eng$", "priority": 9,
+             "executionTime": 0},
+            {"policyID": "p3", "nodeID": "test-node", "commandRegex": "(", "priority": 1,
+             "executionTime": 0}]})
+        (row,) = preview["matches"]
+        assert row["tid"] == t.tid and row["intent"].startswith("manager/")
+        assert row["intent"] != thread["winner"]
+        assert [f["key"] for f in preview["failed"]] and "displaced" not in preview  # its own source
+        assert agent.store.snapshot() == held
 
 
 def test_explain_refused_on_plain_http() -> None:
@@ -57,9 +69,14 @@ def test_explain_refused_on_plain_http() -> None:
                          {"Content-Type": "application/json"}).body["data"]["token"]
             reply = call(url, "GET", f"/api/v1/explain?pid={os.getpid()}",
                          headers={"Authorization": f"Bearer {token}"})
-            assert reply.status == 403
-            assert reply.body == {"success": False, "error": f"{PRIVATE_VIEW_REFUSAL} "
-                                  "(rest.insecure_allow_plain_http is set)"}
+            refusal = {"success": False,
+                       "error": f"{PRIVATE_VIEW_REFUSAL} (rest.insecure_allow_plain_http is set)"}
+            assert (reply.status, reply.body) == (403, refusal)
+            body = json.dumps({"policies": [{"policyID": "p", "nodeID": "test-node", "commandRegex": "^x$",
+                                             "priority": 1, "executionTime": 0}]})
+            reply = call(url, "POST", "/api/v1/preview", body,
+                         {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+            assert (reply.status, reply.body) == (403, refusal)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -217,3 +217,15 @@ def test_held_for_reads_the_reconcilers_entries_and_the_backends(proc: FakeProc)
     assert explain.held_for(r, [(101, 100)])[0].entries[0].read_back is None
     assert explain.held_for(r, [(100, 100)])[0].entries == ()  # the leader is not governed
     backend.stop()
+
+
+def test_preview_follows_named_only_like_the_agent(proc: FakeProc) -> None:
+    """The preview builds its policy with the agent's `named_only` setting: an intent naming no owner
+    does not govern a non-root thread there (before, a preview said it would)."""
+    from gthulhu_node.preview import preview
+
+    mine = [intent("anyone")]
+    loose = preview("t", mine, node_name=NODE, node_labels={}, proc_root=proc.root)
+    strict = preview("t", mine, node_name=NODE, node_labels={}, proc_root=proc.root, named_only=True)
+    assert [m.tid for m in loose.matches] == [101]
+    assert strict.matches == () and strict.intents[0].matched_tasks == 0
