@@ -20,20 +20,30 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gthulhu_node.backends.base import Entry, EntryKey
 from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
+from gthulhu_node.config import AgentConfig
+from gthulhu_node.engine import Engine
 from gthulhu_node.errors import InvalidInput, NotFound, Unavailable
 from gthulhu_node.intents.model import Intent, Scope, compile_pattern, intent_key
-from gthulhu_node.intents.status import IntentState, IntentStatus
-from gthulhu_node.intents.store import SourceSet
+from gthulhu_node.intents.status import IntentState, IntentStatus, MatchRow, StatusBoard
+from gthulhu_node.intents.store import IntentStore, SourceSet
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.procfs import Task, read_task, snapshot
 
-if TYPE_CHECKING:
-    from gthulhu_node.agent import Agent
+
+class AgentView(Protocol):
+    """What `explain` and the preview read of the running agent (gthulhu_node/agent.py's Agent)."""
+
+    config: AgentConfig
+    engine: Engine | None
+    store: IntentStore
+    board: StatusBoard
+
+    def matches(self, intent: str = "") -> list[MatchRow]: ...
 
 # The fields a line names as the first reason an intent does not govern a thread.
 NODE = "node"  # nodeNames / nodeSelectors do not select this node
@@ -402,7 +412,7 @@ def select_threads(tid: int, pid: int, comm_regex: str, proc_root: Path = Path("
     return found
 
 
-def explain_in_agent(agent: Agent, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]:
+def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex: str = "") -> list[Report]:
     """`explain` as the running agent answers it: its policy, store, status and the reconciler's entries
     (read on the engine thread), the backend's read-back, and for the eevdf backend the kernel's view."""
     proc_root = agent.config.watch.proc_root

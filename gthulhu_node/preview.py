@@ -15,17 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.explain import AgentView
 from gthulhu_node.intents.model import Intent, intent_key
 from gthulhu_node.intents.status import NO_MATCH_WARNING, NOOP_WARNING, MatchRow
 from gthulhu_node.matching import PolicySet
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.procfs import snapshot
-
-if TYPE_CHECKING:
-    from gthulhu_node.agent import Agent
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +96,9 @@ class Displaced:
     then: str  # the previewed intent that would
 
 
-def preview_in_agent(agent: Agent, source: str, intents: Sequence[Intent]) -> tuple[Preview, list[Displaced]]:
+def preview_in_agent(
+    agent: AgentView, source: str, intents: Sequence[Intent]
+) -> tuple[Preview, list[Displaced]]:
     """What `intents`, as the whole set of `source`, would do on this node now, against everything else the
     running agent holds; and what they would displace. Changes nothing in the agent."""
     cfg = agent.config

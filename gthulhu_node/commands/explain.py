@@ -80,7 +80,8 @@ def describe(t: pb.ThreadExplanation) -> str:
     for i in t.intents:
         verdict = "WINS" if i.intent == t.winner else "shadowed" if i.intent in t.shadows else \
             "matches" if i.matched else "no"
-        rows.append([i.intent, verdict, i.field or "-", i.reason or i.note or "-"])
+        reason = i.reason or i.note or (f"loses to {t.winner}" if verdict == "shadowed" else "-")
+        rows.append([i.intent, verdict, i.field or "-", reason])
     out.append(_table(["INTENT", "MATCH", "FIELD", "REASON"], rows) if rows else "no intents in any source")
     out.append(f"agent (backend {t.backend}):" + (f" {t.read_back}" if t.read_back else ""))
     if t.entries:

@@ -15,7 +15,7 @@ def _modules(*names: str) -> tuple[str, ...]:
 
 
 # the composition layer, and the sources and edges above the engine
-COMPOSITION = _modules("config", "agent", "service", "metrics", "preview", "cli", "commands")
+COMPOSITION = _modules("config", "agent", "service", "metrics", "cli", "commands")
 EDGES = _modules("api", "rest", "probe")
 # package prefix -> what it must never import
 RULES: dict[str, tuple[str, ...]] = {
@@ -64,7 +64,9 @@ LAYER_OF: dict[str, int] = {
     "gthulhu_node.intents.store": 6, "gthulhu_node.intents.journal": 6, "gthulhu_node.intents.localfiles": 6,
     "gthulhu_node.intents.status": 6, "gthulhu_node.api": 6, "gthulhu_node.rest": 6, "gthulhu_node.probe": 6,
     "gthulhu_node.metrics_server": 6, "gthulhu_node.config": 6,
-    "gthulhu_node.backends.select": 7, "gthulhu_node.preview": 7, "gthulhu_node.agent": 7,
+    # the read side of the running agent, served by api/ and rest/: they run the reconciler's code
+    "gthulhu_node.explain": 6, "gthulhu_node.preview": 6,
+    "gthulhu_node.backends.select": 7, "gthulhu_node.agent": 7,
     "gthulhu_node.metrics": 7, "gthulhu_node.service": 7, "gthulhu_node.cli": 7, "gthulhu_node.commands": 7,
     "gthulhu_node.__main__": 7, "gthulhu_node.logs": 7, "gthulhu_node.preflight": 7,
     "gthulhu_node.privileges": 7,
