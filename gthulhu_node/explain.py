@@ -16,13 +16,14 @@ from another thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from gthulhu_node.backends.base import Entry, EntryKey
+from gthulhu_node.backends.base import BackendState, Entry, EntryKey
 from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
@@ -62,6 +63,8 @@ NAMED_ONLY = "named_only"
 _RULES = ("priority", "executionTime", "source/id")
 
 
+# How long a request waits for its turn on the engine thread (which feeds the watchdog: never long).
+ENGINE_WAIT_S = 10.0
 # At most this many threads per request: a --comm that matches every thread asks too broad a question.
 MAX_THREADS = 512
 
@@ -342,14 +345,20 @@ def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int]]) -> list
     (one read-back for all). Run on the engine thread (`Engine.call`): the reconciler and the backend are
     that thread's."""
     backend = reconciler.backend
+    views = [reconciler.explain_view(tid, tgid) for tid, tgid in threads]
+    health = backend.health()
     read_note = ""
-    try:
-        back: dict[EntryKey, Entry] = backend.read_back()
-    except Exception as exc:  # a backend down (ejected, reloading) answers nothing: say so, not "empty"
-        back, read_note = {}, f"not read back: {exc}"
+    back: dict[EntryKey, Entry] = {}
+    if health.state is not BackendState.RUNNING:  # nothing to read: say so, never "it holds nothing"
+        read_note = f"not read back: the backend is {health.state.value}" + (
+            f" ({health.reason})" if health.reason else "")
+    else:
+        try:
+            back = backend.read_keys([k for view, _ in views for k in view])
+        except Exception as exc:  # the backend's own words, not an empty answer
+            read_note = f"not read back: {exc}"
     out: list[Held] = []
-    for tid, tgid in threads:
-        view, agent_winner = reconciler.explain_view(tid, tgid)
+    for view, agent_winner in views:
         entries = tuple(
             HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
             for k, (desired, owner, applied, failure) in view.items()
@@ -421,7 +430,10 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
     if engine is None or not engine.running:
         raise Unavailable("the agent's engine is not running: nothing to explain against")
     pairs = [(t.tid, t.tgid) for t in tasks]
-    policy, held = engine.call(lambda r: (r.policy, held_for(r, pairs)), timeout=10.0)
+    try:
+        policy, held = engine.call(lambda r: (r.policy, held_for(r, pairs)), timeout=ENGINE_WAIT_S)
+    except concurrent.futures.TimeoutError:
+        raise Unavailable(f"the engine did not answer within {ENGINE_WAIT_S:g} s; ask again") from None
     listed = listed_intents(agent.store.snapshot(), agent.board.intents())
     node = agent.config.node
     out: list[Report] = []

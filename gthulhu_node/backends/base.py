@@ -125,6 +125,12 @@ class Backend(abc.ABC):
     def read_back(self) -> dict[EntryKey, Entry]:
         """What the backend holds now, read from where it takes effect (the kernel, for real backends)."""
 
+    def read_keys(self, keys: Iterable[EntryKey]) -> dict[EntryKey, Entry]:
+        """`read_back` of a few keys (explain's): backends whose full read-back walks a map or every
+        thread override it with lookups of these keys alone."""
+        wanted = set(keys)
+        return {k: v for k, v in self.read_back().items() if k in wanted}
+
     @property
     def capacity(self) -> int | None:
         """Entries each of the backend's maps holds at most; None when it has no such limit."""

@@ -127,6 +127,9 @@ class DryRunBackend(Backend):
     def read_back(self) -> dict[EntryKey, Entry]:
         return dict(self.table)
 
+    def read_keys(self, keys: Iterable[EntryKey]) -> dict[EntryKey, Entry]:
+        return {k: self.table[k] for k in keys if k in self.table}
+
     def health(self) -> BackendHealth:
         return BackendHealth(self._state, self._reason)
 

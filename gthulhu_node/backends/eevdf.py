@@ -294,6 +294,17 @@ class EevdfBackend(Backend):
                 held[key] = entry
         return held
 
+    def read_keys(self, keys: Iterable[EntryKey]) -> dict[EntryKey, Entry]:
+        """`read_back` of these keys: sched_getattr of their threads only."""
+        wanted = {k: e for k in keys if (e := self._entries.get(k)) is not None}
+        owned: dict[EntryKey, list[_Thread]] = {}
+        for rec in self._threads.values():
+            if rec.owner in wanted:
+                owned.setdefault(rec.owner, []).append(rec)
+        return {key: entry for key, entry in wanted.items()
+                if (key.kind is not KeyKind.TID or owned.get(key))
+                and all(self._shows_applied(rec) for rec in owned.get(key, []))}
+
     def thread_attrs(self) -> dict[int, tuple[EntryKey, SchedAttr]]:
         """Every thread we manage, with its owning key and its attributes as sched_getattr reports now."""
         out: dict[int, tuple[EntryKey, SchedAttr]] = {}

@@ -206,6 +206,15 @@ class SchedExtBackend(Backend):
                     out[EntryKey(kind, key)] = Entry(value.priority, value.slice_ns, value.start_time)
         return out
 
+    def read_keys(self, keys: Iterable[EntryKey]) -> dict[EntryKey, Entry]:
+        """One map lookup per key (read_back walks both maps)."""
+        out: dict[EntryKey, Entry] = {}
+        for key in keys:
+            value = GthulhuEntry()
+            if libbpf.map_lookup(self._fd(key), ctypes.c_uint32(key.id), value):
+                out[key] = Entry(value.priority, value.slice_ns, value.start_time)
+        return out
+
     def health(self) -> BackendHealth:
         if self._sched is None:
             return BackendHealth(BackendState.STOPPED, self._ejected_reason)

@@ -298,3 +298,18 @@ def test_engine_slice_refused_costs_a_counted_error_not_the_write(tmp_path: Path
     assert b.counters()["errors"] == 1
     assert kernel.calls.count(("set", me)) == 1
     b.stop()
+
+
+def test_read_keys_is_read_back_of_those_keys_with_their_threads_syscalls_only(tmp_path: Path) -> None:
+    """explain's read-back of a thread: the same answer as read_back's for its keys (held, changed by
+    someone else, never written), asking the kernel about those threads alone."""
+    kernel = FakeKernel()
+    backend = make(tmp_path, kernel, 501, 502, 503)
+    backend.apply({key(501): entry(501, 10), key(502): entry(502, 5)}, [])
+    kernel.tasks[502].nice = 3  # someone else changed it: not in effect
+    wanted = [key(501), key(502), key(503)]
+    full = backend.read_back()
+    kernel.calls.clear()
+    assert backend.read_keys(wanted) == {k: v for k, v in full.items() if k in wanted} == {
+        key(501): entry(501, 10)}
+    assert {tid for _, tid in kernel.calls} == {501, 502}

@@ -229,3 +229,19 @@ def test_preview_follows_named_only_like_the_agent(proc: FakeProc) -> None:
     strict = preview("t", mine, node_name=NODE, node_labels={}, proc_root=proc.root, named_only=True)
     assert [m.tid for m in loose.matches] == [101]
     assert strict.matches == () and strict.intents[0].matched_tasks == 0
+
+
+def test_held_for_says_when_the_backend_cannot_be_read(proc: FakeProc) -> None:
+    """An ejected backend holds nothing readable: the answer says so instead of an empty read-back."""
+    from gthulhu_node.backends.dryrun import DryRunBackend
+    from gthulhu_node.reconciler import Reconciler
+    from gthulhu_node.tasks.procfs import snapshot
+
+    backend = DryRunBackend()
+    backend.start()
+    r = Reconciler(backend, policy=PolicySet.build([("t/eng", intent("eng"))]), proc_root=proc.root)
+    r.apply_snapshot(snapshot(proc.root))
+    backend.eject("watchdog timeout")
+    (held,) = explain.held_for(r, [(101, 100)])
+    assert held.read_back == "not read back: the backend is ejected (watchdog timeout)"
+    assert held.entries[0].read_back is None and held.entries[0].applied is not None
