@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import threading
 from pathlib import Path
 
 import grpc
@@ -123,6 +125,9 @@ def test_mutual_tls(pki: dict[str, Path]) -> None:
             assert [i.key for i in s.GetStatus(pb.GetStatusRequest(source="tls"), timeout=10).intents] == [
                 "tls/a"
             ]
+            # explain over the TCP listener: the same service, the same answer
+            (me,) = s.Explain(pb.ExplainRequest(tid=threading.get_native_id()), timeout=10).threads
+            assert me.tgid == os.getpid() and [i.intent for i in me.intents] == ["tls/a"]
         for who, target in {
             "no certificate": Target(address=address, tls_ca=pki["ca.pem"]),
             "another CA's certificate": Target(
