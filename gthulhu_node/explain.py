@@ -67,6 +67,9 @@ _RULES = ("priority", "executionTime", "source/id")
 ENGINE_WAIT_S = 10.0
 # At most this many threads per request: a --comm that matches every thread asks too broad a question.
 MAX_THREADS = 512
+# ... and at most this many intent lines (threads x intents) in one answer, unless it is one thread: an
+# answer stays far below the API's message limit (a line is about 100 bytes).
+MAX_LINES = 200_000
 
 
 class NoSuchTask(NotFound):
@@ -203,27 +206,40 @@ def _owner_reason(c: CompiledIntent, subject: Subject, named_only: bool) -> tupl
                         "intent names no user, cgroup or pod")
 
 
-def _pattern_reason(c: CompiledIntent, subject: Subject, policy: PolicySet) -> tuple[str, str] | None:
+def pattern_hits(subject: Subject, policy: PolicySet) -> dict[str, list[tuple[int, str]]]:
+    """For each intent key, the threads of the subject's process whose comm its pattern matches
+    (`PolicySet.match`, both scopes): one pass over the threads, not one per intent."""
+    hits: dict[str, list[tuple[int, str]]] = {}
+    for tid, comm in subject.process_comms:
+        m = policy.match(comm)
+        for c in (*m.thread, *m.process):
+            hits.setdefault(c.key, []).append((tid, comm))
+    return hits
+
+
+def _pattern_reason(c: CompiledIntent, subject: Subject, hits: Mapping[str, list[tuple[int, str]]]
+                    ) -> tuple[str, str] | None:
     """None when the intent's pattern covers the thread under its scope; else the field and why."""
     pattern = c.intent.matching_pattern
+    threads = hits.get(c.key, [])
     if c.scope is Scope.PROCESS:
-        if any(c in policy.match(comm).process for _, comm in subject.process_comms):
+        if threads:
             return None
         return COMMAND, (f"{pattern!r} matches no thread of process {subject.tgid} (scope=process; this "
                          f"thread's comm is {subject.comm!r})")
-    if c in policy.match(subject.comm).thread:
+    if any(tid == subject.tid for tid, _ in threads):
         return None
-    others = [f"{tid} ({comm!r})" for tid, comm in subject.process_comms
-              if tid != subject.tid and c in policy.match(comm).thread]
+    others = [f"{tid} ({comm!r})" for tid, comm in threads]
     if others:
         return SCOPE, (f"scope=thread: {pattern!r} matches thread {', '.join(others[:3])} of this process, "
                        f"not this one ({subject.comm!r})")
     return COMMAND, f"{pattern!r} does not match comm {subject.comm!r}"
 
 
-def _check(c: CompiledIntent, subject: Subject, policy: PolicySet) -> tuple[str, str] | None:
+def _check(c: CompiledIntent, subject: Subject, policy: PolicySet,
+           hits: Mapping[str, list[tuple[int, str]]]) -> tuple[str, str] | None:
     """The first check that turns `c` away from the thread, in the reconciler's order; None if none."""
-    miss = _pattern_reason(c, subject, policy)
+    miss = _pattern_reason(c, subject, hits)
     if miss is not None:
         return miss
     if c.pod_uid is not None and c.pod_uid != subject.pod_uid:
@@ -285,6 +301,7 @@ def explain_task(
     """Every intent against one thread, the winner (matching.best over the same candidates the
     reconciler takes: the strongest thread-scope match and the process's strongest process-scope one),
     why it wins and what it shadows. `policy` is the one the reconciler holds."""
+    hits = pattern_hits(subject, policy)
     labels = dict(node_labels)
     lines: list[IntentLine] = []
     thread_cands: list[CompiledIntent] = []
@@ -308,7 +325,7 @@ def explain_task(
                 why = "stored, not yet in the policy the agent holds (being applied)"
                 lines.append(IntentLine(item.key, False, PENDING, why, state))
             continue
-        miss = _check(c, subject, policy)
+        miss = _check(c, subject, policy, hits)
         if miss is not None:
             lines.append(IntentLine(item.key, False, miss[0], miss[1], state))
             continue
@@ -426,6 +443,10 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
     (read on the engine thread), the backend's read-back, and for the eevdf backend the kernel's view."""
     proc_root = agent.config.watch.proc_root
     tasks = select_threads(tid, pid, comm_regex, proc_root)
+    listed = listed_intents(agent.store.snapshot(), agent.board.intents())
+    if len(tasks) > 1 and len(tasks) * len(listed) > MAX_LINES:
+        raise InvalidInput(f"{len(tasks)} threads x {len(listed)} intents is more than {MAX_LINES:,} lines "
+                           "to explain at once: name one thread, or a narrower --comm")
     engine = agent.engine
     if engine is None or not engine.running:
         raise Unavailable("the agent's engine is not running: nothing to explain against")
@@ -434,7 +455,6 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
         policy, held = engine.call(lambda r: (r.policy, held_for(r, pairs)), timeout=ENGINE_WAIT_S)
     except concurrent.futures.TimeoutError:
         raise Unavailable(f"the engine did not answer within {ENGINE_WAIT_S:g} s; ask again") from None
-    listed = listed_intents(agent.store.snapshot(), agent.board.intents())
     node = agent.config.node
     out: list[Report] = []
     for task, h in zip(tasks, held, strict=True):

@@ -207,3 +207,15 @@ def test_preview_answers_and_changes_nothing(world: Any) -> None:
     assert displaced == [(threads["aux"].tid, "ex/both", "ui/aux-first")]
     assert resp.tasks_scanned > 3
     assert agent_state(agent) == before
+
+
+def test_an_answer_too_large_is_refused_with_words(world: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gthulhu_node import explain as explain_module
+
+    agent, threads = world
+    monkeypatch.setattr(explain_module, "MAX_LINES", 10)  # 3 threads x 5 intents
+    with stub_of(agent) as stub, pytest.raises(grpc.RpcError) as err:
+        stub.Explain(pb.ExplainRequest(comm_regex="^gn-ex-"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "3 threads x 5 intents" in str(err.value.details())
+    assert len(explain(agent, tid=threads["eng"].tid)) == 1  # one thread is always answered
