@@ -318,7 +318,7 @@ def explain_task(
                                     f"node {node_name!r} ({shown})", state))
             continue
         c = policy.by_key.get(item.key)
-        if c is None or c.intent != item.intent:
+        if c is None or (c.intent is not item.intent and c.intent != item.intent):
             if item.status is not None and item.status.state is IntentState.FAILED:
                 lines.append(IntentLine(item.key, False, FAILED, item.status.reason, state))
             else:
