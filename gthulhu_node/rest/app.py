@@ -462,7 +462,7 @@ class DecisionMakerApi:
         except ValueError:
             raise InvalidInput("tid and pid are numbers") from None
         reports = await asyncio.to_thread(self._explain, tid, pid, query.get("comm", ""))
-        return success({"threads": [MessageToDict(report_to_pb(r)) for r in reports]})
+        return success({"threads": [_message_doc(report_to_pb(r)) for r in reports]})
 
     async def preview(self, request: web.Request) -> web.Response:
         """What a node-intents push (the same body) would do on this node now, without applying it:
@@ -473,7 +473,7 @@ class DecisionMakerApi:
         assert self._preview is not None
         push = node_policies(await self._json(request), self._store.max_intents_per_source)
         result, displaced = await asyncio.to_thread(self._preview, NODE_SOURCE, push.intents)
-        data = MessageToDict(preview_to_pb(result, displaced))
+        data = _message_doc(preview_to_pb(result, displaced))
         data["failed"] = [{"key": e.key, "error": e.failed} for e in push.entries if e.failed]
         return success(data)
 
@@ -622,6 +622,12 @@ class DecisionMakerApi:
                     client_id=request.get(CLIENT_ID, ""))
         return failure(400, message)
 
+
+
+def _message_doc(msg: Any) -> dict[str, Any]:
+    """An RPC's answer in protobuf's JSON mapping, zero values included (uid 0 is root, not "unknown")."""
+    doc: dict[str, Any] = MessageToDict(msg, always_print_fields_with_no_presence=True)
+    return doc
 
 
 def _delete_args(body: Any, id_key: str) -> tuple[str, bool]:

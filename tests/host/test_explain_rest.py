@@ -29,6 +29,7 @@ def test_explain_over_mtls() -> None:
         (thread,) = data["threads"]
         assert thread["comm"] == "gn-rx-eng" and thread["tgid"] == os.getpid()
         assert thread["exe"] == os.readlink(f"/proc/{os.getpid()}/exe") and thread["cgroup"]
+        assert thread["uid"] == os.getuid() and thread["ownerKnown"]  # uid 0 shown, not left out
         assert thread["winner"].startswith("manager/") and thread["agentWinner"] == thread["winner"]
         by_key = {i["intent"]: i for i in thread["intents"]}
         assert by_key["local/local-engine"]["field"] == "commandRegex"
@@ -52,7 +53,7 @@ def test_explain_over_mtls() -> None:
         (row,) = preview["matches"]
         assert row["tid"] == t.tid and row["intent"].startswith("manager/")
         assert row["intent"] != thread["winner"]
-        assert [f["key"] for f in preview["failed"]] and "displaced" not in preview  # its own source
+        assert [f["key"] for f in preview["failed"]] and preview["displaced"] == []  # its own source
         assert agent.store.snapshot() == held
 
 
