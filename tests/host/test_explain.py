@@ -17,7 +17,9 @@ import pytest
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from tests.host.agent_support import NamedThread, intent, run_cli, running_agent, stub_of, wait_for
 
-pytestmark = pytest.mark.host
+# One worker runs them all: their --comm and --pid questions see every gn-ex-* thread of the host, so two
+# of them at once (make test's lanes) saw each other's threads.
+pytestmark = [pytest.mark.host, pytest.mark.xdist_group("explain-threads")]
 
 INTENTS = [
     intent("eng", "^gn-ex-eng$", priority=10, execution_time=2_000_000),
