@@ -345,12 +345,14 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	/*
 	 * Wakeup preemption, as the fair class does it: a waking task that is behind the unboosted task on its
 	 * CPU by more than half a default slice runs now, instead of after that task's whole slice. Not while
-	 * boosted tasks wait: they go first. The head-start tier takes this rule and no other: its head start
-	 * is a smaller charge after each run, never a shortcut at wake-up.
+	 * boosted tasks wait: they go first. The head-start tier takes this rule and no other, on the vtime it
+	 * would have unboosted (twin_vtime): its head start is a smaller charge after each run, never a
+	 * shortcut at wake-up.
 	 */
 	cpu = scx_bpf_task_cpu(p);
 	c = cpu_ctx_of(cpu);
-	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio && before(vtime + settings.default_slice_ns / 2, c->vtime) &&
+	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio &&
+	    before(twin_vtime(tctx) + settings.default_slice_ns / 2, c->vtime) &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && !scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT);
 		count(fair_preemptions);
@@ -887,7 +889,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	struct task_ctx *tctx = ctx_of(p);
 	s32 cpu = scx_bpf_task_cpu(p);
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
-	u64 now = bpf_ktime_get_ns(), used, lead, charge;
+	u64 now = bpf_ktime_get_ns(), used, lead, charge, forgive;
 
 	if (c) {
 		set_cpu_prio(cpu, c, 0);
@@ -903,16 +905,22 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	charge = fair_charge(p, tctx, used);
 	tctx->served += charge;
 	/*
-	 * The head-start tier: part of the charge forgiven (at most half, so at most twice the unboosted share),
-	 * and its run time counted against the same per-task budget as a boosted task's, whose guard then
+	 * The head-start tier: part of the charge forgiven (at most half, so at most twice the unboosted share;
+	 * the wake-up rule adds it back, twin_vtime), and its run time counted against the same per-task budget as a boosted task's, whose guard then
 	 * withdraws the head start until the window ends (effective_head_start). Not the CPU's boost share:
 	 * it is fair work, which the reserve already serves.
 	 */
 	if (tctx->head_start) {
-		tctx->vtime += charge - charge * tctx->head_start / 100;
+		forgive = charge * tctx->head_start / 100;
+		tctx->vtime += charge - forgive;
+		tctx->forgiven += forgive;
+		lead = vtime_now + settings.default_slice_ns;
+		if (before(lead, tctx->vtime + tctx->forgiven))
+			tctx->forgiven = before(tctx->vtime, lead) ? lead - tctx->vtime : 0;
 		charge_boost(tctx, NULL, used, now);
 		return;
 	}
+	tctx->forgiven = 0;
 	tctx->vtime += charge;
 	if (!tctx->prio)
 		return;

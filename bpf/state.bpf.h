@@ -100,6 +100,7 @@ struct task_ctx {
 	u32 cached_head_start;
 	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
 	u32 head_start;   /* percent of the current/queued run's fair charge forgiven (head-start tier), else 0 */
+	u64 forgiven;     /* head-start tier: vtime forgiven, kept while vtime + forgiven leads the pool by < a slice */
 	u32 group_weight; /* what this task added to that group's sum */
 	u32 group_share;  /* an autogroup's weight (its nice), 100 for the default */
 	u64 bw_mark;      /* the current run is charged to the cgroups' cpu.max budgets up to here */
@@ -265,12 +266,33 @@ static __always_inline void kick_idle(struct task_struct *p)
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
-/* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
-static __always_inline u64 fair_vtime(struct task_ctx *tctx)
+/* A vtime with a sleeper's floor: at most one default slice of credit. */
+static __always_inline u64 floored(u64 vtime)
 {
 	u64 floor = vtime_now - settings.default_slice_ns;
 
-	return before(tctx->vtime, floor) ? floor : tctx->vtime;
+	return before(vtime, floor) ? floor : vtime;
+}
+
+/* The fair-pool key of an unboosted enqueue. */
+static __always_inline u64 fair_vtime(struct task_ctx *tctx)
+{
+	return floored(tctx->vtime);
+}
+
+/*
+ * What the unboosted wake-up rule compares for the head-start tier: its vtime with every run charged in
+ * full, which never lags its unboosted twin's (it ran at least as much), except that it leads the fair
+ * pool by at most one default slice, as a boosted task's vtime does (a twin that wants more than its share
+ * sits at the pool, not past it; and after a long sleep both are floored alike). So its discount buys it
+ * CPU share, never a preemption its twin would not make. With its own (discounted) vtime, or with the
+ * discount of its last runs added back up to a slice or a window, a task wanting 60 % of a CPU beside a
+ * hog preempted it at every wake-up, its unboosted twin at 81-98 % (lab, 7.3): with twice the weight it
+ * keeps up with its demand and its vtime falls behind the pool, where its twin's sits at it.
+ */
+static __always_inline u64 twin_vtime(struct task_ctx *tctx)
+{
+	return floored(tctx->vtime + tctx->forgiven);
 }
 
 /* What a contract priority asks for, in the scheduler's terms (see PREEMPT_TIER_LAST). */
