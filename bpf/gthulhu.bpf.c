@@ -6,10 +6,18 @@
  * else tgid_map (its process), else the default. Entries carry the start time of the task they were
  * written for, so a reused id never inherits a dead task's strategy.
  *
- *  - priority > 0 (boosted): queued in BOOST_DSQ ahead of unboosted work, earliest deadline first, where
- *    the deadline is the enqueue time plus a step per priority below the top: higher priorities go first,
- *    and a lower one that has waited long enough goes before a fresh higher one (aging). A waking
- *    boosted task preempts a less important one, found through a mask of the CPUs running nothing boosted.
+ * Priorities run upstream Gthulhu's way (its kernel mode): the lower the number, the stronger. An entry
+ * holds the contract's number, which an operator reads back; strength_of (state.bpf.h) turns it into the
+ * scheduler's terms in one place, and every comparison of priorities here compares those (weaker()).
+ *  - priority 1-9, the preempt tier (boosted): queued in BOOST_DSQ ahead of unboosted work, earliest
+ *    deadline first, where the deadline is the enqueue time plus a step per level below the top: stronger
+ *    levels go first, and a weaker one that has waited long enough goes before a fresh stronger one
+ *    (aging). A waking boosted task preempts a task that is unboosted or of a strictly weaker level, never
+ *    an equal or stronger one, found through a mask of the CPUs running nothing boosted.
+ *  - priority 10-20, the head-start tier: an unboosted task in every respect (fair queue, the unboosted
+ *    wake-up rule, preempted by the preempt tier) except that part of each run's charge is forgiven, 50 %
+ *    at 10 down to 5 % at 20 (upstream's vtime reduction): a share at most twice its unboosted one, never a
+ *    place ahead of the queue or a preemption its unboosted twin would not make.
  *  - priority 0 with a slice: fair, with its own slice.
  *  - no entry: fair (weighted vtime) with the default slice. Like the kernel's fair class, the share is
  *    split between task groups (cgroups, or sessions through autogroup) first, then between the group's
@@ -25,7 +33,7 @@
  *    starves is served there as if unboosted: being boosted never costs a task the share it would get
  *    unboosted.
  *  - a boosted task that used more than boost_share_percent of a CPU in its window runs unboosted until
- *    the window ends.
+ *    the window ends; so does a head-start task (without its head start). Both tiers are guarded alike.
  *  - CPUs of different capacity (big.LITTLE: settings.asym_capacity, capacities in cpu_capacity): a waking
  *    boosted task goes to the most capable CPU it may use that is idle or runs something less important,
  *    and one requeued on a less capable CPU moves to such a CPU if one is more capable. Unboosted tasks
@@ -66,15 +74,19 @@ char _license[] SEC("license") = "GPL";
 #include "topology.bpf.c"
 #include "cgroup_bw.bpf.c"
 
-/* What a task's entry asks for (before the boost guard, effective_prio): its slice and priority. */
+/* What a task's entry asks for (before the boost guard, effective_prio): its slice, rank and head start. */
 struct strategy {
 	u64 slice;
-	u32 prio;
+	u32 prio;       /* the rank (strength_of), not the contract's number */
+	u32 head_start;
 };
 
 static __always_inline void take(struct strategy *s, const struct gthulhu_entry *e)
 {
-	s->prio = e->priority;
+	struct strength st = strength_of(e->priority);
+
+	s->prio = st.rank;
+	s->head_start = st.head_start;
 	s->slice = e->slice_ns ? e->slice_ns : settings.default_slice_ns;
 }
 
@@ -88,6 +100,7 @@ static void lookup_strategy(struct task_struct *p, struct strategy *s)
 	u32 tid = p->pid, tgid = p->tgid;
 
 	s->prio = 0;
+	s->head_start = 0;
 	s->slice = settings.default_slice_ns;
 
 	e = bpf_map_lookup_elem(&tid_map, &tid);
@@ -112,7 +125,7 @@ static void lookup_strategy(struct task_struct *p, struct strategy *s)
 	}
 	count(misses);
 	if (settings.agent_tgid && tgid == settings.agent_tgid) {
-		s->prio = AGENT_PRIORITY;
+		s->prio = AGENT_RANK;
 		count(agent_boosts);
 	}
 }
@@ -123,6 +136,7 @@ static void strategy_of(struct task_struct *p, struct task_ctx *tctx, struct str
 	if (tctx && tctx->cached) {
 		tctx->cached = 0;
 		s->prio = tctx->cached_prio;
+		s->head_start = tctx->cached_head_start;
 		s->slice = tctx->cached_slice;
 		return;
 	}
@@ -135,6 +149,12 @@ static u32 effective_prio(struct task_ctx *tctx, u32 prio, u64 now)
 	if (!prio || before(now, tctx->demoted_until))
 		return 0;
 	return prio;
+}
+
+/* The same guard for the head-start tier: over its share, it runs without its head start. */
+static __always_inline u32 effective_head_start(struct task_ctx *tctx, struct strategy *s, u64 now)
+{
+	return before(now, tctx->demoted_until) ? 0 : s->head_start;
 }
 
 /* Whether the boosted run in progress has crossed the task's budget for its window. */
@@ -182,6 +202,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	if (idle) {
 		if (tctx) {
 			tctx->prio = prio;
+			tctx->head_start = prio ? 0 : effective_head_start(tctx, &s, now);
 			tctx->slice = s.slice;
 		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, 0);
@@ -195,6 +216,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	if (!tctx)
 		return cpu;
 	tctx->cached_prio = s.prio;
+	tctx->cached_head_start = s.head_start;
 	tctx->cached_slice = s.slice;
 	tctx->cached = 1;
 	/* A lesser boost on the default pick keeps its CPU while another runs nothing boosted. */
@@ -256,9 +278,10 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 	 * of at that CPU's next dispatch. Only wakeups: a task requeued at the end of its slice goes through
 	 * BOOST_DSQ, so it never jumps ahead of tasks already handed to this CPU. Only the task's own CPU:
 	 * affinity and migration-disabled tasks stay safe. Not on a CPU whose boost share is spent: the
-	 * unboosted tasks' turn there must not be cut short.
+	 * unboosted tasks' turn there must not be cut short. Only over a strictly weaker rank: equals wait
+	 * their turn in BOOST_DSQ, and a weaker waker never displaces a stronger runner.
 	 */
-	if ((enq_flags & ENQ_WAKEUP) && c && c->prio < prio && !cpu_throttled(c, now) &&
+	if ((enq_flags & ENQ_WAKEUP) && c && weaker(c->prio, prio) && !cpu_throttled(c, now) &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
 		count(preemptions);
@@ -266,7 +289,7 @@ static void enqueue_boosted(struct task_struct *p, struct strategy *s, u32 prio,
 	}
 	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
 		return;
-	/* Earliest deadline first: priority buys a head start, waiting catches up with it. */
+	/* Earliest deadline first: rank buys a head start, waiting catches up with it. */
 	dsq_insert_vtime(p, BOOST_DSQ, s->slice, boost_deadline(prio, now), enq_flags);
 	kick_idle(p);
 }
@@ -285,6 +308,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if ((p->flags & PF_KTHREAD) && p->nr_cpus_allowed == 1) {
 		if (tctx) {
 			tctx->prio = 0;
+			tctx->head_start = 0;
 			tctx->slice = s.slice;
 		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, enq_flags);
@@ -302,6 +326,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	}
 	prio = effective_prio(tctx, s.prio, now);
 	tctx->prio = prio;
+	tctx->head_start = prio ? 0 : effective_head_start(tctx, &s, now);
 	tctx->slice = s.slice;
 	/* cpu.max before priority: a boosted task in a limited cgroup is held to the limit. */
 	if (bw_park(p, tctx, s.slice, enq_flags, now))
@@ -320,11 +345,14 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	/*
 	 * Wakeup preemption, as the fair class does it: a waking task that is behind the unboosted task on its
 	 * CPU by more than half a default slice runs now, instead of after that task's whole slice. Not while
-	 * boosted tasks wait: they go first.
+	 * boosted tasks wait: they go first. The head-start tier takes this rule and no other, on the vtime it
+	 * would have unboosted (twin_vtime): its head start is a smaller charge after each run, never a
+	 * shortcut at wake-up.
 	 */
 	cpu = scx_bpf_task_cpu(p);
 	c = cpu_ctx_of(cpu);
-	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio && before(vtime + settings.default_slice_ns / 2, c->vtime) &&
+	if ((enq_flags & ENQ_WAKEUP) && c && !c->prio &&
+	    before(twin_vtime(tctx) + settings.default_slice_ns / 2, c->vtime) &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && !scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s.slice, enq_flags | ENQ_PREEMPT);
 		count(fair_preemptions);
@@ -861,7 +889,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	struct task_ctx *tctx = ctx_of(p);
 	s32 cpu = scx_bpf_task_cpu(p);
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
-	u64 now = bpf_ktime_get_ns(), used, lead, charge;
+	u64 now = bpf_ktime_get_ns(), used, lead, charge, forgive;
 
 	if (c) {
 		set_cpu_prio(cpu, c, 0);
@@ -875,8 +903,25 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	bw_charge(tctx, now);
 	tctx->bw_mark = 0;
 	charge = fair_charge(p, tctx, used);
-	tctx->vtime += charge;
 	tctx->served += charge;
+	/*
+	 * The head-start tier: part of the charge forgiven (at most half, so at most twice the unboosted share;
+	 * the wake-up rule adds it back, twin_vtime), and its run time counted against the same per-task budget as a boosted task's, whose guard then
+	 * withdraws the head start until the window ends (effective_head_start). Not the CPU's boost share:
+	 * it is fair work, which the reserve already serves.
+	 */
+	if (tctx->head_start) {
+		forgive = charge * tctx->head_start / 100;
+		tctx->vtime += charge - forgive;
+		tctx->forgiven += forgive;
+		lead = vtime_now + settings.default_slice_ns;
+		if (before(lead, tctx->vtime + tctx->forgiven))
+			tctx->forgiven = before(tctx->vtime, lead) ? lead - tctx->vtime : 0;
+		charge_boost(tctx, NULL, used, now);
+		return;
+	}
+	tctx->forgiven = 0;
+	tctx->vtime += charge;
 	if (!tctx->prio)
 		return;
 	charge_boost(tctx, c, used, now);

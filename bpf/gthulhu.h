@@ -24,7 +24,7 @@ typedef long long s64;
 struct gthulhu_entry {
 	u64 start_time; /* clock ticks since boot of the task the key names (/proc/<pid>/stat field 22) */
 	u64 slice_ns;   /* 0: the default slice */
-	u32 priority;   /* 0: not boosted; 1-20: boosted, higher served first */
+	u32 priority;   /* the contract's: 0 no boost; 1-9 preempt tier, 10-20 head start; lower is stronger */
 	u32 pad;
 };
 

@@ -19,9 +19,20 @@
 #define USER_HZ 100
 #define PF_EXITING 0x00000004
 #define PF_KTHREAD 0x00200000
-/* The agent's own threads rank above every intent's priority. */
-#define AGENT_PRIORITY (GTHULHU_PRIORITY_MAX + 1)
-/* Deadline distance between adjacent priorities in BOOST_DSQ: priority 1 waits at most 40 ms more than 20. */
+/*
+ * The contract's priority, as an entry holds it and an operator reads it back (upstream Gthulhu's kernel-mode
+ * direction: the lower the number, the stronger): 0 no boost; 1-PREEMPT_TIER_LAST the preempt tier, 1 the
+ * strongest; PREEMPT_TIER_LAST+1 to GTHULHU_PRIORITY_MAX the head-start tier, 10 the most. strength_of
+ * converts it once, where an entry is read; nothing else in the scheduler sees the contract's number.
+ */
+#define PREEMPT_TIER_LAST 9
+/*
+ * Inside the scheduler a preempt-tier task carries a rank, the higher the stronger (level 1: 20, level 9:
+ * 12; 0: not in the preempt tier), so every comparison of priorities is one of ranks (weaker()).
+ * The agent's own threads rank above every intent.
+ */
+#define AGENT_RANK (GTHULHU_PRIORITY_MAX + 1)
+/* Deadline distance between adjacent ranks in BOOST_DSQ: level 9 waits at most 16 ms more than level 1. */
 #define BOOST_STEP_NS 2000000ULL
 /*
  * Boosted tasks a reserve turn looks at: the queue is in deadline order, so the starved ones are in front.
@@ -85,13 +96,16 @@ struct task_ctx {
 	u64 cgid;         /* the task's cgroup as sched_ext reports it (init_task, cgroup_move), 0 the root */
 	u64 slice;        /* the slice of the current/queued run, for a prev kept by dispatch */
 	u64 cached_slice; /* the strategy select_cpu looked up for the enqueue of the same wakeup */
-	u32 cached_prio;
+	u32 cached_prio;  /* the looked-up rank and head start (not yet through the guard) */
+	u32 cached_head_start;
 	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
+	u32 head_start;   /* percent of the current/queued run's fair charge forgiven (head-start tier), else 0 */
+	u64 forgiven;     /* head-start tier: vtime forgiven, kept while vtime + forgiven leads the pool by < a slice */
 	u32 group_weight; /* what this task added to that group's sum */
 	u32 group_share;  /* an autogroup's weight (its nice), 100 for the default */
 	u64 bw_mark;      /* the current run is charged to the cgroups' cpu.max budgets up to here */
 	u64 parked_at;    /* when it was last parked in THROTTLED_DSQ */
-	u32 prio;         /* effective priority of the current/queued run: 0 fair */
+	u32 prio;         /* rank of the current/queued run after the guard (strength_of): 0 fair */
 	u32 group_is_cgroup;
 };
 
@@ -159,7 +173,7 @@ struct cpu_ctx {
 	u64 vtime;        /* vtime of the unboosted task it runs */
 	u64 window_start; /* this CPU's boost accounting window */
 	u64 boost_used;   /* boosted run time on this CPU inside it */
-	u32 prio;         /* what it runs now: 0 unboosted or idle, else the boosted priority */
+	u32 prio;         /* rank of what it runs now: 0 unboosted (head-start tier included) or idle */
 	u32 bw_stop_ready; /* bw_stop initialised */
 	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
@@ -252,18 +266,68 @@ static __always_inline void kick_idle(struct task_struct *p)
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
-/* The fair-pool key of an unboosted enqueue: a sleeper keeps at most one default slice of credit. */
-static __always_inline u64 fair_vtime(struct task_ctx *tctx)
+/* A vtime with a sleeper's floor: at most one default slice of credit. */
+static __always_inline u64 floored(u64 vtime)
 {
 	u64 floor = vtime_now - settings.default_slice_ns;
 
-	return before(tctx->vtime, floor) ? floor : tctx->vtime;
+	return before(vtime, floor) ? floor : vtime;
 }
 
-/* The deadline a boosted task is queued at in BOOST_DSQ: priority buys a head start, waiting catches up. */
-static __always_inline u64 boost_deadline(u32 prio, u64 now)
+/* The fair-pool key of an unboosted enqueue. */
+static __always_inline u64 fair_vtime(struct task_ctx *tctx)
 {
-	return now + (u64)(AGENT_PRIORITY - prio) * BOOST_STEP_NS;
+	return floored(tctx->vtime);
+}
+
+/*
+ * What the unboosted wake-up rule compares for the head-start tier: its vtime with every run charged in
+ * full, which never lags its unboosted twin's (it ran at least as much), except that it leads the fair
+ * pool by at most one default slice, as a boosted task's vtime does (a twin that wants more than its share
+ * sits at the pool, not past it; and after a long sleep both are floored alike). So its discount buys it
+ * CPU share, never a preemption its twin would not make. With its own (discounted) vtime, or with the
+ * discount of its last runs added back up to a slice or a window, a task wanting 60 % of a CPU beside a
+ * hog preempted it at every wake-up, its unboosted twin at 81-98 % (lab, 7.3): with twice the weight it
+ * keeps up with its demand and its vtime falls behind the pool, where its twin's sits at it.
+ */
+static __always_inline u64 twin_vtime(struct task_ctx *tctx)
+{
+	return floored(tctx->vtime + tctx->forgiven);
+}
+
+/* What a contract priority asks for, in the scheduler's terms (see PREEMPT_TIER_LAST). */
+struct strength {
+	u32 rank;       /* preempt tier: GTHULHU_PRIORITY_MAX + 1 - priority (1 -> 20, 9 -> 12); else 0 */
+	u32 head_start; /* head-start tier: percent of each run's fair charge forgiven (10 -> 50, 20 -> 5); else 0 */
+};
+
+/*
+ * The one conversion from the contract's number. The head start is upstream kernel mode's vtime reduction,
+ * (190 - 9 p) / 2 percent: 10 gets 50 %, 20 gets 5 %, so a head-start task weighs at most twice what it
+ * would unboosted (a share, like a nice level: it cannot starve anyone). A number above the contract's
+ * range (never written by the agent) asks for nothing.
+ */
+static __always_inline struct strength strength_of(u32 priority)
+{
+	struct strength s = {};
+
+	if (priority >= 1 && priority <= PREEMPT_TIER_LAST)
+		s.rank = GTHULHU_PRIORITY_MAX + 1 - priority;
+	else if (priority > PREEMPT_TIER_LAST && priority <= GTHULHU_PRIORITY_MAX)
+		s.head_start = (190 - 9 * priority) / 2;
+	return s;
+}
+
+/* Whether rank a is strictly weaker than rank b: a waker preempts only what this says is weaker. */
+static __always_inline bool weaker(u32 a, u32 b)
+{
+	return a < b;
+}
+
+/* The deadline a boosted task is queued at in BOOST_DSQ: rank buys a head start, waiting catches up. */
+static __always_inline u64 boost_deadline(u32 rank, u64 now)
+{
+	return now + (u64)(AGENT_RANK - rank) * BOOST_STEP_NS;
 }
 
 #endif /* GTHULHU_STATE_BPF_H */

@@ -141,12 +141,12 @@ static __always_inline void domain_cpu_change(s32 cpu, s32 delta)
 		__sync_fetch_and_add(n, delta);
 }
 
-/* Whether a CPU runs something less important than prio and its boost share is not spent. */
+/* Whether a CPU runs something of a strictly weaker rank than prio and its boost share is not spent. */
 static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 
-	return c && c->prio < prio && !cpu_throttled(c, now);
+	return c && weaker(c->prio, prio) && !cpu_throttled(c, now);
 }
 
 /* CPUs a boosted waker scans for a lesser boost when no other CPU qualifies (find_victim). */

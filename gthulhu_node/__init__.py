@@ -1,3 +1,3 @@
 """gthulhu-node: the node agent of Gthulhu, applying workload-aware CPU scheduling through sched_ext."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -284,6 +284,7 @@ class Agent:
         assert self.backend is not None
         self.store.load()
         self.local.reload(force=True)
+        self.local.check_scale()
         effect, policy = self._build_policy()
         self._effect = self._submitted = effect
         reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)

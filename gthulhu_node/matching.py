@@ -2,7 +2,7 @@
 
 A pattern is an unanchored RE2 search on the task's comm (the kernel's 15-byte thread name, not the
 command line). When several intents match one task, exactly one wins, never a merge:
-  1. the higher `priority`;
+  1. the stronger `priority` (limits.strength: 1 strongest, 20 weakest, 0 weaker than any);
   2. then the smaller non-zero `executionTime` (a non-zero slice beats 0, the scheduler's default);
   3. then the lexicographically smaller `source/id`.
 An intent with `podUID` matches only threads of processes in that pod's cgroup (/proc/<pid>/cgroup); the
@@ -33,6 +33,7 @@ from typing import Any
 import re2
 
 from gthulhu_node.intents.model import Intent, Scope, compile_pattern
+from gthulhu_node.limits import strength
 
 # Bound on the per-comm cache; names past it are matched without caching (never wrong, only slower).
 COMM_CACHE_MAX = 65_536
@@ -162,7 +163,7 @@ class CompiledIntent:
 def precedence_rank(key: str, intent: Intent) -> tuple[int, int, str]:
     """The sort key of the precedence (docs/watching.md): smaller is stronger."""
     slice_rank = intent.execution_time if intent.execution_time > 0 else 1 << 62
-    return (-intent.priority, slice_rank, key)
+    return (-strength(intent.priority), slice_rank, key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ from gthulhu_node.backends.sched_attr import (
     SchedAttrSyscalls,
     probe,
 )
-from gthulhu_node.limits import PRIORITY_MAX
+from gthulhu_node.limits import PRIORITY_MAX, strength
 from gthulhu_node.tasks.procfs import StatParseError, read_task
 
 log = structlog.get_logger(__name__)
@@ -79,15 +79,16 @@ ENGINE_SLICE_NS = 100_000
 
 
 def nice_for_priority(priority: int) -> int:
-    """Map a boost priority 1-20 onto nice -5..-20, evenly (rounded), higher priority lower nice.
+    """Map a boost priority 1-20 onto nice -20..-5, evenly (rounded), a stronger priority (1 the
+    strongest: limits.strength) never a weaker nice.
 
-    Compressed rather than 1:1 (priority p -> nice -p) because the lower half of a 1:1 map barely changes
+    Compressed rather than 1:1 (strength s -> nice -s) because the weaker half of a 1:1 map barely changes
     a thread's weight; 20 priorities on 16 nice levels means a few neighbours share a level.
     """
     if not 1 <= priority <= PRIORITY_MAX:
         raise ValueError(f"priority {priority} is not a boost (1-{PRIORITY_MAX})")
     span = NICE_WEAKEST_BOOST - NICE_MIN  # 15 levels below the weakest boost
-    steps = (2 * span * (priority - 1) + (PRIORITY_MAX - 1)) // (2 * (PRIORITY_MAX - 1))
+    steps = (2 * span * (strength(priority) - 1) + (PRIORITY_MAX - 1)) // (2 * (PRIORITY_MAX - 1))
     return NICE_WEAKEST_BOOST - steps
 
 

@@ -29,6 +29,12 @@ drop a policy that is in effect. (At start there is no earlier version, so a bad
 Failing to read is never taken for "gone": a directory that cannot be listed (EMFILE, EACCES) or is not
 trusted keeps every file's last good content, and is reported; only a listing that succeeds and no longer
 shows a file removes its intents.
+
+The priority scale turned in 0.2.0 (issue 39: 1 the strongest, as upstream Gthulhu). Policy files are the
+admin's and are never rewritten: on the first start of an agent of the new scale (no `priority-scale`
+marker in the state directory) every file holding boosted intents is named in a warning
+(`policy_files_old_scale`) and in the `local` source's status notes for that run, with the rule that
+converts its levels; then the marker is written and later starts are silent (docs/intents.md).
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ DRA_FIELD = "draSelectors"
 DRA_REASON = ("draSelectors cannot be evaluated on a node (DRA resource slices live in the Kubernetes API); "
               "not applied: select the node with nodeNames/nodeSelectors instead")
 MAX_FILE_BYTES = 4 << 20
+# In the state directory: this agent's priority scale is known to the node (docs/intents.md, "Upgrading").
+SCALE_MARKER = "priority-scale"
+SCALE_NOTE = ("holds boosted intents: since 0.2.0 priorities run upstream Gthulhu's way (1 the strongest, "
+              "20 the weakest; 1-9 preempt). If it was written for an earlier release (20 the strongest), "
+              "convert each priority p > 0 to 9 - ((p - 1) * 9) // 20 (20 -> 1, 10 -> 5, 1 -> 9), as the "
+              "saved intents were; this note shows once, on the first start after the upgrade")
+SCALE_RULE = "new = 9 - ((old - 1) * 9) // 20 for old 1-20 (20 -> 1, 10 -> 5, 1 -> 9); 0 stays 0"
 Signature = tuple[int, int, int, int, int]
 
 
@@ -251,6 +264,7 @@ class LocalPolicies:
         self._combine_errors: dict[Path, str] = {}
         self._stats = LocalFilesStats()
         self._dir_error = ""
+        self._scale_notes: dict[Path, str] = {}
         self._poller = WorkerThread("policy-files", self._run, join_timeout_s=5)
 
     def errors(self) -> dict[str, str]:
@@ -264,7 +278,29 @@ class LocalPolicies:
 
     def notes(self) -> list[str]:
         with self._lock:
-            return [f"{p}: {n}" for p, s in self._files.items() if s.good for n in s.good.notes]
+            return ([f"{p}: {n}" for p, s in self._files.items() if s.good for n in s.good.notes]
+                    + [f"{p}: {n}" for p, n in sorted(self._scale_notes.items())])
+
+    def check_scale(self) -> list[Path]:
+        """After the first reload of a start: on the first start of this scale on the node (no SCALE_MARKER
+        in the state directory), name the files holding boosted intents (warning and status notes), then
+        write the marker. Returns the files named. Without a state directory there is nowhere to remember
+        it: nothing is done."""
+        state_dir = self._store.state_dir
+        if state_dir is None or (state_dir / SCALE_MARKER).exists():
+            return []
+        with self._lock:
+            boosted = sorted(p for p, s in self._files.items()
+                             if s.good and any(i.priority > 0 for i in s.good.intents))
+            self._scale_notes = dict.fromkeys(boosted, SCALE_NOTE)
+        if boosted:
+            log.warning("policy_files_old_scale", files=[str(p) for p in boosted], rule=SCALE_RULE,
+                        detail="priorities now run upstream's way (1 the strongest); files are not rewritten")
+        try:
+            (state_dir / SCALE_MARKER).write_text("1 strongest (upstream Gthulhu's scale, since 0.2.0)\n")
+        except OSError as exc:
+            log.error("priority_scale_marker_unwritable", path=str(state_dir / SCALE_MARKER), error=str(exc))
+        return boosted
 
     def stats(self) -> LocalFilesStats:
         with self._lock:

@@ -27,7 +27,10 @@ that is not valid Unicode, a state past STATE_MAX_BYTES) is refused and nothing 
 fails puts the old set back. Memory and disk hold the same set whatever fails, so what the APIs serve is
 what a restart finds. A snapshot (or a journal record) that cannot be read is logged, renamed aside with a
 timestamp, and the store starts empty. A snapshot of version 1 (release 0.1.0, no journal) is read as it
-is, and the first change writes it in the current version.
+is, and the first change writes it in the current version. A state of version 1 or 2 holds priorities on
+the scale before issue 39 (20 the strongest): reading it moves the intents of every source but the
+Manager's to today's scale (`limits.migrate_pre_issue39`: old 20 -> 1, old 1 -> 9, order kept, every old
+boost still preempting); the Manager's keep the numbers it pushed, which its merkle root hashes.
 
 Thread-safe: gRPC handlers, the REST server and the local-file watcher call it concurrently. Listeners
 are told "source X changed" after the change is stored and persisted; they read `snapshot()` for the rest.
@@ -71,6 +74,7 @@ from gthulhu_node.intents.model import (
     check_source,
 )
 from gthulhu_node.intents.parse import IntentValidationError, check_set, intent_to_doc, parse_intent
+from gthulhu_node.limits import migrate_pre_issue39
 
 log = structlog.get_logger(__name__)
 
@@ -82,7 +86,9 @@ STATE_FORMAT = "gthulhu-node-intents"
 # and keep reading every older version here.
 # Version 2: the journal beside the snapshot (an agent of version 1 would read the snapshot alone and
 # lose the journal's changes: it refuses the file instead). Compact JSON, `journal` names its journal.
-STATE_VERSION = 2
+# Version 3 (issue 39): priorities on upstream's scale, 1 the strongest (an agent of version 2 would read
+# them reversed: it refuses the file instead). Versions 1 and 2 are migrated when read.
+STATE_VERSION = 3
 # Sources whose intents live elsewhere on disk and are therefore not written to the state file.
 NOT_PERSISTED = frozenset({"local"})
 # Generations travel as uint64 in the gRPC API.
@@ -564,8 +570,31 @@ def _check_version(version: object, what: str) -> None:
         raise ValueError(f"unsupported {what} version {version!r}")
 
 
-# Version 1: release 0.1.0's snapshot, no journal.
-READABLE_VERSIONS = (1, STATE_VERSION)
+# Version 1: release 0.1.0's snapshot, no journal. Version 2: with a journal.
+READABLE_VERSIONS = (1, 2, STATE_VERSION)
+JOURNALED_VERSIONS = (2, STATE_VERSION)
+# Versions whose priorities run the old way (20 the strongest): migrated when read.
+OLD_SCALE_VERSIONS = (1, 2)
+
+
+def migrate_old_scale(sources: Mapping[str, Any]) -> dict[str, Any]:
+    """The source documents of a state written before issue 39, with the priorities of every source but
+    the Manager's (SENDER_SOURCES: its numbers are the ones it pushed, hashed into its merkle root) moved
+    to today's scale by `limits.migrate_pre_issue39`. A migrated source's push digest is recomputed from
+    the migrated intents (it names what is stored). Unknown shapes are left for validation to refuse."""
+    out: dict[str, Any] = {}
+    for name, entry in sources.items():
+        if (name in SENDER_SOURCES or not isinstance(entry, Mapping)
+                or not isinstance(entry.get("intents"), list)):
+            out[name] = entry
+            continue
+        intents = [
+            {**doc, "priority": migrate_pre_issue39(doc["priority"])}
+            if isinstance(doc, Mapping) and type(doc.get("priority")) is int else doc
+            for doc in entry["intents"]
+        ]
+        out[name] = {k: v for k, v in entry.items() if k != "pushDigest"} | {"intents": intents}
+    return out
 
 
 def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet], str, int]:
@@ -574,11 +603,12 @@ def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet],
     doc = load_json(blob, STATE_LIMITS)
     if not isinstance(doc, Mapping) or doc.get("format") != STATE_FORMAT:
         raise ValueError("not a gthulhu-node intents state file")
-    _check_version(doc.get("version"), "state")
+    version = doc.get("version")
+    _check_version(version, "state")
     raw_sources = doc.get("sources")
     if not isinstance(raw_sources, Mapping):
         raise ValueError("sources: expected an object")
-    journal_id = doc.get("journal", "") if doc.get("version") == STATE_VERSION else ""
+    journal_id = doc.get("journal", "") if version in JOURNALED_VERSIONS else ""
     if not isinstance(journal_id, str):
         raise ValueError("journal: expected a string")
     valid = 0
@@ -592,6 +622,13 @@ def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet],
                 _replay(sources, record)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ValueError(f"{JOURNAL_FILE} record {n + 1}: {exc!r}") from None
+    if version in OLD_SCALE_VERSIONS:
+        parsed = _parse_sources(migrate_old_scale(sources))
+        log.warning("intents_priorities_migrated", from_version=version,
+                    sources=sorted(n for n in parsed if n not in SENDER_SOURCES),
+                    rule="new = 9 - ((old - 1) * 9) // 20 (old 20 -> 1, old 1 -> 9, 0 stays 0)")
+        # no snapshot of this version yet: the first change writes one (and drops the old journal)
+        return parsed, "", 0
     return _parse_sources(sources), journal_id, valid
 
 

@@ -51,6 +51,10 @@ NAME_MAX = 253
 # (hashed, shown as failed) up to this many; a body with more is refused (memory, not meaning).
 ENTRIES_HELD_FACTOR = 4
 GO_INT64_MIN, GO_INT64_MAX = -(2**63), 2**63 - 1
+# Upstream reads 0 two ways: its user-space mode (and this agent) as "no boost, custom slice", its kernel
+# mode (the Helm default) as its strongest level. A Manager user may expect the latter: say so (issue 39).
+PRIORITY_ZERO_NOTE = ("priority 0: no boost here (slice only, as upstream's user-space mode); upstream's "
+                      "kernel mode (its Helm default) would have made it the strongest level: use 1 for that")
 
 
 class BodyError(InvalidInput):
@@ -143,6 +147,8 @@ def honourable(priority: int, execution_time: int) -> _Values:
         warnings.append(f"priority {priority} is negative: applied as 0 (no boost), as upstream boosts only "
                         "priority > 0")
         priority = 0
+    elif priority == 0:
+        warnings.append(PRIORITY_ZERO_NOTE)
     if execution_time < 0:
         warnings.append(f"executionTime {execution_time} ns is negative: applied as 0 (the default slice)")
         execution_time = 0

@@ -149,14 +149,14 @@ def test_status_states_and_warnings(agent) -> None:  # type: ignore[no-untyped-d
             stub,
             "st",
             0,
-            intent("hit", regex="^gn-status-t$", priority=7),
+            intent("hit", regex="^gn-status-t$", priority=3),  # stronger than by-label's 7
             intent("miss", regex="^no-such-thread$"),
             intent("noop", regex="^no-such-thread$", priority=0),
             intent("elsewhere", node_names=["other-node"]),
             intent(
                 "by-label",
                 regex="^gn-status-t$",
-                priority=3,
+                priority=7,
                 node_selectors=[pb.NodeSelector(key="gpu", value="gb10")],
             ),
             intent("wrong-label", node_selectors=[pb.NodeSelector(key="gpu", value="h100")]),

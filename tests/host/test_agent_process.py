@@ -12,6 +12,7 @@ import pytest
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.intents.journal import JOURNAL_FILE
+from gthulhu_node.intents.localfiles import SCALE_MARKER
 from gthulhu_node.intents.store import STATE_FILE
 from tests.host.agent_support import (
     NamedThread,
@@ -30,14 +31,14 @@ def test_intents_survive_restart_and_sigkill_and_apply_before_the_api() -> None:
     base = short_dir()
     policies = base / "policies.d"
     policies.mkdir()
-    (policies / "engine.yaml").write_text("id: eng\ncommandRegex: '^gn-proc-eng$'\npriority: 8\n")
+    (policies / "engine.yaml").write_text("id: eng\ncommandRegex: '^gn-proc-eng$'\npriority: 9\n")
     with NamedThread("gn-proc-eng") as eng, agent_process(base) as p:
         with client(p.socket) as stub:
             stub.ApplyIntents(
                 pb.ApplyIntentsRequest(
                     source="persist",
                     generation=3,
-                    intents=[intent("a", regex="^gn-proc-eng$", priority=9), intent("b")],
+                    intents=[intent("a", regex="^gn-proc-eng$", priority=8), intent("b")],  # beats 9
                 )
             )
             stub.DeleteIntent(pb.DeleteIntentRequest(source="persist", id="b"))
@@ -99,7 +100,8 @@ def test_sigkill_during_a_stream_of_applies_keeps_an_acknowledged_state() -> Non
         assert gen in (last_acked, last_acked + 1)  # the one in flight may or may not have landed
         assert set(st) == {f"storm/g{gen}", "storm/fixed"}
         # no stray temp files
-        assert not [f for f in (base / "state").iterdir() if f.name not in (STATE_FILE, JOURNAL_FILE)]
+        kept = (STATE_FILE, JOURNAL_FILE, SCALE_MARKER)
+        assert not [f for f in (base / "state").iterdir() if f.name not in kept]
 
 
 def test_sighup_rereads_policy_files() -> None:

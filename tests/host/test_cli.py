@@ -15,10 +15,10 @@ pytestmark = pytest.mark.host
 POLICY = """\
 - id: engine
   commandRegex: "^gn-cli-eng$"
-  priority: 10
+  priority: 2
   executionTime: 2000000
 - commandRegex: "^gn-cli-(eng|aux)$"
-  priority: 2
+  priority: 10
 - id: nothing
   commandRegex: "^no-such-thread$"
   priority: 1
@@ -64,7 +64,7 @@ def test_apply_status_matches_delete(agent, tmp_path: Path) -> None:  # type: ig
 
         matches = json.loads(run_cli("matches", "-o", "json", *sock_args(agent), check=True).stdout)
         (m,) = [m for m in matches["matches"] if m["tid"] == eng.tid]
-        assert m["intent"] == "cli/engine" and m["comm"] == "gn-cli-eng" and m["priority"] == "10"
+        assert m["intent"] == "cli/engine" and m["comm"] == "gn-cli-eng" and m["priority"] == "2"
         assert "gn-cli-eng" in run_cli("matches", *sock_args(agent), check=True).stdout
 
         run_cli("delete", "engine", *sock_args(agent), check=True)
@@ -102,7 +102,7 @@ def test_dry_run_without_agent_changes_nothing(tmp_path: Path) -> None:
     # Threads are scanned by the CLI's own process; the test threads live in this process.
     rows = {m["tid"]: m for m in doc["matches"]}
     assert rows[eng.tid]["intent"] == "cli/engine" and rows[eng.tid]["sliceNs"] == 2_000_000
-    assert rows[aux.tid]["intent"] == "cli/dry-1" and rows[aux.tid]["priority"] == 2
+    assert rows[aux.tid]["intent"] == "cli/dry-1" and rows[aux.tid]["priority"] == 10
     by_key = {i["key"]: i for i in doc["intents"]}
     assert by_key["cli/engine"]["matchedTasks"] == 1
     assert any("overlaps with cli/engine on 1 tasks" in w for w in by_key["cli/dry-1"]["warnings"])

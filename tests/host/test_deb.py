@@ -8,6 +8,7 @@ change: tests/vm/test_deb_lab.py does that in the lab guest; this file checks ev
 
 from __future__ import annotations
 
+import gzip
 import os
 import platform
 import re
@@ -89,9 +90,13 @@ def test_file_list(unpacked: Path) -> None:
         "opt/gthulhu-node/remote-api.conf",
         "usr/share/doc/gthulhu-node/copyright",
         "usr/share/doc/gthulhu-node/changelog.Debian.gz",
+        "usr/share/doc/gthulhu-node/NEWS.Debian.gz",
         "usr/share/lintian/overrides/gthulhu-node",
     ):
         assert expected in files, expected
+    # the scale's turn (issue 39), where apt-listchanges shows it to an admin on upgrade
+    news = gzip.decompress((unpacked / "usr/share/doc/gthulhu-node/NEWS.Debian.gz").read_bytes()).decode()
+    assert news.startswith("gthulhu-node (0.2.0-") and "the lower the number the stronger" in news
     # the package is for one architecture: no other architecture's scheduler objects, and its record of
     # installed files (RECORD) names only what is there
     assert {f for f in files if f.endswith(".bpf.o")} == {

@@ -90,7 +90,7 @@ def test_process_scope_covers_later_threads_and_stop_restores() -> None:
             stub.ApplyIntents(
                 pb.ApplyIntentsRequest(
                     source="eevdf",
-                    intents=[intent("proc", regex="^gn-eevdf-proc$", priority=20, scope="process")],
+                    intents=[intent("proc", regex="^gn-eevdf-proc$", priority=1, scope="process")],
                 )
             )
             child.rename("gn-eevdf-proc")

@@ -84,18 +84,18 @@ def test_probe_finds_eevdf_slice_requests() -> None:
 
 
 def test_boost_and_slice_are_what_the_kernel_reports(backend: EevdfBackend, worker: Worker) -> None:
-    result = backend.apply({worker.key(): worker.entry(20, 2_000_000)}, [])
+    result = backend.apply({worker.key(): worker.entry(1, 2_000_000)}, [])
     assert result.upserted == 1 and not result.failed
     got = attrs(worker.tid)
     assert (got.policy, got.nice, got.runtime_ns, got.reset_on_fork) == (SCHED_OTHER, -20, 2_000_000, True)
     assert nice_of(worker.tid) == -20
-    assert backend.read_back() == {worker.key(): worker.entry(20, 2_000_000)}
+    assert backend.read_back() == {worker.key(): worker.entry(1, 2_000_000)}
     assert backend.thread_attrs()[worker.tid] == (worker.key(), got)
     assert backend.gauges()["threads_managed"] == 1
 
 
 def test_priority_maps_to_documented_nice(backend: EevdfBackend, worker: Worker) -> None:
-    for priority, nice in ((1, -5), (10, -12), (20, -20)):
+    for priority, nice in ((20, -5), (11, -12), (1, -20)):  # 1 the strongest (issue 39)
         backend.apply({worker.key(): worker.entry(priority, 0)}, [])
         assert nice_of(worker.tid) == nice == nice_for_priority(priority)
         assert attrs(worker.tid).runtime_ns == BASE_SLICE  # slice 0: the thread keeps its own
@@ -114,7 +114,7 @@ def test_slice_only_keeps_nice_and_kernel_clamps_slices(backend: EevdfBackend, w
 
 def test_boost_never_weakens_a_thread_that_was_stronger(backend: EevdfBackend, worker: Worker) -> None:
     os.setpriority(os.PRIO_PROCESS, worker.tid, -15)
-    backend.apply({worker.key(): worker.entry(1, 0)}, [])
+    backend.apply({worker.key(): worker.entry(20, 0)}, [])  # the weakest boost: nice -5
     assert nice_of(worker.tid) == -15
 
 
@@ -141,7 +141,7 @@ def test_stop_restores_every_thread(worker: Worker, child: ChildProcess) -> None
     before_child = {tid: attrs(tid) for tid in child.tids()}
     b = EevdfBackend(cover_interval_s=0)
     b.start()
-    b.apply({worker.key(): worker.entry(20, 1_000_000), child.key(): child.entry(10, 0)}, [])
+    b.apply({worker.key(): worker.entry(1, 1_000_000), child.key(): child.entry(10, 0)}, [])
     assert nice_of(worker.tid) == -20 and all(nice_of(t) == nice_for_priority(10) for t in child.tids())
     b.stop()
     assert b.health().state is BackendState.STOPPED
@@ -267,8 +267,8 @@ def test_tgid_entry_covers_the_process_and_refresh_covers_new_threads(
 def test_tid_entry_wins_over_tgid_and_falls_back_to_it(backend: EevdfBackend, child: ChildProcess) -> None:
     engine = child.spawn()
     engine_key = EntryKey(KeyKind.TID, engine)
-    engine_entry = Entry(priority=20, slice_ns=1_000_000, start_time=start_time(child.pid, engine))
-    backend.apply({child.key(): child.entry(1, 0), engine_key: engine_entry}, [])
+    engine_entry = Entry(priority=1, slice_ns=1_000_000, start_time=start_time(child.pid, engine))
+    backend.apply({child.key(): child.entry(20, 0), engine_key: engine_entry}, [])
     assert (nice_of(engine), nice_of(child.pid)) == (-20, -5)
     backend.apply({}, [engine_key])
     assert (nice_of(engine), attrs(engine).runtime_ns) == (-5, BASE_SLICE)  # now the process's entry
@@ -291,7 +291,7 @@ def test_tick_covers_new_threads_of_a_tgid_entry_and_forgets_exited_ones(child: 
     b = EevdfBackend(cover_interval_s=0.05)
     b.start()
     try:
-        b.apply({child.key(): child.entry(20, 0)}, [])
+        b.apply({child.key(): child.entry(1, 0)}, [])
         late = child.spawn()
         b.tick(time.monotonic())  # the first tick sets the schedule
         wait_until(lambda: b.tick(time.monotonic()) or nice_of(late) == -20)

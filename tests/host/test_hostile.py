@@ -754,8 +754,8 @@ def test_unprivileged_user_naming_threads_to_take_a_boost(mode: str) -> None:
 
     tag = f"{os.getpid() % 10000:04d}"
     base = base_with_policies(
-        f"- id: engine\n  commandRegex: '^Eng{tag}_DP[0-9]$'\n  priority: 12\n"
-        f"- id: nobodys\n  commandRegex: '^Eng{tag}_DP9$'\n  priority: 3\n  users: [nobody]\n"
+        f"- id: engine\n  commandRegex: '^Eng{tag}_DP[0-9]$'\n  priority: 3\n"
+        f"- id: nobodys\n  commandRegex: '^Eng{tag}_DP9$'\n  priority: 12\n  users: [nobody]\n"
     )
     attacker = subprocess.Popen(
         unprivileged.command("nobody", "", NAMED_THREADS, f"Eng{tag}_DP0", f"Eng{tag}_DP1", f"Eng{tag}_DP9"),
@@ -774,7 +774,7 @@ def test_unprivileged_user_naming_threads_to_take_a_boost(mode: str) -> None:
             nobodys = {t: k for t, k in rows.items() if t != roots.tid}
             assert rows[roots.tid] == "local/engine"
             if mode == "allowed":
-                assert sorted(nobodys.values()) == ["local/engine"] * 3  # DP9: engine (12) beats 3
+                assert sorted(nobodys.values()) == ["local/engine"] * 3  # DP9: engine (3) beats 12
                 (warning,) = a.status().agent.warnings  # one: `engine`; `nobodys` names its user
                 assert warning.startswith("1 boosting intents name neither users nor a cgroup: any local")
             else:

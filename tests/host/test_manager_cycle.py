@@ -313,6 +313,37 @@ def test_cycle_the_same_set_in_another_order_is_no_change(deployed: Deployed) ->
     assert again.status == 200 and again.body["data"]["changed"] is False, again.body
 
 
+def matches_of(deployed: Deployed) -> dict[str, str]:
+    """comm -> the key of the intent governing it, as `gthulhu-node matches` shows (the real agent's)."""
+    socket = str(deployed.node.base / "run" / "api.sock")
+    out = subprocess.run([str(GNODE), "matches", "-o", "json", "--socket", socket],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return {m["comm"]: m["intent"] for m in json.loads(out.stdout)["matches"]}
+
+
+def test_cycle_priority_runs_upstreams_way(deployed: Deployed) -> None:
+    """Issue 39, item 1: a Manager user's "engine 1, tokenizer 10" makes the engine the stronger, as
+    upstream's kernel mode does (lower number stronger). Here the tokenizer's pattern also matches the
+    engine's thread, so exactly one of the two governs it: before, the higher number won (the tokenizer's
+    10), and the engine's own policy matched nothing. A policy at 0 applies as slice-only with a note that
+    upstream's kernel mode would have made it the strongest, over REST and in `gthulhu-node status`."""
+    engine, tokenizer, zero = (f"67{i:022x}" for i in range(3))
+    policies = [
+        {"policyID": engine, "nodeID": NODE, "commandRegex": f"^{ENGINE}$", "priority": 1},
+        {"policyID": tokenizer, "nodeID": NODE, "commandRegex": f"^({ENGINE}|{OTHER})$", "priority": 10},
+        {"policyID": zero, "nodeID": NODE, "commandRegex": "^nothing-here$", "priority": 0,
+         "executionTime": 2_000_000},
+    ]
+    assert node_pushes(deployed, policies) == [1, 0, 0]
+    governs(deployed, engine, "the engine's policy (priority 1) governs the engine thread")
+    governs(deployed, tokenizer, "the tokenizer's policy governs the other thread only")
+    got = matches_of(deployed)
+    assert got.get(ENGINE) == f"manager/{engine}" and got.get(OTHER) == f"manager/{tokenizer}", got
+    row = next(r for r in entry_rows(deployed) if r["policyID"] == zero)
+    assert any("kernel mode" in w and "strongest" in w for w in row["warnings"]), row
+    assert "upstream's kernel mode" in deployed.node.status()
+
+
 def test_cycle_metrics_scrape_has_the_pods_cpu_migrations(deployed: Deployed) -> None:
     """Before: no gthulhu_pod_cpu_migrations_total in the /metrics the Manager scrapes."""
     labels = f'namespace="ml",node_name="{K8S_NODE}",pod_name="vllm-0",pod_uid="{deployed.pod_uid}"'

@@ -98,34 +98,16 @@ def entry(tid: int, priority: int, slice_ns: int = 0) -> Entry:
     return Entry(priority, slice_ns, start_time=500 + tid)
 
 
-def test_nice_map_is_monotonic_from_minus_5_to_minus_20() -> None:
+def test_nice_map_runs_from_minus_20_at_1_to_minus_5_at_20() -> None:
+    """Upstream's scale (issue 39): 1, the strongest, gets the strongest nice; a stronger level never a
+    weaker one."""
     table = [nice_for_priority(p) for p in range(1, 21)]
-    assert table[0] == -5 and table[-1] == -20
-    assert all(a >= b for a, b in itertools.pairwise(table))
+    assert table[0] == -20 and table[-1] == -5
+    assert all(a <= b for a, b in itertools.pairwise(table))
     assert len(set(table)) == 16
     # the table in docs/eevdf.md
-    assert table == [
-        -5,
-        -6,
-        -7,
-        -7,
-        -8,
-        -9,
-        -10,
-        -11,
-        -11,
-        -12,
-        -13,
-        -14,
-        -14,
-        -15,
-        -16,
-        -17,
-        -18,
-        -18,
-        -19,
-        -20,
-    ]
+    assert table == [-20, -19, -18, -18, -17, -16, -15, -14, -14, -13,
+                     -12, -11, -11, -10, -9, -8, -7, -7, -6, -5]
     for bad in (0, 21, -1):
         with pytest.raises(ValueError):
             nice_for_priority(bad)
@@ -146,7 +128,7 @@ def test_restore_gives_back_no_request_or_the_threads_own_request(tmp_path: Path
     backend = make(tmp_path, kernel, 301, 302)
     kernel.tasks[302] = _Task(nice=2, request=BASE)  # its own request happens to equal the base slice
     kernel.tasks[301] = _Task(nice=-3, request=0)
-    backend.apply({key(301): entry(301, 20, 2_000_000), key(302): entry(302, 20, 2_000_000)}, [])
+    backend.apply({key(301): entry(301, 1, 2_000_000), key(302): entry(302, 1, 2_000_000)}, [])
     assert (kernel.tasks[301].nice, kernel.tasks[301].request, kernel.tasks[301].reset_on_fork) == (
         -20,
         2_000_000,
@@ -162,7 +144,7 @@ def test_one_refused_thread_does_not_stop_the_batch(tmp_path: Path) -> None:
     kernel = FakeKernel()
     backend = make(tmp_path, kernel, 401, 402)
     kernel.refuse.add(402)
-    result = backend.apply({key(401): entry(401, 10), key(402): entry(402, 10)}, [])
+    result = backend.apply({key(401): entry(401, 11), key(402): entry(402, 11)}, [])
     assert result.upserted == 1 and type(result.failed[key(402)]) is BackendError
     assert "not permitted" in str(result.failed[key(402)])
     assert kernel.tasks[401].nice == -12 and kernel.tasks[402].nice == 0
@@ -199,7 +181,7 @@ def test_tick_runs_the_passes_on_their_intervals(tmp_path: Path) -> None:
     backend = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=1.0, verify_interval_s=30.0)
     backend.start()
     process = EntryKey(KeyKind.TGID, 100)
-    backend.apply({process: Entry(20, 0, start_time=600)}, [])
+    backend.apply({process: Entry(1, 0, start_time=600)}, [])
     assert kernel.tasks[501].nice == -20
     FakeProc(tmp_path).add(100, 502, "worker", start_time=1002)
     FakeProc(tmp_path).add(502, 502, "worker", start_time=1002)
@@ -222,7 +204,7 @@ def test_journal_restores_a_predecessors_threads_and_survives_garbage(tmp_path: 
     journal = tmp_path / "run" / "eevdf-threads.journal"
     crashed = make(tmp_path, kernel, 501, 502, journal=journal)
     kernel.tasks[502] = _Task(nice=3)
-    crashed.apply({key(501): entry(501, 20, 300_000), key(502): entry(502, 1)}, [])
+    crashed.apply({key(501): entry(501, 1, 300_000), key(502): entry(502, 20)}, [])
     assert kernel.tasks[501] == _Task(nice=-20, request=300_000, reset_on_fork=True)
     successor = EevdfBackend(proc_root=tmp_path, syscalls=kernel, cover_interval_s=0, journal=journal)
     successor.start()

@@ -128,7 +128,7 @@ def test_release_0_1_0_state_is_read_then_written_in_the_current_version(tmp_pat
     loaded = content(store)
     store.apply("cli", 0, [intent("new")])
     doc = json.loads((tmp_path / STATE_FILE).read_text())
-    assert doc["version"] == STATE_VERSION == 2
+    assert doc["version"] == STATE_VERSION == 3
     again = content(reloaded(tmp_path))
     assert again == content(store)
     assert {k: v for k, v in again.items() if k != "cli"} == {k: v for k, v in loaded.items() if k != "cli"}

@@ -50,11 +50,15 @@ def test_search_is_unanchored() -> None:
     assert winner_key(ps, "core") is None  # case-sensitive, like upstream
 
 
-def test_higher_priority_wins() -> None:
+def test_stronger_priority_wins() -> None:
+    """Upstream's scale (issue 39): the lower number is the stronger; before, 6 won over 5."""
     ps = PolicySet.build(
-        [("a/low", intent("low", priority=5, slice_ns=50_000)), ("b/high", intent("high", priority=6))]
+        [("a/weak", intent("weak", priority=6, slice_ns=50_000)), ("b/strong", intent("strong", priority=5))]
     )
-    assert winner_key(ps, "EngineCore") == "b/high"
+    assert winner_key(ps, "EngineCore") == "b/strong"
+    no_boost = PolicySet.build([("a/none", intent("none", priority=0, slice_ns=50_000)),
+                                ("b/weakest", intent("weakest", priority=20))])
+    assert winner_key(no_boost, "EngineCore") == "b/weakest"
 
 
 def test_equal_priority_smaller_nonzero_slice_wins() -> None:
@@ -88,7 +92,7 @@ def test_result_does_not_depend_on_input_order() -> None:
         ("a/1", intent("1", priority=3, slice_ns=100_000)),
         ("b/2", intent("2", priority=3, slice_ns=100_000)),
         ("c/3", intent("3", priority=3)),
-        ("d/4", intent("4", priority=2, slice_ns=50_000)),
+        ("d/4", intent("4", priority=4, slice_ns=50_000)),  # weaker than 3
     ]
     winners = {winner_key(PolicySet.build(perm), "EngineCore") for perm in itertools.permutations(items)}
     assert winners == {"a/1"}
@@ -97,8 +101,8 @@ def test_result_does_not_depend_on_input_order() -> None:
 def test_match_lists_every_candidate_by_scope_strongest_first() -> None:
     ps = PolicySet.build(
         [
-            ("a/t1", intent("t1", priority=1)),
-            ("a/t2", intent("t2", priority=9)),
+            ("a/t1", intent("t1", priority=9)),
+            ("a/t2", intent("t2", priority=1)),
             ("a/p", intent("p", "Engine", priority=4, scope="process")),
             ("a/other", intent("other", "^worker$")),
         ]
@@ -121,7 +125,7 @@ def test_noop_intent_matches_but_loses_to_any_strategy() -> None:
 
 
 def test_rank_orders_exactly_as_the_contract() -> None:
-    assert precedence_rank("b/x", intent("x", priority=2)) < precedence_rank("a/x", intent("x", priority=1))
+    assert precedence_rank("b/x", intent("x", priority=1)) < precedence_rank("a/x", intent("x", priority=2))
     assert precedence_rank("b/x", intent("x", priority=1, slice_ns=50_000)) < precedence_rank(
         "a/x", intent("x", priority=1)
     )

@@ -85,11 +85,11 @@ def test_overlap_one_winner_per_task_and_loser_names_it(proc: FakeProc) -> None:
     r.rescan()
     r.set_policy(
         policy(
-            ("local/all", {"commandRegex": "EngineCore", "priority": 5, "executionTime": 1_000_000}),
-            ("manager/dp", {"commandRegex": "_DP[0-9]$", "priority": 7}),
+            ("local/all", {"commandRegex": "EngineCore", "priority": 7, "executionTime": 1_000_000}),
+            ("manager/dp", {"commandRegex": "_DP[0-9]$", "priority": 5}),  # stronger: 5 before 7
         )
     )
-    assert b.table == {tid(101): Entry(7, 0, 100), tid(102): Entry(5, 1_000_000, 100)}
+    assert b.table == {tid(101): Entry(5, 0, 100), tid(102): Entry(7, 1_000_000, 100)}
     stats = r.intent_stats()
     assert stats["local/all"].overlaps == {"manager/dp": 1}
     assert (stats["local/all"].matched_tasks, stats["local/all"].lost_tasks) == (2, 1)
@@ -126,11 +126,11 @@ def test_process_scope_vs_thread_scope_precedence(proc: FakeProc) -> None:
     r.set_policy(
         policy(
             ("local/proc", {"commandRegex": "^python", "scope": "process", "priority": 5}),
-            ("local/dp0", {"commandRegex": "_DP0$", "priority": 9}),  # beats the process intent
-            ("local/dp1", {"commandRegex": "_DP1$", "priority": 2}),  # loses to it
+            ("local/dp0", {"commandRegex": "_DP0$", "priority": 2}),  # beats the process intent
+            ("local/dp1", {"commandRegex": "_DP1$", "priority": 9}),  # loses to it
         )
     )
-    assert b.table == {tgid(300): Entry(5, 0, 10), tid(301): Entry(9, 0, 11)}
+    assert b.table == {tgid(300): Entry(5, 0, 10), tid(301): Entry(2, 0, 11)}
     owner = {m.tid: m.intent_key for m in r.matches()}
     assert owner == {300: "local/proc", 301: "local/dp0", 302: "local/proc", 303: "local/proc"}
     stats = r.intent_stats()
@@ -319,8 +319,8 @@ def test_policy_change_diffs_against_what_is_written(proc: FakeProc) -> None:
     r.rescan()
     r.set_policy(policy(("local/a", {"priority": 10})))
     b.history.clear()
-    r.set_policy(policy(("local/a", {"priority": 10}), ("local/b", {"commandRegex": "DP1", "priority": 12})))
-    assert list(b.history) == [("U", tid(102), Entry(12, 0, 6))]  # only what changed
+    r.set_policy(policy(("local/a", {"priority": 10}), ("local/b", {"commandRegex": "DP1", "priority": 8})))
+    assert list(b.history) == [("U", tid(102), Entry(8, 0, 6))]  # only what changed
     r.set_policy(PolicySet.empty())
     assert b.table == {}
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from gthulhu_node.backends.base import Entry, KeyKind
 from gthulhu_node.config import SchedulerConfig
-from gthulhu_node.limits import PRIORITY_MAX
+from gthulhu_node.limits import boost_levels_strongest_first
 from gthulhu_node.scheduler.backend import SchedExtBackend
 from tests.vm.sched_workloads import (
     BW_PERIOD_S,
@@ -67,7 +67,7 @@ def main() -> None:
         try:
             out["ours"] = windows(cg, pid, work)
             key, start = key_for(KeyKind.TID, pid)
-            backend.apply({key: Entry(PRIORITY_MAX, 0, start)}, [])
+            backend.apply({key: Entry(boost_levels_strongest_first()[0], 0, start)}, [])
             out["ours_boosted"] = windows(cg, pid, work)
         finally:
             backend.stop()

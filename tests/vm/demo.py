@@ -5,7 +5,7 @@ EngineCore_DP0/1 doing 2 ms CPU steps + 5 ms sleeps, in a process named python3.
 (stress-ng --cpu 8) three ways:
   1. the kernel's own scheduler (EEVDF), no agent;
   2. the agent running with the vLLM example policy (systemd/policies.d/vllm.yaml.example):
-     `^EngineCore(_DP[0-9]+)?$`, priority 10, executionTime 2 ms;
+     `^EngineCore(_DP[0-9]+)?$`, priority 5, executionTime 2 ms;
   3. the agent's scheduler still loaded, the policy removed (SIGHUP), so the same threads are unmatched.
 It prints what a user would look at (kernel, sched_ext state and ops, `gthulhu-node status`, `gthulhu-node
 matches`) and the engine threads' run-queue wait (schedstat) and step rate side by side.

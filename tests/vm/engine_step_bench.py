@@ -52,7 +52,7 @@ CASES: dict[str, dict[str, Any]] = {
     "no contention": {"hogs": False},
     "EEVDF": {"hogs": True},
     "ours no policy": {"hogs": True, "sched": True},
-    "ours boosted (agent)": {"hogs": True, "sched": True, "intent": {"priority": 20}},
+    "ours boosted (agent)": {"hogs": True, "sched": True, "intent": {"priority": 1}},
     "nice -n -20": {"hogs": True, "prefix": ["nice", "-n", "-20"]},
     # stress-ng runs in a session of its own, so EEVDF (autogroup) and ours share the CPU between the
     # hogs' group and the engine's first; these two show per-task sharing, everything in one group
@@ -74,7 +74,7 @@ CASES: dict[str, dict[str, Any]] = {
     # one-engine cases sit at their ceiling and cannot show a regression, these are not.
     "4 engines no contention": {"hogs": False, "engines": 4},
     "4 engines EEVDF": {"hogs": True, "engines": 4},
-    "4 engines ours boosted": {"hogs": True, "sched": True, "intent": {"priority": 20}, "engines": 4},
+    "4 engines ours boosted": {"hogs": True, "sched": True, "intent": {"priority": 1}, "engines": 4},
     # Sixteen engines on the 8-vCPU guest (issue 17): 16 x 2/7 of a CPU, 57 % of 8 vCPUs over two NUMA
     # nodes, all boosted, beside four hogs per CPU; scx_simple with every engine at nice -20 as the peer.
     "16 engines no contention": {"hogs": False, "engines": 16},
@@ -82,11 +82,11 @@ CASES: dict[str, dict[str, Any]] = {
     "16 engines nice -n -20": {"hogs": True, "engines": 16, "prefix": ["nice", "-n", "-20"]},
     "16 engines scx_simple nice -20": {"hogs": True, "engines": 16, "peer": "scx_simple",
                                        "prefix": ["nice", "-n", "-20"]},
-    "16 engines ours boosted": {"hogs": True, "sched": True, "intent": {"priority": 20}, "engines": 16},
+    "16 engines ours boosted": {"hogs": True, "sched": True, "intent": {"priority": 1}, "engines": 16},
     # issue 15: the engine in a container-like cgroup whose cpu.max leaves it room (it needs 2 ms of every
     # 7, 29 % of a CPU), the hogs outside it
     "EEVDF engine under cpu.max 50 %": {"hogs": True, "cgroup_weight": 100, "cgroup_max": "50000 100000"},
-    "ours boosted engine under cpu.max 50 %": {"hogs": True, "sched": True, "intent": {"priority": 20},
+    "ours boosted engine under cpu.max 50 %": {"hogs": True, "sched": True, "intent": {"priority": 1},
                                                "cgroup_weight": 100, "cgroup_max": "50000 100000"},
 }
 

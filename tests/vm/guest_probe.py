@@ -7,7 +7,7 @@ created, renamed and exit while the probe runs; reads every measured thread's sc
 (field 2, ns) right after the first filter sync and right before reading the probe's histograms; prints one
 JSON document. `worker` and `spawner` are the child processes' own modes.
 
-`--agent`: the real agent runs (sched_ext backend) with intents for the twins (probe_boost priority 10) and
+`--agent`: the real agent runs (sched_ext backend) with intents for the twins (probe_boost priority 5) and
 the spawner, and the probe's filter follows the agent's ListMatches; without it, the regex `^probe_`.
 `--fifo`: the boosted twin also runs SCHED_FIFO 50. `overhead` measures the probe's own cost; `cli` runs
 `gthulhu-node probe` as people do.
@@ -115,7 +115,7 @@ def wait_for_comm(pids: list[int], names: list[str], timeout: float = 60.0) -> N
 
 AGENT_DIR = Path("/tmp/gn-probe")
 AGENT_POLICIES = [
-    {"id": "boost", "commandRegex": "^probe_boost$", "priority": 10, "executionTime": 2_000_000},
+    {"id": "boost", "commandRegex": "^probe_boost$", "priority": 5, "executionTime": 2_000_000},
     {"id": "plain", "commandRegex": "^probe_plain$", "priority": 0, "executionTime": 5_000_000},
     {"id": "spawned", "commandRegex": "^probe_(spawn|late)$", "priority": 0, "executionTime": 5_000_000},
 ]
@@ -136,7 +136,7 @@ def stop_all(procs: list[Any], grace_s: float) -> None:
 def start_agent(backend: str, policies: list[dict[str, Any]] | None = None,
                 metrics_port: int | None = None, probe: bool = False) -> Any:
     """The real agent (sched_ext backend in the lab) with three local intents: the boosted twin (priority
-    10), the plain twin and the spawner's threads (priority 0, the default slice: not boosted); or with
+    5), the plain twin and the spawner's threads (priority 0, the default slice: not boosted); or with
     the given ones. `metrics_port`: serve metrics there; `probe`: run the agent's own continuous probe."""
     (AGENT_DIR / "policies.d").mkdir(parents=True, exist_ok=True)
     (AGENT_DIR / "policies.d" / "probe.json").write_text(
@@ -459,12 +459,12 @@ def overhead(seconds: float) -> None:
 
 def compare(duration: float, window: float, hogs: int) -> int:
     """`gthulhu-node compare` as the operator's guide runs it, against the real agent (sched_ext) and the
-    real probe: an engine-step worker beside CPU hogs, its intent (priority 10) on and off in windows.
+    real probe: an engine-step worker beside CPU hogs, its intent (priority 5) on and off in windows.
     The hogs start once the probe has attached (compiling next to them takes minutes under TCG). Prints
     the command's JSON."""
     intent = AGENT_DIR / "engine.yaml"
     AGENT_DIR.mkdir(parents=True, exist_ok=True)
-    intent.write_text(json.dumps([{"id": "engine", "commandRegex": "^probe_cmp$", "priority": 10}]))
+    intent.write_text(json.dumps([{"id": "engine", "commandRegex": "^probe_cmp$", "priority": 5}]))
     procs: list[Any] = [start_agent("sched_ext", policies=[])]
     try:
         procs.append(start_worker("probe_cmp"))

@@ -53,7 +53,7 @@ def main() -> int:
             (
                 "local/vllm",
                 Intent.model_validate(
-                    {"id": "vllm", "commandRegex": PATTERN, "priority": 10, "executionTime": 2_000_000}
+                    {"id": "vllm", "commandRegex": PATTERN, "priority": 5, "executionTime": 2_000_000}
                 ),
             )
         ]
@@ -87,7 +87,7 @@ def main() -> int:
         def entry(tid: int) -> tuple[EntryKey, Entry]:
             task = read_task(pid, tid)
             assert task is not None
-            return EntryKey(KeyKind.TID, tid), Entry(10, 2_000_000, task.start_time)
+            return EntryKey(KeyKind.TID, tid), Entry(5, 2_000_000, task.start_time)
 
         step("nothing before the threads exist", {})
         for name in ("EngineCore_DP0", "EngineCore_DP1", "tokenizer"):

@@ -9,7 +9,7 @@ Request latency is end to end, from when the request was due to its last token d
 
 Beside it `stress-ng --cpu 8`, as in the engine-step cases (tests/vm/engine_step_bench.py, whose hogs,
 scheduler, peers and cgroup are reused here). `ours role policy` goes through the agent's path: intents
-by role (engine priority 20, tokenizer 10, the rest unboosted), a PolicySet, the reconciler's full /proc
+by role (engine priority 1, tokenizer 5, the rest unboosted), a PolicySet, the reconciler's full /proc
 scan and diff, SchedExtBackend's map write. `EEVDF weight 10000` is what an operator tries first: the
 whole process in a cgroup of cpu.weight 10000, its background pool boosted with its engine.
 Cases run interleaved, round by round. Prints one JSON object with every run.
@@ -37,8 +37,8 @@ SOURCE = Path(__file__).resolve().parent / "pipeline.c"
 
 # role -> (commandRegex, priority); threads of no role stay unboosted
 ROLES: dict[str, tuple[str, int]] = {
-    "engine": ("^EngineCore_DP[0-9]+$", 20),
-    "tokenizer": ("^tokenizer-[0-9]+$", 10),
+    "engine": ("^EngineCore_DP[0-9]+$", 1),
+    "tokenizer": ("^tokenizer-[0-9]+$", 5),
 }
 
 # (names hold no comma: --cases is a comma-separated list)

@@ -26,7 +26,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
-from gthulhu_node.limits import PRIORITY_MAX
 from gthulhu_node.scheduler import loader
 from gthulhu_node.scheduler.backend import SchedExtBackend
 from gthulhu_node.scheduler.loader import possible_cpus
@@ -40,6 +39,7 @@ from tests.vm.sched_workloads import (
     load_intruder,
     node_cpus,
     numa_nodes,
+    schedstat,
     scheduler,
     spin,
     state,
@@ -134,14 +134,15 @@ def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float
 
 
 def inversion(args: argparse.Namespace) -> dict[str, Any]:
-    """Six CPU-bound threads at priority 20 and one at 5 (the issue's case), then the same with that one
-    unboosted, in the same boot: the priority-5 thread must get at least the unboosted share."""
+    """Six CPU-bound threads at level 1 and one at 8 (the issue's case: 20 and 5 on the scale before issue
+    39), then the same with that one unboosted, in the same boot: the level-8 thread must get at least the
+    unboosted share."""
     out: dict[str, Any] = {"rounds": {"boosted": [], "unboosted": []}}
     with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend:
         # alternating rounds, compared by median: one TCG run of a few seconds proves little
         for _ in range(3):
-            for case, low in (("boosted", 5), ("unboosted", 0)):
-                res = run_mix(backend, [(20, "spin")] * 6 + [(low, "spin")], args.seconds)
+            for case, low in (("boosted", 8), ("unboosted", 0)):
+                res = run_mix(backend, [(1, "spin")] * 6 + [(low, "spin")], args.seconds)
                 out["rounds"][case].append({"low_share": res["shares"][-1],
                                             "high_shares": res["shares"][:-1]})
         for case, rounds in out["rounds"].items():
@@ -153,18 +154,18 @@ def inversion(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def after_boosted_phase(args: argparse.Namespace) -> dict[str, Any]:
-    """The inversion's mix (six at 20, one at 5) alone for a while, then two unboosted spinners join: the
-    priority-5 thread's share after they join, against the same run with it unboosted throughout. Each run
+    """The inversion's mix (six at 1, one at 8) alone for a while, then two unboosted spinners join: the
+    level-8 thread's share after they join, against the same run with it unboosted throughout. Each run
     in a fresh load of the scheduler (its clocks start over), alternating, compared by median."""
     phase1 = float(args.arg) if args.arg else 4.0
     out: dict[str, Any] = {"phase1_s": phase1, "rounds": {"boosted": [], "unboosted": []}}
     for _ in range(2):
-        for case, low in (("boosted", 5), ("unboosted", 0)):
+        for case, low in (("boosted", 8), ("unboosted", 0)):
             with scheduler(watchdog_timeout_ms=WATCHDOG_MS) as backend, workers() as pids:
                 started = [fork_worker(spin, f"gap-hi{i}") for i in range(6)] + [fork_worker(spin, "gap-lo")]
                 pids += started
                 time.sleep(0.2)
-                boost(backend, {pid: 20 for pid in started[:-1]} | {started[-1]: low})
+                boost(backend, {pid: 1 for pid in started[:-1]} | {started[-1]: low})
                 time.sleep(phase1)
                 joined = [fork_worker(spin, f"gap-new{i}") for i in range(2)]
                 pids += joined
@@ -236,7 +237,8 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
 
 def priorities(args: argparse.Namespace) -> dict[str, Any]:
     """Boosted demand within budget: one periodic thread at each of four levels spread over the scale, the
-    strongest and the weakest as the agent ranks them (limits.boost_levels_strongest_first) among them
+    strongest and the weakest as the agent ranks them (limits.boost_levels_strongest_first: 1, 6, 11, 20
+    since issue 39, two of them in the head-start tier) among them
     (2 ms busy, 6 ms asleep: a quarter of a CPU each, one CPU of the 1.5 the guard allows on 2) beside
     CPU-bound unboosted hogs; each level's waits from the probe, per round and pooled over `arg` rounds (5)
     in one boot, with the emulator's stalls measured beside them. The per-round mean wait is exact (the
@@ -323,7 +325,7 @@ def hotplug(args: argparse.Namespace) -> dict[str, Any]:
             periodic = [fork_worker(busy_fraction(2, 6), f"hp-periodic{i}") for i in range(2)]
             pids += [boosted, twin, *periodic]
             time.sleep(0.3)
-            boost(backend, {boosted: 20, **{p: 10 for p in periodic}})
+            boost(backend, {boosted: 1, **{p: 5 for p in periodic}})
             written = backend.read_back()
             online = Path(CPU_ONLINE.format(cpu))
             durations = []
@@ -407,9 +409,9 @@ def stranded(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def lesser_boost(args: argparse.Namespace) -> dict[str, Any]:
-    """A boosted engine bound to CPU 0 (priority 10, 60 % busy) and a priority-20 thread that wakes every
+    """A boosted engine bound to CPU 0 (level 5, 60 % busy) and a level-1 thread that wakes every
     5 ms for 0.5 ms (a networking thread; or the agent's own, boosted above every intent), last run on CPU
-    0, beside one CPU hog per CPU. While a CPU runs nothing boosted, the priority-20 thread must take that
+    0, beside one CPU hog per CPU. While a CPU runs nothing boosted, the level-1 thread must take that
     one, not the engine's: switched out, the engine waits while unboosted hogs run on. Traced
     (sched_switch): how often the engine was switched out for it, against how often it ran."""
     out: dict[str, Any] = {}
@@ -419,7 +421,7 @@ def lesser_boost(args: argparse.Namespace) -> dict[str, Any]:
         engine = fork_worker(busy_fraction(6, 4), "lb-engine", {min(cpus)})
         waker = fork_worker(busy_fraction(0.5, 4.5), "lb-waker", {min(cpus)})
         pids += [engine, waker]
-        boost(backend, {engine: 10, waker: PRIORITY_MAX})
+        boost(backend, {engine: 5, waker: 1})
         time.sleep(0.2)
         os.sched_setaffinity(waker, cpus)
         time.sleep(0.3)
@@ -431,6 +433,108 @@ def lesser_boost(args: argparse.Namespace) -> dict[str, Any]:
         out["engine_switched_out"] = sum(seen.preempted_by[engine].values())
         out["engine_cpu_s"] = round(seen.seconds(engine), 2)
         out["lost"] = seen.lost
+        out["counters"] = backend.counters()
+        out["health"] = backend.health().state.value
+        out["state"] = state()
+    return out
+
+
+def _wait_per_turn(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
+    """Mean run-queue wait per turn in ms between two schedstat reads (run, wait, turns)."""
+    return (after[1] - before[1]) / max(after[2] - before[2], 1) / 1e6
+
+
+def _voluntary(pid: int) -> int:
+    """Times the task went to sleep (each a wake-up to come): voluntary_ctxt_switches of its status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise ValueError(f"no voluntary_ctxt_switches for {pid}")
+
+
+def scale(args: argparse.Namespace) -> dict[str, Any]:
+    """The priority scale (issue 39, upstream's direction: 1 the strongest; 1-9 preempt, 10-20 a head start),
+    from sched_switch traces in one boot, every task bound to one of two CPUs so the task it finds running
+    is known. Each phase leaves the other CPU idle or light: vtime_now is one clock for every CPU, and a
+    CPU whose tasks ran ahead of it would floor the other's keys (a sleeper's credit) to one value.
+    A (`--seconds`, traced): on CPU b, a level 1 and a level 5 thread, both periodic (0.3 ms every 3 ms,
+    1.5 ms every 4 ms): how often each, waking, took the CPU from the other while it ran. On CPU a, an
+    unboosted hog and one light periodic thread at each level 1-9: how often each took the CPU from it.
+    B (`--seconds` each): on CPU a, a hog beside a level-10 thread, then beside its unboosted twin (3 ms
+    busy / 2 ms asleep: more than its unboosted share, so its vtime is not a sleeper's): the wake-ups that
+    preempted (the scheduler's own counts: `preemptions` + `fair_preemptions`, only that thread wakes)
+    against its wake-ups (voluntary context switches). sched_switch cannot tell a wake-up preemption from
+    the hog's slice ending with the thread first in line, which the head start makes more frequent.
+    C (`arg` rounds of `--seconds` / 2): on CPU b, a hog beside two CPU-bound threads at levels 10 and 20:
+    each one's mean wait per turn (schedstat) per round."""
+    cpus = sorted(os.sched_getaffinity(0))
+    a, b = {cpus[0]}, {cpus[1]}
+    rounds = int(args.arg) if args.arg else 5
+    out: dict[str, Any] = {}
+
+    def took(seen: Any, runner: int, waker: int) -> dict[str, int]:
+        return {"took": seen.preempted_by[runner][waker], "runs": seen.runs[waker]}
+
+    # The guard (tested by the scenarios above) at its highest share: a run it cut short at a tick while
+    # emulator stalls inflated the CPU's boosted time read as a preemption in the trace.
+    with scheduler(watchdog_timeout_ms=WATCHDOG_MS, boost_share_percent=95) as backend:
+        with workers() as pids:
+            l1 = fork_worker(busy_fraction(0.3, 3), "sc-l1", b)
+            l5 = fork_worker(busy_fraction(1.5, 4), "sc-l5", b)
+            hog = fork_worker(spin, "sc-hog", a)
+            levels = {lvl: fork_worker(busy_fraction(0.3, 10), f"sc-p{lvl}", a) for lvl in range(1, 10)}
+            pids += [l1, l5, hog, *levels.values()]
+            time.sleep(0.2)
+            boost(backend, {pid: lvl for lvl, pid in levels.items()})
+            # Long slices: a run the emulator stalled past a 5 ms slice ended at a tick and the waiting
+            # thread went first by its deadline (aging), which the trace cannot tell from a preemption.
+            long_slices = {}
+            for pid, lvl in ((l1, 1), (l5, 5)):
+                key, start = key_for(KeyKind.TID, pid)
+                long_slices[key] = Entry(lvl, 100_000_000, start)
+            backend.apply(long_slices, [])
+            os.sched_setaffinity(0, a)  # the driver (boosted as the agent is) off CPU b
+            time.sleep(0.3)
+            with switches([l1, l5, hog, *levels.values()]) as seen:
+                time.sleep(args.seconds)
+            out["l1_over_l5"] = took(seen, l5, l1)
+            out["l5_over_l1"] = took(seen, l1, l5)
+            out["over_hog"] = {lvl: took(seen, hog, pid) for lvl, pid in levels.items()}
+            out["lost_a"] = seen.lost
+            os.sched_setaffinity(0, set(cpus))
+        # B: the driver (boosted as the agent is) waits on the other CPU, so the counters are this pair's
+        os.sched_setaffinity(0, b)
+        for case, level in (("head", 10), ("twin", 0)):
+            with workers() as pids:
+                hog_a = fork_worker(spin, "sc-hog-a", a)
+                task = fork_worker(busy_fraction(3, 2), f"sc-{case}", a)
+                pids += [hog_a, task]
+                time.sleep(0.2)
+                boost(backend, {task: level})
+                time.sleep(0.3)
+                before_c, wakes = backend.counters(), _voluntary(task)
+                time.sleep(args.seconds)
+                after_c, wakes = backend.counters(), _voluntary(task) - wakes
+                preempted = sum(after_c[k] - before_c[k] for k in ("preemptions", "fair_preemptions"))
+                out[f"{case}_over_hog"] = {"took": preempted, "runs": wakes}
+        os.sched_setaffinity(0, set(cpus))
+        with workers() as pids:
+            hog_b = fork_worker(spin, "sc-hog-b", b)
+            w10 = fork_worker(spin, "sc-w10", b)
+            w20 = fork_worker(spin, "sc-w20", b)
+            pids += [hog_b, w10, w20]
+            time.sleep(0.2)
+            boost(backend, {w10: 10, w20: 20})
+            time.sleep(0.3)
+            out["rounds"] = []
+            for _ in range(rounds):
+                before = {pid: schedstat(pid) for pid in (w10, w20)}
+                time.sleep(args.seconds / 2)
+                after = {pid: schedstat(pid) for pid in (w10, w20)}
+                out["rounds"].append({"wait_ms": {"10": _wait_per_turn(before[w10], after[w10]),
+                                                  "20": _wait_per_turn(before[w20], after[w20])},
+                                      "turns": {"10": after[w10][2] - before[w10][2],
+                                                "20": after[w20][2] - before[w20][2]}})
         out["counters"] = backend.counters()
         out["health"] = backend.health().state.value
         out["state"] = state()
@@ -481,7 +585,7 @@ def rt_ticker(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 pids.append(fork_worker(_rt_spin, "rt-spin", {ncpu - 1}))
             time.sleep(0.2)
-            boost(backend, {pid: (20, 5)[i % 2] for i, pid in enumerate(hogs[:ncpu])})
+            boost(backend, {pid: (1, 8)[i % 2] for i, pid in enumerate(hogs[:ncpu])})
             with _state_watch() as left_enabled:
                 shares = cpu_shares({str(pid): pid for pid in hogs}, args.seconds)
             res: dict[str, Any] = {"left_enabled": left_enabled, "shares": [shares[str(pid)] for pid in hogs]}
@@ -523,7 +627,7 @@ def cpuset(args: argparse.Namespace) -> dict[str, Any]:
             outside = [fork_worker(spin, f"cs-out{i}") for i in range(ncpu)]
             pids += outside
             time.sleep(0.3)
-            boost(backend, {tasks["cs-b0"]: 20, tasks["cs-b1"]: 20})
+            boost(backend, {tasks["cs-b0"]: 1, tasks["cs-b1"]: 1})
             shares = cpu_shares(tasks, args.seconds)
             out["shares"] = shares
             out["unboosted_total"] = shares["cs-u0"] + shares["cs-u1"]
@@ -558,8 +662,8 @@ def ejections(args: argparse.Namespace) -> dict[str, Any]:
     AGENT_DIR.mkdir(parents=True, exist_ok=True)
     (AGENT_DIR / "policies.d").mkdir(exist_ok=True)
     (AGENT_DIR / "policies.d" / "ej.json").write_text(json.dumps(
-        [{"id": "ej", "commandRegex": "^ej-worker$", "priority": 10},
-         {"id": "ej-busy", "commandRegex": "^ej-busy$", "priority": 5}]))
+        [{"id": "ej", "commandRegex": "^ej-worker$", "priority": 5},
+         {"id": "ej-busy", "commandRegex": "^ej-busy$", "priority": 8}]))
     config = AGENT_DIR / "config.yaml"
     config.write_text(json.dumps({
         "backend": {"kind": "auto", "reload_backoff_initial_s": 0.5, "reload_backoff_max_s": 2},
@@ -693,6 +797,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "hotplug": hotplug,
     "stranded": stranded,
     "lesser_boost": lesser_boost,
+    "scale": scale,
     "cpuset": cpuset,
     "rt_ticker": rt_ticker,
     "ejections": ejections,

@@ -37,10 +37,12 @@ from gthulhu_node.backends.base import (
     TaskGoneError,
 )
 from gthulhu_node.config import SchedulerConfig
-from gthulhu_node.limits import PRIORITY_MAX
+from gthulhu_node.limits import boost_levels_strongest_first
 from gthulhu_node.scheduler import libbpf, loader
 from gthulhu_node.scheduler.backend import SchedExtBackend, task_start_time
 from tests.vm.switch_trace import switches
+
+STRONGEST = boost_levels_strongest_first()[0]  # the top level, whichever number the scale gives it
 
 # stdout carries the JSON result only
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -221,7 +223,7 @@ def crashed_agent(_: argparse.Namespace) -> dict[str, Any]:
             out["entries_after_takeover"] = len(backend.read_back())
             out["live_after_takeover"] = backend.gauges()["live_tid_entries"]
             key, start = key_for(KeyKind.TID, pids[0])
-            res = backend.apply({key: Entry(3, 0, start)}, [])
+            res = backend.apply({key: Entry(9, 0, start)}, [])
             out["upserted_after_takeover"] = res.upserted
         finally:
             backend.stop()
@@ -309,7 +311,7 @@ def no_leak(args: argparse.Namespace) -> dict[str, Any]:
 
         threading.Thread(target=wait_spawned, daemon=True).start()
         tgid_key, tgid_start = key_for(KeyKind.TGID, proc.pid)
-        backend.apply({tgid_key: Entry(2, 0, tgid_start)}, [])
+        backend.apply({tgid_key: Entry(9, 0, tgid_start)}, [])
         written = gone = scans = 0
         while True:
             finished = done.is_set()
@@ -321,7 +323,7 @@ def no_leak(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     start = task_start_time(tid)
                     if start is not None:
-                        batch[EntryKey(KeyKind.TID, tid)] = Entry(5, 0, start)
+                        batch[EntryKey(KeyKind.TID, tid)] = Entry(8, 0, start)
             res = backend.apply(batch, [])
             written += res.upserted
             gone += sum(isinstance(e, TaskGoneError) for e in res.failed.values())
@@ -363,7 +365,7 @@ def no_leak_agent(args: argparse.Namespace) -> dict[str, Any]:
     src = Path(__file__).with_name("leaky_threads.c")
     subprocess.run(["clang", "-O2", "-pthread", "-o", binary, str(src)], check=True)
     out: dict[str, Any] = {"threads": args.threads}
-    intent = Intent.model_validate({"id": "leaky", "commandRegex": "^leaky$", "priority": 5})
+    intent = Intent.model_validate({"id": "leaky", "commandRegex": "^leaky$", "priority": 8})
     with scheduler() as backend:
         reconciler = Reconciler(backend, policy=PolicySet.build([("test/leaky", intent)]))
         engine = Engine(reconciler, rescan_interval_s=2.0)
@@ -417,7 +419,7 @@ def starvation(args: argparse.Namespace) -> dict[str, Any]:
             upserts = {}
             for pid in boosted:
                 k, s = key_for(KeyKind.TID, pid)
-                upserts[k] = Entry(20, 0, s)
+                upserts[k] = Entry(1, 0, s)
             backend.apply(upserts, [])
             tasks = {"victim": victim, **{f"b{i}": p for i, p in enumerate(boosted)}}
             shares = cpu_shares(tasks, args.seconds)
@@ -462,7 +464,7 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
         _wait_pinned([waker, hog], pin)
         time.sleep(0.2)
         k, s = key_for(KeyKind.TID, waker)
-        backend.apply({k: Entry(15, 0, s)}, [])
+        backend.apply({k: Entry(3, 0, s)}, [])
         seen: dict[str, set[int]] = {"waker": set(), "hog": set()}
         before = backend.counters()
         end = time.monotonic() + args.seconds
@@ -515,7 +517,7 @@ def numa(args: argparse.Namespace) -> dict[str, Any]:
         for name, pid in bound.items():
             if name.startswith("boosted"):
                 k, st = key_for(KeyKind.TID, pid)
-                upserts[k] = Entry(10, 0, st)
+                upserts[k] = Entry(5, 0, st)
         backend.apply(upserts, [])
         seen: set[int] = set()
         ran = {name: run_ns(pid) for name, pid in bound.items()}
@@ -754,7 +756,7 @@ def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
             out[f"{name}_counters"] = {n: after[n] - before[n] for n in after if n.startswith("bw_")}
     if backend is not None:
         k, st = key_for(KeyKind.TID, hog["capped0"])
-        backend.apply({k: Entry(PRIORITY_MAX, 0, st)}, [])
+        backend.apply({k: Entry(STRONGEST, 0, st)}, [])
         time.sleep(0.2)
         out["boosted"] = cpu_shares(hog, seconds)["capped0"]
         out["boost_entries"] = backend.counters()["tid_hits"] > 0
@@ -1235,7 +1237,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
         out["off"] = _placement(engines, big, args.seconds)
         before = backend.counters()
         keys = dict(key_for(KeyKind.TID, pid) for pid in engines.values())
-        res = backend.apply({k: Entry(10, 0, start) for k, start in keys.items()}, [])
+        res = backend.apply({k: Entry(5, 0, start) for k, start in keys.items()}, [])
         out["apply_failed"] = {str(k): str(e) for k, e in res.failed.items()}
         out["on"] = _placement(engines, big, args.seconds)
         out["capacity_placements"] = backend.counters()["capacity_placements"] - before["capacity_placements"]

@@ -41,10 +41,10 @@ CASES: dict[str, dict[str, Any]] = {
     "engine alone": {"hogs": False, "engine": True},
     "EEVDF engine": {"hogs": True, "engine": True},
     "ours engine no policy": {"hogs": True, "sched": True, "engine": True},
-    "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 10}},
+    "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 5}},
     # the sleeper in the engine's session (autogroup) instead of one of its own: a helper thread of the app
     "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
-    "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 10},
+    "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 5},
                                     "own_session": False},
 }
 # with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy

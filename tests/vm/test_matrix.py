@@ -30,7 +30,7 @@ def unloadable(lab: Lab) -> str:
     flavour = "-6.12" if lab.kernel.version.startswith("6.12") else ""
     return f"{lab.repo}/bpf/.output/gthulhu-unloadable{flavour}.bpf.o"
 
-ENGINE_PRIORITY = 10  # systemd/policies.d/vllm.yaml.example
+ENGINE_PRIORITY = 5  # systemd/policies.d/vllm.yaml.example
 
 
 def smoke(lab: Lab, *args: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 One measurement (tests/vm/guest_probe.py run --agent, ~10 s under `stress-ng --cpu 8`) serves three
 tests: the real agent runs with the sched_ext backend and local intents (the `probe_boost` twin boosted
-at priority 10, its `probe_plain` twin and the spawner's threads unboosted), and the probe's filter follows
+at priority 5, its `probe_plain` twin and the spawner's threads unboosted), and the probe's filter follows
 the agent's matches (ListMatches over its gRPC socket) as threads appear and exit. Then the CLI runs once
 against an ad-hoc regex with no agent and no intent, as people would before writing a policy, beside a
 SCHED_FIFO twin (what people do instead of a policy) and an ordinary one. Last, the agent runs its own
@@ -59,7 +59,7 @@ def _tid(out: dict[str, Any], tid: int) -> dict[str, Any]:
 
 
 def test_the_agents_boost_shows_as_a_far_lower_p99_wait(measured: dict[str, Any]) -> None:
-    """The boosted twin (priority 10 through the agent's intent and the sched_ext scheduler) against its
+    """The boosted twin (priority 5 through the agent's intent and the sched_ext scheduler) against its
     unboosted twin, both engine-step loops beside 8 CPU hogs: the probe must show the boost working."""
     boost, plain = _thread(measured, "probe_boost"), _thread(measured, "probe_plain")
     print(f"p99 wait: boosted {boost['p99_us']:.0f} us, plain {plain['p99_us']:.0f} us")
