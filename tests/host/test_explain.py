@@ -22,8 +22,8 @@ from tests.host.agent_support import NamedThread, intent, run_cli, running_agent
 pytestmark = [pytest.mark.host, pytest.mark.xdist_group("explain-threads")]
 
 INTENTS = [
-    intent("eng", "^gn-ex-eng$", priority=10, execution_time=2_000_000),
-    intent("both", "^gn-ex-(eng|aux)$", priority=2),
+    intent("eng", "^gn-ex-eng$", priority=2, execution_time=2_000_000),
+    intent("both", "^gn-ex-(eng|aux)$", priority=10),
     intent("elsewhere", "^gn-ex-aux$", priority=9, node_names=["other-node"]),
     intent("root-only", "^gn-ex-aux$", priority=9, users=["4242"]),
     intent("nothing", "^gn-ex-none$", priority=1),
@@ -99,11 +99,11 @@ def test_reasons_winner_and_shadows(world: Any) -> None:
     assert lines["ex/nothing"].field == "commandRegex"
     (eng,) = explain(agent, tid=threads["eng"].tid)
     assert eng.winner == "ex/eng" and list(eng.shadows) == ["ex/both"]
-    assert eng.why == ["ex/eng beats ex/both on priority (precedence rule 1): priority 10 over 2"]
+    assert eng.why == ["ex/eng beats ex/both on priority (precedence rule 1): priority 2 over 10"]
     (entry,) = eng.entries
     assert entry.key == f"tid:{eng.tid}" and entry.intent == "ex/eng" and entry.failure == ""
     assert entry.desired == entry.applied == entry.read_back
-    assert (entry.read_back.priority, entry.read_back.slice_ns) == (10, 2_000_000)
+    assert (entry.read_back.priority, entry.read_back.slice_ns) == (2, 2_000_000)
     assert eng.backend == "dry-run" and eng.read_back == ""
     (idle,) = explain(agent, tid=threads["idle"].tid)
     assert idle.winner == "" and not idle.entries
@@ -133,7 +133,7 @@ def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
     eng = run_cli("explain", str(threads["eng"].tid), *sock)
     assert eng.returncode == 0, eng.stderr
     assert f"thread {threads['eng'].tid} (gn-ex-eng)" in eng.stdout
-    assert "governed by ex/eng: priority 10, slice 2ms, scope thread" in eng.stdout
+    assert "governed by ex/eng: priority 2, slice 2ms, scope thread" in eng.stdout
     assert "precedence rule 1" in eng.stdout and "READ BACK" in eng.stdout
     idle = run_cli("explain", str(threads["idle"].tid), *sock)
     assert idle.returncode == 1 and "not governed" in idle.stdout
@@ -191,9 +191,9 @@ def test_preview_answers_and_changes_nothing(world: Any) -> None:
     before = agent_state(agent)
     with stub_of(agent) as stub:
         resp = stub.Preview(pb.PreviewRequest(source="ui", intents=[
-            intent("aux-first", "^gn-ex-aux$", priority=20),
+            intent("aux-first", "^gn-ex-aux$", priority=1),
             intent("idle-too", "^gn-ex-idle$", priority=1),
-            intent("loser", "^gn-ex-eng$", priority=1),
+            intent("loser", "^gn-ex-eng$", priority=15),
             intent("away", "^gn-ex-idle$", priority=1, node_names=["other-node"])]))
         with pytest.raises(grpc.RpcError) as err:
             stub.Preview(pb.PreviewRequest(intents=[intent("bad", "(")]))

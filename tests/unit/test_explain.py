@@ -72,11 +72,11 @@ def test_tgid_of_and_missing_tasks(proc: FakeProc) -> None:
 
 
 def test_matched_winner_why_and_shadows(proc: FakeProc) -> None:
-    ex = run(proc, [intent("strong", priority=10), intent("weak", priority=3), intent("nope", "^x$")])
+    ex = run(proc, [intent("strong", priority=3), intent("weak", priority=10), intent("nope", "^x$")])
     assert ex.governed and ex.winner == "t/strong"
     assert line(ex, "t/strong").matched and line(ex, "t/weak").matched
     assert ex.shadows == ("t/weak",)
-    assert ex.why == ("t/strong beats t/weak on priority (precedence rule 1): priority 10 over 3",)
+    assert ex.why == ("t/strong beats t/weak on priority (precedence rule 1): priority 3 over 10",)
     nope = line(ex, "t/nope")
     assert (nope.matched, nope.field) == (False, explain.COMMAND)
     assert "'^x$' does not match comm 'EngineCore_DP3'" in nope.reason
@@ -133,7 +133,7 @@ def test_scope_thread_matching_another_thread_of_the_process(proc: FakeProc) -> 
 
 
 def test_scope_process_covers_every_thread(proc: FakeProc) -> None:
-    ex = run(proc, [intent("py", "^python", scope="process"), intent("eng", priority=3)])
+    ex = run(proc, [intent("py", "^python", scope="process", priority=3), intent("eng", priority=10)])
     assert line(ex, "t/py").matched and ex.winner == "t/py" and ex.winner_scope == "process"
     assert ex.shadows == ("t/eng",)
     none = run(proc, [intent("x", "^nothing$", scope="process")])
