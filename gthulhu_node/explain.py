@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from gthulhu_node.backends.base import BackendState, Entry, EntryKey
+from gthulhu_node.backends.base import Backend, BackendHealth, BackendState, Entry, EntryKey
 from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
@@ -139,6 +139,10 @@ class Held:
     read_back: str  # how the backend's values were read ("" when they were)
     kernel: Mapping[str, str] = field(default_factory=dict)  # what the kernel shows now (eevdf: nice, ...)
     agent_winner: str = ""  # the reconciler's own winner for the TID ("" when none)
+    #: what the scheduler did with the thread since it was loaded (boosted_runs, demotions), empty when
+    #: not available, and then `task_stats_note` says why (never zeros for "unknown")
+    task_stats: Mapping[str, int] = field(default_factory=dict)
+    task_stats_note: str = ""
 
 
 # ---- the subject -----------------------------------------------------------------------------------
@@ -374,15 +378,31 @@ def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int]]) -> list
             back = backend.read_keys([k for view, _ in views for k in view])
         except Exception as exc:  # the backend's own words, not an empty answer
             read_note = f"not read back: {exc}"
+    stats = _task_stats(backend, threads, health)
     out: list[Held] = []
-    for view, agent_winner in views:
+    for (tid, _), (view, agent_winner) in zip(threads, views, strict=True):
         entries = tuple(
             HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
             for k, (desired, owner, applied, failure) in view.items()
             if desired is not None or applied is not None or k in back
         )
-        out.append(Held(backend.name, entries, read_note, {}, agent_winner))
+        counted = stats.get(tid, "not available: the backend did not answer for this thread")
+        if isinstance(counted, str):
+            out.append(Held(backend.name, entries, read_note, {}, agent_winner, {}, counted))
+        else:
+            out.append(Held(backend.name, entries, read_note, {}, agent_winner, counted))
     return out
+
+
+def _task_stats(backend: Backend, threads: Sequence[tuple[int, int]], health: BackendHealth
+                ) -> dict[int, dict[str, int] | str]:
+    """The backend's per-task counters for the threads, or for each why not (never an empty answer)."""
+    if health.state is not BackendState.RUNNING:
+        return {tid: f"not available: the backend is {health.state.value}" for tid, _ in threads}
+    try:
+        return backend.task_stats(threads)
+    except Exception as exc:  # the backend's own words
+        return {tid: f"not available: {exc}" for tid, _ in threads}
 
 
 def kernel_attrs(tid: int) -> dict[str, str]:

@@ -105,6 +105,8 @@ def test_reasons_winner_and_shadows(world: Any) -> None:
     assert entry.desired == entry.applied == entry.read_back
     assert (entry.read_back.priority, entry.read_back.slice_ns) == (10, 2_000_000)
     assert eng.backend == "dry-run" and eng.read_back == ""
+    assert not eng.task_stats and eng.task_stats_note == \
+        "not available: the dry-run backend keeps no per-task counters"
     (idle,) = explain(agent, tid=threads["idle"].tid)
     assert idle.winner == "" and not idle.entries
     assert {i.intent: i.field for i in idle.intents} == {
@@ -135,9 +137,12 @@ def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
     assert f"thread {threads['eng'].tid} (gn-ex-eng)" in eng.stdout
     assert "governed by ex/eng: priority 10, slice 2ms, scope thread" in eng.stdout
     assert "precedence rule 1" in eng.stdout and "READ BACK" in eng.stdout
+    assert "scheduler since load: not available: the dry-run backend keeps no per-task counters" in eng.stdout
     idle = run_cli("explain", str(threads["idle"].tid), *sock)
     assert idle.returncode == 1 and "not governed" in idle.stdout
     doc = json.loads(run_cli("explain", "--comm", "^gn-ex-", "-o", "json", *sock).stdout)
+    assert {t["taskStatsNote"] for t in doc["threads"]} == {
+        "not available: the dry-run backend keeps no per-task counters"}
     assert {t["comm"]: t["winner"] for t in doc["threads"]} == {
         "gn-ex-eng": "ex/eng", "gn-ex-aux": "ex/both", "gn-ex-idle": ""}
     whole = run_cli("explain", str(os.getpid()), *sock)  # the main thread is governed by nothing
