@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gthulhu_node.backends.base import Backend, BackendHealth, BackendState, Entry, EntryKey
-from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
+from gthulhu_node.backends.sched_attr import KERNEL_SLICE_MAX_NS, KERNEL_SLICE_MIN_NS, SchedAttrSyscalls
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.errors import InvalidInput, NotFound, Unavailable
@@ -143,6 +143,8 @@ class Held:
     #: not available, and then `task_stats_note` says why (never zeros for "unknown")
     task_stats: Mapping[str, int] = field(default_factory=dict)
     task_stats_note: str = ""
+    #: what the backend cannot express of the winner's strategy (eevdf: a slice outside the kernel's range)
+    backend_note: str = ""
 
 
 # ---- the subject -----------------------------------------------------------------------------------
@@ -414,6 +416,24 @@ def kernel_attrs(tid: int) -> dict[str, str]:
     return {"policy": a.policy_name, "nice": str(a.nice), "slice_ns": str(a.runtime_ns)}
 
 
+def eevdf_limits(ex: Explanation) -> str:
+    """What the eevdf backend cannot express of the winner's strategy: EEVDF clamps a slice request into
+    its range without an error, so the thread runs with another slice than the intent asks; and a priority
+    is a nice level (a weight), not a place ahead of the queue (docs/eevdf.md)."""
+    if not ex.winner:
+        return ""
+    notes = []
+    s = ex.winner_slice_ns
+    if s and not KERNEL_SLICE_MIN_NS <= s <= KERNEL_SLICE_MAX_NS:
+        clamped = min(max(s, KERNEL_SLICE_MIN_NS), KERNEL_SLICE_MAX_NS)
+        notes.append(f"executionTime {s} ns is outside the kernel's slice range "
+                     f"({KERNEL_SLICE_MIN_NS}-{KERNEL_SLICE_MAX_NS} ns): it runs with {clamped} ns")
+    if ex.winner_priority:
+        notes.append(f"priority {ex.winner_priority} is a nice level here, a weight: no preemption, no place "
+                     "ahead of the queue")
+    return "; ".join(notes)
+
+
 # ---- in the agent ------------------------------------------------------------------------------------
 
 
@@ -486,6 +506,6 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
             continue  # one of many threads exited meanwhile
         ex = explain_task(subject, policy, listed, node_name=node.name, node_labels=node.labels)
         if h.backend == "eevdf":
-            h = replace(h, kernel=kernel_attrs(task.tid))
+            h = replace(h, kernel=kernel_attrs(task.tid), backend_note=eevdf_limits(ex))
         out.append(Report(ex, h))
     return out

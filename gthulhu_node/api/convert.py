@@ -199,6 +199,7 @@ def report_to_pb(r: Report) -> pb.ThreadExplanation:
         agent_winner=held.agent_winner,
         task_stats=dict(held.task_stats),
         task_stats_note=held.task_stats_note,
+        backend_note=held.backend_note,
     )
 
 

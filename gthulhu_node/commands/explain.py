@@ -100,4 +100,6 @@ def describe(t: pb.ThreadExplanation) -> str:
         out.append(f"  scheduler since load: {t.task_stats_note or 'not available'}")
     if t.kernel:
         out.append("  kernel now: " + ", ".join(f"{k} {v}" for k, v in sorted(t.kernel.items())))
+    if t.backend_note:
+        out.append(f"  {t.backend} cannot express: {t.backend_note}")
     return "\n".join(out)

@@ -177,8 +177,12 @@ def test_eevdf_backend_read_back_and_kernel_view() -> None:
         assert (got.entries[0].read_back.priority, got.entries[0].read_back.slice_ns) == (15, 500_000)
         assert dict(got.kernel) == {"policy": "SCHED_OTHER", "nice": str(nice_for_priority(15)),
                                     "slice_ns": "500000"}
+        assert got.backend_note == ("priority 15 is a nice level here, a weight: no preemption, no place "
+                                    "ahead of the queue")
+        assert got.task_stats_note == "not available: the eevdf backend keeps no per-task counters"
         out = run_cli("explain", str(t.tid), "--socket", str(agent.config.api.socket))
         assert out.returncode == 0 and f"nice {nice_for_priority(15)}" in out.stdout
+        assert "eevdf cannot express: priority 15 is a nice level" in out.stdout
 
 
 def agent_state(agent: Any) -> tuple[Any, ...]:
