@@ -6,7 +6,8 @@ Runs as root in the lab VM. First an agent with the sched_ext backend and `sched
   `spin-low` (priority 2): the overlap, and the guard demoting the busy boosted thread over its share;
 - four threads `gn-full-0..3` of a worker process (waking every 20 ms) under `full` (priority 3, thread
   scope): two TID entries fit in the map, two are refused (map full);
-- `gn-sel`, a thread of the same process, under `owner`, which names user 4242: the selector turns it away;
+- `gn-sel`, a thread of the same process, under `owner`, which names user 4242 (the selector turns it
+  away), and `elsewhere`, for another node; `cmdline` is written against the command line (no comm has it);
 then bpftool's dump of tid_map and tgid_map beside explain's read-back, and a Preview before and after
 which the agent's state is compared. Then an agent with the eevdf backend on the same kernel, with an
 intent whose slice EEVDF cannot hold. Prints the answers as the CLI renders them (for docs/intents.md)
@@ -57,6 +58,9 @@ SCHED_EXT_INTENTS = [
     intent("spin-low", "^gn-spin$", priority=2, scope="process"),
     intent("full", "^gn-full-", priority=3),
     intent("owner", "^gn-sel$", priority=4, users=["4242"]),
+    # the seed's two questions: an intent for another node, and one written against the command line
+    intent("elsewhere", "^gn-sel$", priority=4, node_names=["gpu-node-7"]),
+    intent("cmdline", "python3 -c", priority=4),
 ]
 # 200 ms: a valid executionTime that EEVDF clamps to its 100 ms maximum
 EEVDF_INTENTS = [intent("long", "^gn-sel$", priority=5, execution_time=200_000_000)]

@@ -61,6 +61,8 @@ def test_a_selector_turns_the_thread_away(run: dict[str, Any]) -> None:
     assert sel["winner"] == "" and sel["entries"] == []
     (line,) = [i for i in sel["intents"] if i["intent"] == "ex/owner"]
     assert line["field"] == "users" and "4242" in line["reason"]
+    fields = {i["intent"]: i["field"] for i in sel["intents"]}
+    assert (fields["ex/elsewhere"], fields["ex/cmdline"]) == ("node", "commandRegex")
     assert "exit 1" in run["cli"] and "users" in run["cli"]
 
 
