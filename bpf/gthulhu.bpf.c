@@ -645,6 +645,8 @@ void OP(gthulhu_running, struct task_struct *p)
 		return;
 	tctx->started_at = bpf_ktime_get_ns();
 	tctx->bw_mark = tctx->started_at;
+	if (tctx->prio)
+		tctx->stats.boosted_runs++;
 	if (!tctx->prio && before(vtime_now, tctx->vtime))
 		vtime_now = tctx->vtime;
 	cpu = scx_bpf_task_cpu(p);
@@ -871,6 +873,7 @@ static void charge_boost(struct task_ctx *tctx, struct cpu_ctx *c, u64 used, u64
 	tctx->window_used += used;
 	if (tctx->window_used > boost_budget() && !before(now, tctx->demoted_until)) {
 		tctx->demoted_until = tctx->window_start + window;
+		tctx->stats.demotions++;
 		count(demotions);
 	}
 	if (!c)

@@ -86,6 +86,15 @@ struct gthulhu_exit_info {
 	char msg[GTHULHU_EXIT_MSG_LEN];
 };
 
+/*
+ * What the scheduler did with one task since it was loaded (the last member of its task_ctx, task storage
+ * map `task_ctxs`): `explain` reads it back with a pidfd as the key.
+ */
+struct gthulhu_task_stats {
+	u64 boosted_runs; /* runs started at a priority above 0 (ops.running) */
+	u64 demotions;    /* times the guard demoted it: over its share of a boost window */
+};
+
 /* The whole .bss: one variable, so its layout is this struct's. */
 struct gthulhu_bss {
 	struct gthulhu_gauges gauges;

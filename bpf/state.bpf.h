@@ -107,6 +107,7 @@ struct task_ctx {
 	u64 parked_at;    /* when it was last parked in THROTTLED_DSQ */
 	u32 prio;         /* rank of the current/queued run after the guard (strength_of): 0 fair */
 	u32 group_is_cgroup;
+	struct gthulhu_task_stats stats; /* explain's per-task counters: the agent finds them by BTF */
 };
 
 struct {

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from gthulhu_node.backends.base import BackendState, Entry, EntryKey
-from gthulhu_node.backends.sched_attr import SchedAttrSyscalls
+from gthulhu_node.backends.base import Backend, BackendHealth, BackendState, Entry, EntryKey
+from gthulhu_node.backends.sched_attr import KERNEL_SLICE_MAX_NS, KERNEL_SLICE_MIN_NS, SchedAttrSyscalls
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.errors import InvalidInput, NotFound, Unavailable
@@ -139,6 +139,12 @@ class Held:
     read_back: str  # how the backend's values were read ("" when they were)
     kernel: Mapping[str, str] = field(default_factory=dict)  # what the kernel shows now (eevdf: nice, ...)
     agent_winner: str = ""  # the reconciler's own winner for the TID ("" when none)
+    #: what the scheduler did with the thread since it was loaded (boosted_runs, demotions), empty when
+    #: not available, and then `task_stats_note` says why (never zeros for "unknown")
+    task_stats: Mapping[str, int] = field(default_factory=dict)
+    task_stats_note: str = ""
+    #: what the backend cannot express of the winner's strategy (eevdf: a slice outside the kernel's range)
+    backend_note: str = ""
 
 
 # ---- the subject -----------------------------------------------------------------------------------
@@ -374,15 +380,31 @@ def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int]]) -> list
             back = backend.read_keys([k for view, _ in views for k in view])
         except Exception as exc:  # the backend's own words, not an empty answer
             read_note = f"not read back: {exc}"
+    stats = _task_stats(backend, threads, health)
     out: list[Held] = []
-    for view, agent_winner in views:
+    for (tid, _), (view, agent_winner) in zip(threads, views, strict=True):
         entries = tuple(
             HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
             for k, (desired, owner, applied, failure) in view.items()
             if desired is not None or applied is not None or k in back
         )
-        out.append(Held(backend.name, entries, read_note, {}, agent_winner))
+        counted = stats.get(tid, "not available: the backend did not answer for this thread")
+        if isinstance(counted, str):
+            out.append(Held(backend.name, entries, read_note, {}, agent_winner, {}, counted))
+        else:
+            out.append(Held(backend.name, entries, read_note, {}, agent_winner, counted))
     return out
+
+
+def _task_stats(backend: Backend, threads: Sequence[tuple[int, int]], health: BackendHealth
+                ) -> dict[int, dict[str, int] | str]:
+    """The backend's per-task counters for the threads, or for each why not (never an empty answer)."""
+    if health.state is not BackendState.RUNNING:
+        return {tid: f"not available: the backend is {health.state.value}" for tid, _ in threads}
+    try:
+        return backend.task_stats(threads)
+    except Exception as exc:  # the backend's own words
+        return {tid: f"not available: {exc}" for tid, _ in threads}
 
 
 def kernel_attrs(tid: int) -> dict[str, str]:
@@ -392,6 +414,24 @@ def kernel_attrs(tid: int) -> dict[str, str]:
     except OSError as exc:
         return {"error": str(exc)}
     return {"policy": a.policy_name, "nice": str(a.nice), "slice_ns": str(a.runtime_ns)}
+
+
+def eevdf_limits(ex: Explanation) -> str:
+    """What the eevdf backend cannot express of the winner's strategy: EEVDF clamps a slice request into
+    its range without an error, so the thread runs with another slice than the intent asks; and a priority
+    is a nice level (a weight), not a place ahead of the queue (docs/eevdf.md)."""
+    if not ex.winner:
+        return ""
+    notes = []
+    s = ex.winner_slice_ns
+    if s and not KERNEL_SLICE_MIN_NS <= s <= KERNEL_SLICE_MAX_NS:
+        clamped = min(max(s, KERNEL_SLICE_MIN_NS), KERNEL_SLICE_MAX_NS)
+        notes.append(f"executionTime {s} ns is outside the kernel's slice range "
+                     f"({KERNEL_SLICE_MIN_NS}-{KERNEL_SLICE_MAX_NS} ns): it runs with {clamped} ns")
+    if ex.winner_priority:
+        notes.append(f"priority {ex.winner_priority} is a nice level here, a weight: no preemption, no place "
+                     "ahead of the queue")
+    return "; ".join(notes)
 
 
 # ---- in the agent ------------------------------------------------------------------------------------
@@ -466,6 +506,6 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
             continue  # one of many threads exited meanwhile
         ex = explain_task(subject, policy, listed, node_name=node.name, node_labels=node.labels)
         if h.backend == "eevdf":
-            h = replace(h, kernel=kernel_attrs(task.tid))
+            h = replace(h, kernel=kernel_attrs(task.tid), backend_note=eevdf_limits(ex))
         out.append(Report(ex, h))
     return out

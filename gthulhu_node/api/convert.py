@@ -197,6 +197,9 @@ def report_to_pb(r: Report) -> pb.ThreadExplanation:
         read_back=held.read_back,
         kernel=dict(held.kernel),
         agent_winner=held.agent_winner,
+        task_stats=dict(held.task_stats),
+        task_stats_note=held.task_stats_note,
+        backend_note=held.backend_note,
     )
 
 

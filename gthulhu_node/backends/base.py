@@ -131,6 +131,12 @@ class Backend(abc.ABC):
         wanted = set(keys)
         return {k: v for k, v in self.read_back().items() if k in wanted}
 
+    def task_stats(self, threads: Iterable[tuple[int, int]]) -> dict[int, dict[str, int] | str]:
+        """What the scheduler did with each (tid, tgid) lately, by TID: its per-task counters, or why they
+        cannot be read (a string, never zeros). Only the sched_ext scheduler keeps such counters."""
+        return {tid: f"not available: the {self.name} backend keeps no per-task counters"
+                for tid, _ in threads}
+
     @property
     def capacity(self) -> int | None:
         """Entries each of the backend's maps holds at most; None when it has no such limit."""

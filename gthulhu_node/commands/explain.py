@@ -24,6 +24,7 @@ from gthulhu_node.commands.client import (
 )
 
 EXIT_GOVERNED, EXIT_NOT_GOVERNED, EXIT_ERROR = 0, 1, 2
+STAT_LABELS = {"boosted_runs": "boosted runs", "demotions": "guard demotions"}
 
 
 def register(subparsers: Any) -> None:
@@ -92,6 +93,13 @@ def describe(t: pb.ThreadExplanation) -> str:
               e.failure or "-"] for e in t.entries]))
     else:
         out.append("  no entry for its TID or TGID")
+    if t.task_stats:
+        out.append("  scheduler since load: " + ", ".join(
+            f"{n} {STAT_LABELS.get(name, name)}" for name, n in sorted(t.task_stats.items())))
+    else:
+        out.append(f"  scheduler since load: {t.task_stats_note or 'not available'}")
     if t.kernel:
         out.append("  kernel now: " + ", ".join(f"{k} {v}" for k, v in sorted(t.kernel.items())))
+    if t.backend_note:
+        out.append(f"  {t.backend} cannot express: {t.backend_note}")
     return "\n".join(out)

@@ -34,7 +34,7 @@ from gthulhu_node.backends.base import (
     check_entry,
 )
 from gthulhu_node.scheduler import libbpf
-from gthulhu_node.scheduler.layout import STAT_GAUGES, GthulhuEntry
+from gthulhu_node.scheduler.layout import STAT_GAUGES, TASK_STATS, GthulhuEntry
 from gthulhu_node.scheduler.loader import (
     SCHED_EXT,
     SCHED_NAME,
@@ -49,6 +49,9 @@ from gthulhu_node.scheduler.loader import (
 from gthulhu_node.tasks.procfs import parse_stat, read_stat
 
 log = structlog.get_logger(__name__)
+
+# pidfd_open's flag for a thread that leads no process (Linux 6.9+); the kernel defines it as O_EXCL
+PIDFD_THREAD = getattr(os, "PIDFD_THREAD", os.O_EXCL)
 
 
 def task_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -215,6 +218,11 @@ class SchedExtBackend(Backend):
                 out[key] = Entry(value.priority, value.slice_ns, value.start_time)
         return out
 
+    def task_stats(self, threads: Iterable[tuple[int, int]]) -> dict[int, dict[str, int] | str]:
+        """Each thread's counters from its task_ctx (task storage, looked up with a pidfd as the key)."""
+        sched = self._loaded()
+        return {tid: _task_stats(sched, tid, tgid) for tid, tgid in threads}
+
     def health(self) -> BackendHealth:
         if self._sched is None:
             return BackendHealth(BackendState.STOPPED, self._ejected_reason)
@@ -251,3 +259,27 @@ class SchedExtBackend(Backend):
             return {}
         gauges = self._sched.bss().gauges
         return {name: int(getattr(gauges, name)) for name in STAT_GAUGES}
+
+
+def _task_stats(sched: LoadedScheduler, tid: int, tgid: int) -> dict[str, int] | str:
+    """One thread's counters, or why they cannot be read: a pidfd names a thread that leads no process
+    only with PIDFD_THREAD, which older kernels refuse (EINVAL)."""
+    flags = 0 if tid == tgid else PIDFD_THREAD
+    try:
+        pidfd = os.pidfd_open(tid, flags)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL and flags:
+            return ("not available: this kernel cannot open a pidfd for a thread that leads no process "
+                    "(PIDFD_THREAD needs Linux 6.9+)")
+        if exc.errno == errno.ESRCH:
+            return "not available: the thread exited"
+        return f"not available: pidfd_open({tid}): {exc.strerror}"
+    try:
+        stats = sched.task_stats(pidfd)
+    except OSError as exc:
+        return f"not available: task_ctxs lookup: {exc}"
+    finally:
+        os.close(pidfd)
+    if stats is None:
+        return "not available: the scheduler holds no context for this thread"
+    return {name: int(getattr(stats, name)) for name in TASK_STATS}

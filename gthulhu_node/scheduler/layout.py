@@ -75,6 +75,15 @@ class GthulhuGauges(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in STAT_GAUGES]
 
 
+#: what the scheduler did with one task (the `stats` member of its task_ctx in the task storage map
+#: `task_ctxs`; SchedExtBackend.task_stats() reads it back)
+TASK_STATS = ("boosted_runs", "demotions")
+
+
+class GthulhuTaskStats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in TASK_STATS]
+
+
 class GthulhuExitInfo(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -94,6 +103,7 @@ MIRRORS: dict[str, type[ctypes.Structure]] = {
     "gthulhu_settings": GthulhuSettings,
     "gthulhu_counters": GthulhuCounters,
     "gthulhu_gauges": GthulhuGauges,
+    "gthulhu_task_stats": GthulhuTaskStats,
     "gthulhu_exit_info": GthulhuExitInfo,
     "gthulhu_bss": GthulhuBss,
 }

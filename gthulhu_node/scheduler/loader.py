@@ -29,7 +29,13 @@ import structlog
 
 from gthulhu_node.backends.base import BackendError, BackendUnavailable, SchedulerRefused
 from gthulhu_node.scheduler import libbpf
-from gthulhu_node.scheduler.layout import STAT_COUNTERS, GthulhuBss, GthulhuCounters, GthulhuSettings
+from gthulhu_node.scheduler.layout import (
+    STAT_COUNTERS,
+    GthulhuBss,
+    GthulhuCounters,
+    GthulhuSettings,
+    GthulhuTaskStats,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -359,6 +365,12 @@ class LoadedScheduler:
         self._bss_fd = _internal_map(obj, ".bss").fd
         self._counters_fd = obj.map("counters").fd
         self._count_prog = obj.program("gthulhu_count_entries")
+        # struct task_ctx is the scheduler's own (not in gthulhu.h): its size and where its `stats` member
+        # sits come from the object's BTF, so fields added before `stats` move nothing here
+        btf = obj.btf()
+        self._task_ctxs_fd = obj.map("task_ctxs").fd
+        self._task_ctx_size = btf.struct_size("task_ctx")
+        self._task_stats_offset = dict((n, off) for n, off, _ in btf.struct_members("task_ctx"))["stats"]
         # per program, when loaded with LoadSettings.verifier_stats
         self.verifier_insns: dict[str, int | None] = {}
 
@@ -369,6 +381,15 @@ class LoadedScheduler:
             for name in STAT_COUNTERS:
                 totals[name] += int(getattr(slot, name))
         return totals
+
+    def task_stats(self, pidfd: int) -> GthulhuTaskStats | None:
+        """The per-task counters of the task a pidfd names (task storage maps take a pidfd as their key
+        from user space); None when the scheduler holds no context for it."""
+        value = (ctypes.c_uint8 * self._task_ctx_size)()
+        if not libbpf.map_lookup(self._task_ctxs_fd, ctypes.c_int(pidfd), value):
+            return None
+        start = self._task_stats_offset
+        return GthulhuTaskStats.from_buffer_copy(bytes(value)[start:start + ctypes.sizeof(GthulhuTaskStats)])
 
     def bss(self, refresh_counts: bool = True) -> GthulhuBss:
         """Gauges and exit info as the scheduler holds them now."""

@@ -60,11 +60,17 @@ def write_config(base: Path, **sections: dict[str, Any]) -> Path:
 
 @contextmanager
 def running_agent(
-    base: Path | None = None, *, backend: Backend | None = None, **sections: dict[str, Any]
+    base: Path | None = None, *, backend: Backend | None = None, backend_kind: str = "",
+    **sections: dict[str, Any]
 ) -> Iterator[Agent]:
+    """An agent of the test config; `backend` given as an object, or as the config's `backend.kind` (the
+    lab's guests run the real ones)."""
     own = base is None
     base = base or short_dir()
-    agent = Agent(AgentConfig.model_validate(config_dict(base, **sections)), backend=backend)
+    doc = config_dict(base, **sections)
+    if backend_kind:
+        doc["backend"] = {"kind": backend_kind}
+    agent = Agent(AgentConfig.model_validate(doc), backend=backend)
     agent.start()
     try:
         yield agent

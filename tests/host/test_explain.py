@@ -105,6 +105,8 @@ def test_reasons_winner_and_shadows(world: Any) -> None:
     assert entry.desired == entry.applied == entry.read_back
     assert (entry.read_back.priority, entry.read_back.slice_ns) == (2, 2_000_000)
     assert eng.backend == "dry-run" and eng.read_back == ""
+    assert not eng.task_stats and eng.task_stats_note == \
+        "not available: the dry-run backend keeps no per-task counters"
     (idle,) = explain(agent, tid=threads["idle"].tid)
     assert idle.winner == "" and not idle.entries
     assert {i.intent: i.field for i in idle.intents} == {
@@ -135,9 +137,12 @@ def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
     assert f"thread {threads['eng'].tid} (gn-ex-eng)" in eng.stdout
     assert "governed by ex/eng: priority 2, slice 2ms, scope thread" in eng.stdout
     assert "precedence rule 1" in eng.stdout and "READ BACK" in eng.stdout
+    assert "scheduler since load: not available: the dry-run backend keeps no per-task counters" in eng.stdout
     idle = run_cli("explain", str(threads["idle"].tid), *sock)
     assert idle.returncode == 1 and "not governed" in idle.stdout
     doc = json.loads(run_cli("explain", "--comm", "^gn-ex-", "-o", "json", *sock).stdout)
+    assert {t["taskStatsNote"] for t in doc["threads"]} == {
+        "not available: the dry-run backend keeps no per-task counters"}
     assert {t["comm"]: t["winner"] for t in doc["threads"]} == {
         "gn-ex-eng": "ex/eng", "gn-ex-aux": "ex/both", "gn-ex-idle": ""}
     whole = run_cli("explain", str(os.getpid()), *sock)  # the main thread is governed by nothing
@@ -172,8 +177,12 @@ def test_eevdf_backend_read_back_and_kernel_view() -> None:
         assert (got.entries[0].read_back.priority, got.entries[0].read_back.slice_ns) == (15, 500_000)
         assert dict(got.kernel) == {"policy": "SCHED_OTHER", "nice": str(nice_for_priority(15)),
                                     "slice_ns": "500000"}
+        assert got.backend_note == ("priority 15 is a nice level here, a weight: no preemption, no place "
+                                    "ahead of the queue")
+        assert got.task_stats_note == "not available: the eevdf backend keeps no per-task counters"
         out = run_cli("explain", str(t.tid), "--socket", str(agent.config.api.socket))
         assert out.returncode == 0 and f"nice {nice_for_priority(15)}" in out.stdout
+        assert "eevdf cannot express: priority 15 is a nice level" in out.stdout
 
 
 def agent_state(agent: Any) -> tuple[Any, ...]:

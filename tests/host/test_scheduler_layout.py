@@ -96,3 +96,15 @@ def test_an_architecture_without_objects_is_named() -> None:
     has (backend auto then falls back to eevdf), not a missing-file path."""
     with pytest.raises(BackendUnavailable, match=r"architecture \(riscv64\).* carries aarch64, x86_64"):
         loader.object_path("6.13", machine="riscv64")
+
+
+def test_task_ctx_holds_the_task_stats_the_agent_reads(bpf_object: libbpf.BpfObject) -> None:
+    """The loader finds `stats` in task_ctx by BTF (wherever it sits: fields may be added to task_ctx) and
+    reads it as gthulhu_task_stats: it must be that struct, whole, inside task_ctx."""
+    from gthulhu_node.scheduler.layout import GthulhuTaskStats
+
+    btf = bpf_object.btf()
+    members = {name: (offset, size) for name, offset, size in btf.struct_members("task_ctx")}
+    offset, size = members["stats"]
+    assert size == ctypes.sizeof(GthulhuTaskStats)
+    assert offset + size <= btf.struct_size("task_ctx")

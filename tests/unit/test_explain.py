@@ -245,3 +245,13 @@ def test_held_for_says_when_the_backend_cannot_be_read(proc: FakeProc) -> None:
     (held,) = explain.held_for(r, [(101, 100)])
     assert held.read_back == "not read back: the backend is ejected (watchdog timeout)"
     assert held.entries[0].read_back is None and held.entries[0].applied is not None
+
+
+def test_what_eevdf_cannot_express(proc: FakeProc) -> None:
+    """EEVDF clamps a slice request to 100 us - 100 ms without an error: explain says what the thread gets."""
+    long = run(proc, [intent("eng", slice_ns=200_000_000, priority=10)])
+    note = explain.eevdf_limits(long)
+    assert "executionTime 200000000 ns is outside the kernel's slice range" in note
+    assert "it runs with 100000000 ns" in note and "priority 10 is a nice level" in note
+    assert explain.eevdf_limits(run(proc, [intent("eng", slice_ns=2_000_000, priority=0)])) == ""
+    assert explain.eevdf_limits(run(proc, [intent("eng", regex="^nothing$")])) == ""

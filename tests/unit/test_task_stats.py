@@ -1,0 +1,102 @@
+"""Reading a thread's per-task counters (SchedExtBackend.task_stats): the task storage map is keyed by a
+pidfd from user space, so the reader must open the right one (PIDFD_THREAD for a thread that leads no
+process), and every way it cannot read says "not available" and why, never zeros.
+
+The pidfds are real (this kernel's pidfd_open); the scheduler's map lookup is a stand-in that reads back
+which task the pidfd names (/proc/self/fdinfo), so a pidfd of the wrong task shows. The lab test
+(tests/vm/test_explain_vm.py) reads the real map.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.scheduler import backend as sched_backend
+from gthulhu_node.scheduler.layout import TASK_STATS, GthulhuTaskStats
+
+
+class MapByPidfd:
+    """task_ctxs as the kernel would answer: the counters of the task the pidfd names (its `Pid:` in
+    fdinfo), boosted_runs = that TID; None (no context) for the TIDs in `without`."""
+
+    def __init__(self, without: tuple[int, ...] = ()) -> None:
+        self.without = without
+
+    def task_stats(self, pidfd: int) -> GthulhuTaskStats | None:
+        fdinfo = Path(f"/proc/self/fdinfo/{pidfd}").read_text()
+        tid = int(next(ln.split()[1] for ln in fdinfo.splitlines() if ln.startswith("Pid:")))
+        return None if tid in self.without else GthulhuTaskStats(boosted_runs=tid, demotions=7)
+
+
+@pytest.fixture()
+def other_thread() -> Iterator[int]:
+    """A live thread of this process that is not its leader."""
+    ready, done = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def body() -> None:
+        tid.append(threading.get_native_id())
+        ready.set()
+        done.wait(30)
+
+    t = threading.Thread(target=body)
+    t.start()
+    ready.wait(10)
+    yield tid[0]
+    done.set()
+    t.join()
+
+
+def stats_of(sched: Any, tid: int, tgid: int) -> dict[str, int] | str:
+    return sched_backend._task_stats(sched, tid, tgid)
+
+
+def test_the_leader_and_another_thread_are_each_read_by_their_own_pidfd(other_thread: int) -> None:
+    me = os.getpid()
+    assert stats_of(MapByPidfd(), me, me) == {"boosted_runs": me, "demotions": 7}
+    assert stats_of(MapByPidfd(), other_thread, me) == {"boosted_runs": other_thread, "demotions": 7}
+    assert tuple(GthulhuTaskStats._fields_[i][0] for i in range(2)) == TASK_STATS
+
+
+def test_no_context_and_a_gone_thread_are_not_available() -> None:
+    me = os.getpid()
+    assert stats_of(MapByPidfd(without=(me,)), me, me) == \
+        "not available: the scheduler holds no context for this thread"
+    assert stats_of(MapByPidfd(), 0x3FFFFF, me) == "not available: the thread exited"
+
+
+def test_a_kernel_without_pidfd_thread_says_so(monkeypatch: pytest.MonkeyPatch, other_thread: int) -> None:
+    """Before Linux 6.9 pidfd_open refuses PIDFD_THREAD (EINVAL): the answer names the kernel, not zeros."""
+    real = os.pidfd_open
+
+    def old_kernel(pid: int, flags: int = 0) -> int:
+        if flags & sched_backend.PIDFD_THREAD:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(pid, flags)
+
+    monkeypatch.setattr(os, "pidfd_open", old_kernel)
+    note = stats_of(MapByPidfd(), other_thread, os.getpid())
+    assert isinstance(note, str) and note.startswith("not available:") and "Linux 6.9+" in note
+    assert stats_of(MapByPidfd(), os.getpid(), os.getpid()) == {"boosted_runs": os.getpid(), "demotions": 7}
+
+
+def test_a_lookup_error_is_not_available_with_its_words() -> None:
+    class Broken:
+        def task_stats(self, pidfd: int) -> GthulhuTaskStats | None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+    note = stats_of(Broken(), os.getpid(), os.getpid())
+    assert note == "not available: task_ctxs lookup: [Errno 1] Operation not permitted"
+
+
+def test_backends_without_counters_say_so() -> None:
+    assert DryRunBackend().task_stats([(5, 5)]) == {5: "not available: the dry-run backend keeps no per-task "
+                                                        "counters"}

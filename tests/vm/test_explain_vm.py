@@ -1,0 +1,105 @@
+"""`explain` in the lab, on the real gthulhu scheduler and on the eevdf backend of the same kernel: each
+reason a thread is not governed, produced for real and asserted by its presence (never by when it shows):
+a selector, a map full, a demotion by the guard (per-task counters read back from task storage), the
+eevdf backend's limits; the read-back against `bpftool map dump`; the per-thread overlap; a Preview that
+leaves the agent's state as it was. One guest run per kernel does it all (tests/vm/guest_explain.py); `-s`
+prints the answers as the CLI renders them (docs/intents.md quotes the 7.3 run's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.vm import matrix
+from tests.vm.lab import Lab
+
+# Both lab kernels (6.12 and 7.3): a non-leader thread's counters are read with PIDFD_THREAD (Linux 6.9+).
+pytestmark = [pytest.mark.vm, pytest.mark.parametrize("lab", matrix.BOTH_KERNELS, indirect=True)]
+
+_runs: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture
+def run(lab: Lab, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The guest run of this kernel, once (every test of the file reads it)."""
+    spec = str(request.node.callspec.params["lab"])
+    if spec not in _runs:
+        r = lab.python("-m", "tests.vm.guest_explain", timeout=300).check("guest_explain.py failed")
+        print(r.stdout)
+        print(f"guest_explain ran {r.duration:.1f} s in the {spec} guest")
+        _runs[spec] = json.loads(r.stdout.strip().splitlines()[-1])
+    return _runs[spec]
+
+
+def stats(thread: dict[str, Any]) -> dict[str, int]:
+    return {k: int(v) for k, v in thread["taskStats"].items()}
+
+
+def test_guard_demotion_and_overlap_on_the_busy_thread(run: dict[str, Any]) -> None:
+    spin = run["spin"]
+    assert spin["winner"] == "ex/spin" and spin["shadows"] == ["ex/spin-low"]
+    assert spin["why"] == ["ex/spin beats ex/spin-low on priority (precedence rule 1): priority 5 over 2"]
+    got = stats(spin)
+    assert got["demotions"] > 0 and got["boosted_runs"] > 0 and spin["taskStatsNote"] == ""
+    assert "guard demotions" in run["cli"] and "scheduler since load:" in run["cli"]
+
+
+def test_map_full_is_the_reason_and_the_written_are_boosted(run: dict[str, Any]) -> None:
+    refused = [t for t in run["full"] if any(e["failure"] for e in t["entries"])]
+    written = [t for t in run["full"] if any("readBack" in e for e in t["entries"])]
+    assert len(refused) == 2 and len(written) == 2
+    for t in refused:  # the intent matches, its write did not fit: the line and the entry say so
+        (entry,) = t["entries"]
+        assert entry["failure"] == "map_full" and "readBack" not in entry
+        (line,) = [i for i in t["intents"] if i["intent"] == "ex/full"]
+        assert line["matched"] and "the tid map is full (2 entries)" in line["note"]
+        # read by a PIDFD_THREAD pidfd (it leads no process): it wakes every 20 ms, never boosted
+        assert t["taskStatsNote"] == "" and stats(t)["boosted_runs"] == 0
+    for t in written:
+        assert t["taskStatsNote"] == "" and stats(t)["boosted_runs"] > 0
+    assert "map is full" in run["cli"]
+
+
+def test_a_selector_turns_the_thread_away(run: dict[str, Any]) -> None:
+    sel = run["sel"]
+    assert sel["winner"] == "" and sel["entries"] == []
+    (line,) = [i for i in sel["intents"] if i["intent"] == "ex/owner"]
+    assert line["field"] == "users" and "4242" in line["reason"]
+    fields = {i["intent"]: i["field"] for i in sel["intents"]}
+    assert (fields["ex/elsewhere"], fields["ex/cmdline"]) == ("node", "commandRegex")
+    assert "exit 1" in run["cli"] and "users" in run["cli"]
+
+
+def test_read_back_is_what_bpftool_dumps(run: dict[str, Any]) -> None:
+    """explain's read-back of every written key equals the kernel map's entry as bpftool reads it."""
+    tid_map = {int(k): v for k, v in run["tid_map"].items()}
+    tgid_map = {int(k): v for k, v in run["tgid_map"].items()}
+    assert set(tgid_map) == {run["spin_pid"]}
+    spin_entry = next(e for e in run["spin"]["entries"] if e["key"] == f"tgid:{run['spin_pid']}")
+    seen = [(tgid_map, run["spin_pid"], spin_entry["readBack"])]
+    for t in run["full"]:
+        seen += [(tid_map, t["tid"], e["readBack"]) for e in t["entries"] if "readBack" in e]
+    assert len(tid_map) == 2 and len(seen) == 3
+    for kernel_map, key, back in seen:
+        assert kernel_map[key]["priority"] == int(back["priority"])
+        assert kernel_map[key]["slice_ns"] == int(back.get("sliceNs", 0))
+        assert kernel_map[key]["start_time"] == int(back["startTime"])
+
+
+def test_preview_changes_nothing(run: dict[str, Any]) -> None:
+    preview = run["preview"]
+    assert run["preview_changed"] == []
+    by_key = {p["intent"]: p for p in preview["intents"]}
+    assert by_key["ui/take-sel"]["wouldGovern"] == 1 and by_key["ui/lose"]["wouldLose"] == 1
+
+
+def test_eevdf_says_what_it_cannot_express(run: dict[str, Any]) -> None:
+    t = run["eevdf"]
+    assert t["backend"] == "eevdf" and t["winner"] == "ex/long"
+    assert t["kernel"]["slice_ns"] == "100000000"  # EEVDF clamped the 200 ms request
+    assert "it runs with 100000000 ns" in t["backendNote"]
+    assert t["taskStats"] == {} and t["taskStatsNote"].startswith("not available: the eevdf backend")
+    assert "eevdf cannot express: executionTime 200000000 ns" in run["cli_eevdf"]
