@@ -2,8 +2,8 @@
 each reason a thread is not governed produced for real, in one run of one guest.
 
 Runs as root in the lab VM. First an agent with the sched_ext backend and `scheduler.map_capacity: 2`:
-- `gn-spin` (a process of its own, busy) under two process-scope intents, `spin` (priority 5) and
-  `spin-low` (priority 2): the overlap, and the guard demoting the busy boosted thread over its share;
+- `gn-spin` (a process of its own, busy) under two process-scope intents, `spin` (priority 2) and
+  `spin-low` (priority 5): the overlap, and the guard demoting the busy boosted thread over its share;
 - four threads `gn-full-0..3` of a worker process (waking every 20 ms) under `full` (priority 3, thread
   scope): two TID entries fit in the map, two are refused (map full);
 - `gn-sel`, a thread of the same process, under `owner`, which names user 4242 (the selector turns it
@@ -54,8 +54,8 @@ print(json.dumps(named), flush=True)
 threading.Event().wait()
 """
 SCHED_EXT_INTENTS = [
-    intent("spin", "^gn-spin$", priority=5, scope="process"),
-    intent("spin-low", "^gn-spin$", priority=2, scope="process"),
+    intent("spin", "^gn-spin$", priority=2, scope="process"),
+    intent("spin-low", "^gn-spin$", priority=5, scope="process"),
     intent("full", "^gn-full-", priority=3),
     intent("owner", "^gn-sel$", priority=4, users=["4242"]),
     # the seed's two questions: an intent for another node, and one written against the command line
@@ -143,7 +143,7 @@ def sched_ext_phase(out: dict[str, Any]) -> None:
         before = preview_state(agent)
         with stub_of(agent) as stub:
             preview = stub.Preview(pb.PreviewRequest(source="ui", intents=[
-                intent("take-sel", "^gn-sel$", priority=20), intent("lose", "^gn-spin$", priority=1,
+                intent("take-sel", "^gn-sel$", priority=1), intent("lose", "^gn-spin$", priority=15,
                                                                    scope="process")]))
         out["preview"] = doc(preview)
         after = preview_state(agent)

@@ -41,7 +41,7 @@ def stats(thread: dict[str, Any]) -> dict[str, int]:
 def test_guard_demotion_and_overlap_on_the_busy_thread(run: dict[str, Any]) -> None:
     spin = run["spin"]
     assert spin["winner"] == "ex/spin" and spin["shadows"] == ["ex/spin-low"]
-    assert spin["why"] == ["ex/spin beats ex/spin-low on priority (precedence rule 1): priority 5 over 2"]
+    assert spin["why"] == ["ex/spin beats ex/spin-low on priority (precedence rule 1): priority 2 over 5"]
     got = stats(spin)
     assert got["demotions"] > 0 and got["boosted_runs"] > 0 and spin["taskStatsNote"] == ""
     assert "guard demotions" in run["cli"] and "scheduler since load:" in run["cli"]
