@@ -32,8 +32,9 @@ import structlog
 
 from gthulhu_node import __version__
 from gthulhu_node.api.server import ApiServer, ApiStats
-from gthulhu_node.backends.base import Backend, BackendState, SchedulerRefused
+from gthulhu_node.backends.base import Backend, BackendState
 from gthulhu_node.backends.select import fallback_after_ejections, fallback_after_refusal, select_backend
+from gthulhu_node.backends.supervisor import Choice, SupervisedBackend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.feed import EngineFrame
@@ -135,10 +136,14 @@ class Agent:
         self.local = LocalPolicies(
             config.policies.directory, self.store, poll_interval_s=config.policies.poll_interval_s
         )
-        self.backend: Backend | None = backend
-        self.backend_reason = "given by the caller" if backend is not None else ""
-        self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
-        self.sched_ext_given_up = ""  # why the engine stopped reloading an ejected scheduler, else ""
+        # the one backend, for life: it selects, falls back, reloads and gives up (backends/supervisor.py)
+        self._backend = SupervisedBackend(
+            backend,
+            reason="given by the caller" if backend is not None else "",
+            select=lambda: select_backend(self.config),
+            fall_back=self._fallback_after_refusal if config.backend.kind == "auto" else None,
+            replace=self._replacement,
+        )
         self.capabilities = ""  # set by the service: the capabilities dropped at start, for status
         self.cgroup_limits = CpuMaxWatch(config.watch.cgroup_root, config.watch.cgroup_scan_interval_s,
                                          self.cpu_max_enforced)
@@ -207,40 +212,39 @@ class Agent:
     def health(self) -> Health:
         return Health(self.ready, "" if self.ready else "not ready")
 
-    def _fall_back(self, refusal: SchedulerRefused) -> None:
-        """`backend: auto` on a kernel that refused our scheduler: run the next best backend instead of
-        dying (systemd would only restart us into the same refusal), and say so everywhere."""
-        log.error("sched_ext_refused", error=str(refusal), libbpf=list(refusal.details),
-                  action="falling back (backend.kind auto); set backend.kind: sched_ext to fail instead")
-        self.sched_ext_refused = str(refusal)
-        self.backend, self.backend_reason = fallback_after_refusal(self.config, str(refusal))
-        log.warning("backend_selected", backend=self.backend.name, reason=self.backend_reason,
-                    fallback=True)
-        self.backend.start()
+    @property
+    def backend(self) -> SupervisedBackend | None:
+        """The supervised backend once one is selected (at start, or given), else None."""
+        return self._backend if self._backend.current is not None else None
 
-    def _give_up_sched_ext(self, reason: str) -> Backend:
-        """The engine's replacement for a scheduler the kernel keeps ejecting (runs on the engine thread):
-        the next best backend, as for a refusal at start, started and named in status and metrics."""
-        self.sched_ext_given_up = reason
-        backend, why = fallback_after_ejections(self.config, reason)
+    @property
+    def backend_reason(self) -> str:
+        return self._backend.reason
+
+    @property
+    def sched_ext_refused(self) -> str:
+        """Why the kernel refused our scheduler when auto fell back, else ""."""
+        return self._backend.refused
+
+    @property
+    def sched_ext_given_up(self) -> str:
+        """Why the engine stopped reloading an ejected scheduler, else ""."""
+        return self._backend.given_up
+
+    def _fallback_after_refusal(self, refusal: str) -> Choice:
+        return fallback_after_refusal(self.config, refusal)
+
+    def _replacement(self, why: str) -> Choice:
+        """The replacement for a scheduler the kernel keeps ejecting (on the engine thread): the next best
+        backend, as for a refusal at start, started."""
+        backend, reason = fallback_after_ejections(self.config, why)
         backend.start()
-        self.backend, self.backend_reason = backend, why
-        log.warning("backend_selected", backend=backend.name, reason=why, fallback=True)
-        return backend
+        return backend, reason
 
     def _start_backend(self) -> None:
         if self.config.rest.enabled and self.config.rest.runtime_config_allow:
             self._apply_runtime_config()
-        chosen = self.backend is None
-        if self.backend is None:
-            self.backend, self.backend_reason = select_backend(self.config)
-        log.info("backend_selected", backend=self.backend.name, reason=self.backend_reason)
-        try:
-            self.backend.start()
-        except SchedulerRefused as exc:
-            if not chosen or self.config.backend.kind != "auto":
-                raise
-            self._fall_back(exc)
+        self._backend.start()
 
     def cpu_max_enforced(self) -> bool:
         """Whether cgroup cpu.max holds now. While our sched_ext scheduler runs, the kernel's CFS bandwidth
@@ -268,24 +272,23 @@ class Agent:
         return backend.cpu_max_source
 
     def _stop_backend(self) -> None:
-        if self.backend is not None:
-            self.backend.stop()
+        self._backend.stop()
 
     def _backend_health(self) -> Health:
-        health = self.backend.health() if self.backend is not None else None
+        running = self._backend.current
+        health = running.health() if running is not None else None
         if health is None:
             return Health(False, "no backend")
         return Health(health.state is BackendState.RUNNING, health.reason)
 
     def _start_engine(self) -> None:
         """Saved intents and policy files first: the engine's first scan writes them."""
-        assert self.backend is not None
         self.store.load()
         self.local.reload(force=True)
         effect, policy = self._build_policy()
         self._effect = self._submitted = effect
-        reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
-        self.engine = engine_for(reconciler, self.config, on_give_up=self._give_up_sched_ext)
+        reconciler = Reconciler(self._backend, policy=policy, proc_root=self.config.watch.proc_root)
+        self.engine = engine_for(reconciler, self.config)
         self.engine.start()
         self._builds.open()
         self._builder.start()

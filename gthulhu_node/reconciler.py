@@ -40,6 +40,7 @@ from gthulhu_node.backends.base import (
     MapFullError,
     TaskGoneError,
 )
+from gthulhu_node.backends.supervisor import Checked, SupervisedBackend
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
 from gthulhu_node.outbox import FailureReason, Outbox
 from gthulhu_node.tasks.events import EventKind, ProcEvent
@@ -207,7 +208,8 @@ class Reconciler:
         on_latency: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.backend = backend
+        # held for life: every change of backend (reload, give-up, the stand-in) happens inside it
+        self.backend = backend if isinstance(backend, SupervisedBackend) else SupervisedBackend(backend)
         self.proc_root = proc_root
         self._clock = clock
         # replaced whole, never mutated: another thread may add a listener while the engine thread reads it
@@ -239,9 +241,6 @@ class Reconciler:
         # Called on this thread when the reconciler settles with callbacks waiting, before them: the
         # engine publishes status there, so whoever waited for the settle reads status that includes it.
         self.before_settled: Callable[[], None] | None = None
-        # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
-        # written; `resync` writes everything once the backend is back.
-        self.hold_writes = False
         self._pending_logs: list[tuple[str, dict[str, object]]] = []
         # None: a policy change and a flush finish in the call (tests, preview). The engine sets a few
         # milliseconds: its thread feeds the watchdog and answers callers, so a rematch and a long write
@@ -259,12 +258,36 @@ class Reconciler:
     def policy(self) -> PolicySet:
         return self._policy
 
+    @property
+    def hold_writes(self) -> bool:
+        """The backend is down (ejected, reloading) or held: changes accumulate, nothing is written;
+        `resync` writes everything once it is back (the supervisor decides: SupervisedBackend.held)."""
+        return self.backend.held
+
+    def backend_changed(self, checked: Checked) -> None:
+        """After the supervisor's health check: a backend running again (reloaded, or a replacement) gets
+        every entry written again; a replacement that covers processes differently (TGID entries or a
+        TID entry per thread) gets every process rematched first."""
+        if checked is Checked.REPLACED_OTHER_SCOPE:
+            self._restale(self._policy)
+            self._rematch(self._clock() + self.budget_s if self.budget_s is not None else math.inf)
+        if checked in (Checked.RELOADED, Checked.REPLACED, Checked.REPLACED_OTHER_SCOPE):
+            self.resync()
+
     def set_policy(self, policy: PolicySet) -> ApplyResult:
         """Replace the policy set and recompute every task's strategy, then write the difference.
 
         Without a `budget_s` all of it happens in this call. With one, this call does the first slice and
         `step` the rest; until then each process keeps the strategies of the policy it was matched with
         (`settled` is False), and a process an event touches is rematched first."""
+        self._restale(policy)
+        if self.budget_s is None:
+            self._rematch(math.inf)
+            return self.flush()
+        return self.step()
+
+    def _restale(self, policy: PolicySet) -> None:
+        """Take `policy`: every process keeps its winners under the old one until rematched."""
         old = self._policy
         self._policy = policy
         self._stats.policy_updates += 1
@@ -278,10 +301,6 @@ class Reconciler:
         # refused keys are tried again at once under the new policy, not after their backoff
         self._outbox.mark_all(self._outbox.failed.keys())
         self._outbox.failed.clear()
-        if self.budget_s is None:
-            self._rematch(math.inf)
-            return self.flush()
-        return self.step()
 
     @property
     def settled(self) -> bool:

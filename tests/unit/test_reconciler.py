@@ -385,10 +385,10 @@ def test_hold_writes_keeps_changes_until_released(proc: FakeProc) -> None:
     proc.add(100, 101, "EngineCore_DP0", 5)
     r, b = make(proc)
     r.rescan()
-    r.hold_writes = True
+    r.backend.hold()
     r.set_policy(policy(("local/vllm", {})))
     assert b.table == {}
-    r.hold_writes = False
+    r.backend.release()
     r.flush()
     assert b.table == {tid(101): Entry(10, 0, 5)}
 
@@ -626,7 +626,7 @@ def test_an_unexpected_backend_exception_is_a_refusal_retried_per_key(proc: Fake
 def test_a_held_backend_is_not_retried(proc: FakeProc) -> None:
     clock = Clock()
     r, b = refused_vllm(proc, BackendError("tid:101: busy"), clock)
-    r.hold_writes = True
+    r.backend.hold()
     assert r.next_retry_at() == math.inf
     clock.now += 60
     r.flush()
