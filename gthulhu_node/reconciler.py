@@ -30,29 +30,15 @@ from types import MappingProxyType
 
 import structlog
 
-from gthulhu_node.backends.base import (
-    ApplyResult,
-    Backend,
-    BackendError,
-    Entry,
-    EntryKey,
-    KeyKind,
-    MapFullError,
-    TaskGoneError,
-)
+from gthulhu_node.backends.base import ApplyResult, Backend, Entry, EntryKey, KeyKind
 from gthulhu_node.backends.supervisor import Checked, SupervisedBackend
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
-from gthulhu_node.outbox import FailureReason, Outbox
+from gthulhu_node.outbox import FailureReason
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
+from gthulhu_node.writer import Writer, WriterStats
 
 log = structlog.get_logger(__name__)
-
-# First guess of one key's write cost, before a budgeted flush has measured the backend.
-_WRITE_COST_GUESS_S = 0.0002
-# A budgeted flush's batches start this small and at most double: a backend slower than the guess (or
-# than it was) costs one small batch too many, not one budget-sized batch at the wrong price.
-_FIRST_BATCH = 2
 
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
 
@@ -91,9 +77,10 @@ class IntentStats:
 
 
 @dataclass(slots=True)
-class ReconcilerStats:
-    """Counters for metrics (read at scrape time through `Reconciler.stats()`). Reaction latencies are not
-    here: they go to the latency listeners (the metrics' histogram) only."""
+class ReconcilerStats(WriterStats):
+    """Counters for metrics (read at scrape time through `Reconciler.stats()`): the writer's and the task
+    table's. Reaction latencies are not here: they go to the latency listeners (the metrics' histogram)
+    only."""
 
     events: dict[str, int] = field(default_factory=lambda: {k.name.lower(): 0 for k in EventKind})
     events_lost: int = 0
@@ -108,13 +95,6 @@ class ReconcilerStats:
     matched_tasks: int = 0
     entries_desired: int = 0
     entries_applied: int = 0
-    batches: int = 0
-    upserts: int = 0
-    deletes: int = 0
-    write_failures: int = 0
-    write_retries: int = 0  # writes of a refused key again after its backoff (not at a full diff)
-    map_full: int = 0
-    tasks_gone: int = 0
     tasks_vanished: int = 0  # an event named a task that was gone before its /proc entry could be read
     # /proc/<tgid>/{cgroup,status} unreadable for a reason other than the process being gone: selectors
     # that ask failed closed, and the read is tried again at the next match
@@ -157,46 +137,23 @@ class _Proc:
     owner_known: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class _Want:
-    """One desired entry and the intent that produced it."""
-
-    entry: Entry
-    owner: str
-
-
-@dataclass(slots=True)
-class _IntentFailures:
-    count: int = 0
-    last_reason: FailureReason = FailureReason.BACKEND
-    last_message: str = ""
-
-
-def _entry(want: _Want | None) -> Entry | None:
-    return want.entry if want is not None else None
-
-
 class Reconciler:
-    """Desired table, diff, batched writes. Not thread-safe: the engine thread owns it.
+    """Tasks, matching and winners, turned into the writer's desired entries. Not thread-safe: the engine
+    thread owns it.
 
-    Its state is four structures, each with one invariant (`check_invariants` asserts them all):
+    Its state (`check_invariants` asserts each part's invariant):
     - the task table, `_threads` (tid -> task and its winner) and `_procs` (tgid -> threads, process-scope
       match counts, process winner): every thread is in exactly its own process's `tids`, every process
       has a thread, and every winner is what matching.py's precedence gives for the current policy;
-    - `_desired` (key -> entry and owning intent): exactly the entries the task table implies;
-    - `_applied` (key -> entry): what the backend holds, as far as we know: read back at `resync`, then
-      changed only by writes the backend reported done;
-    - `_outbox` (dirty keys, refused keys and their retry times): a key whose desired and applied values
-      differ is dirty or refused; right after a flush, exactly the refused ones differ (`Outbox`).
-    Per-intent failure counts (`_intent_failures`) and the counters in `_stats` are history, not state.
+    - the writer (gthulhu_node/writer.py): the desired entries, exactly what the task table implies, what
+      the backend holds, and the retry queue; it holds the supervised backend for life.
+    The counters in `_stats` are history, not state.
     The per-intent counts (`_counts`) follow the task table: each thread with a winner adds what it
     counts (`_Thread.counted`) and takes it back when matched again or removed, so status is produced as
     the table changes (`intent_figures`), not recomputed from scratch for every reader (`intent_stats` is
     that from-scratch reference; `check_invariants` asserts they agree).
 
-    Latency listeners (`on_latency` and `add_latency_listener`) are called for every write caused by an
-    event, with the time from the kernel's event timestamp (CLOCK_MONOTONIC, the moment of the prctl / fork /
-    exit) to the end of the backend write. They are the only record of latency (the metrics' histogram).
+    Latency listeners (`on_latency` and `add_latency_listener`) are the writer's (gthulhu_node/writer.py).
     """
 
     def __init__(
@@ -209,18 +166,15 @@ class Reconciler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # held for life: every change of backend (reload, give-up, the stand-in) happens inside it
-        self.backend = backend if isinstance(backend, SupervisedBackend) else SupervisedBackend(backend)
+        self._writer = Writer(
+            backend if isinstance(backend, SupervisedBackend) else SupervisedBackend(backend),
+            clock=clock, on_latency=on_latency,
+        )
         self.proc_root = proc_root
         self._clock = clock
-        # replaced whole, never mutated: another thread may add a listener while the engine thread reads it
-        self._latency_listeners: tuple[Callable[[float], None], ...] = (on_latency,) if on_latency else ()
         self._policy = policy or PolicySet.empty()
         self._threads: dict[int, _Thread] = {}
         self._procs: dict[int, _Proc] = {}
-        self._desired: dict[EntryKey, _Want] = {}
-        self._applied: dict[EntryKey, Entry] = {}
-        self._outbox = Outbox()
-        self._intent_failures: dict[str, _IntentFailures] = {}
         self._stats = ReconcilerStats()
         self._counts: dict[str, _IntentCount] = {}
         self._matched = 0  # threads with a winner
@@ -233,30 +187,44 @@ class Reconciler:
         # carries its strategy and whether the backend holds it), or everything (a resync).
         self._rows: dict[int, Match] = {}
         self._row_tids: set[int] = set()
-        self._row_keys: set[EntryKey] = set()
         self._rows_all = True
-        # Grows whenever an input or a write may have changed what the tables say: the engine publishes
-        # status (gthulhu_node/feed.py) when it moved since the last publication.
-        self.revision = 0
+        self._revision = 0  # inputs seen; `revision` adds the writer's batches
         # Called on this thread when the reconciler settles with callbacks waiting, before them: the
         # engine publishes status there, so whoever waited for the settle reads status that includes it.
         self.before_settled: Callable[[], None] | None = None
         self._pending_logs: list[tuple[str, dict[str, object]]] = []
-        # None: a policy change and a flush finish in the call (tests, preview). The engine sets a few
-        # milliseconds: its thread feeds the watchdog and answers callers, so a rematch and a long write
-        # are done in slices of about this much, one per loop turn (`step`), events handled in between.
-        self.budget_s: float | None = None
         # Processes whose winners were computed with an older policy than `_policy` (tgid -> that policy):
         # they keep its strategies until rematched, by `step` or before anything changes them.
         self._stale: dict[int, PolicySet] = {}
         self._on_settled: list[Callable[[], None]] = []
-        self._write_cost_s = _WRITE_COST_GUESS_S
 
     # ---- inputs -------------------------------------------------------------------------------------
 
     @property
     def policy(self) -> PolicySet:
         return self._policy
+
+    @property
+    def backend(self) -> SupervisedBackend:
+        """The one backend, held (by the writer) for life: reloads and replacements happen inside it."""
+        return self._writer.backend
+
+    @property
+    def revision(self) -> int:
+        """Grows whenever an input or a write may have changed what the tables say: the engine publishes
+        status (gthulhu_node/feed.py) when it moved since the last publication."""
+        return self._revision + self._writer.stats.batches
+
+    @property
+    def budget_s(self) -> float | None:
+        """None: a policy change and a flush finish in the call (tests, preview). The engine sets a few
+        milliseconds: its thread feeds the watchdog and answers callers, so a rematch and a long write
+        are done in slices of about this much, one per loop turn (`step`), events handled in between."""
+        return self._writer.budget_s
+
+    @budget_s.setter
+    def budget_s(self, seconds: float | None) -> None:
+        self._writer.budget_s = seconds
 
     @property
     def hold_writes(self) -> bool:
@@ -291,22 +259,19 @@ class Reconciler:
         old = self._policy
         self._policy = policy
         self._stats.policy_updates += 1
-        self.revision += 1
+        self._revision += 1
         self._all_touched = True
-        for key in [k for k in self._intent_failures if k not in policy.by_key]:
-            del self._intent_failures[key]
+        self._writer.forget_intents_but(policy.by_key)
         stale = self._stale
         for tgid in self._procs:
             stale.setdefault(tgid, old)
-        # refused keys are tried again at once under the new policy, not after their backoff
-        self._outbox.mark_all(self._outbox.failed.keys())
-        self._outbox.failed.clear()
+        self._writer.retry_refused_now()  # under the new policy, not after their backoff
 
     @property
     def settled(self) -> bool:
         """No rematch in progress and nothing left to write (or writes held): what the tables say is what
         the backend holds, apart from refused keys."""
-        return not self._stale and (not self._outbox.dirty or self.hold_writes)
+        return not self._stale and (not self._writer.dirty or self.hold_writes)
 
     def when_settled(self, callback: Callable[[], None]) -> None:
         """Call `callback()` on this thread once `settled` (now if it is), in the order registered."""
@@ -329,10 +294,10 @@ class Reconciler:
                 return
             tgid = next(iter(stale))
             self._rematch_proc(procs[tgid])
-            self.revision += 1
+            self._revision += 1
             n += 1
         log.info("policy_applied", intents=len(self._policy), tasks=len(self._threads),
-                 entries=len(self._desired))
+                 entries=self._writer.sizes[0])
 
     def _notify_settled(self) -> None:
         if self._on_settled and self.settled:
@@ -352,7 +317,7 @@ class Reconciler:
         """
         st = self._stats
         st.scans += 1
-        self.revision += 1
+        self._revision += 1
         st.scan_errors += snap.errors
         st.scan_duration_last_s = snap.duration_s
         st.scan_duration_total_s += snap.duration_s
@@ -368,7 +333,7 @@ class Reconciler:
             log.warning("proc_scan_incomplete", errors=snap.errors, tasks=len(snap.tasks))
         for task in snap.tasks.values():
             self._put_task(task, 0)
-        self._mark_all_dirty()
+        self._writer.mark_all_dirty()
         return self.flush()
 
     def rescan(self) -> ApplyResult:
@@ -380,7 +345,7 @@ class Reconciler:
         counts = self._stats.events
         threads = self._threads
         reowned: dict[int, int] = {}  # tgid -> event time: processes whose owner must be read again
-        self.revision += 1
+        self._revision += 1
         for ev in events:
             kind = ev.kind
             counts[_EVENT_NAMES[kind]] += 1
@@ -431,45 +396,39 @@ class Reconciler:
     def note_events_lost(self) -> None:
         """The event source dropped events; the engine rescans at once."""
         self._stats.events_lost += 1
-        self.revision += 1
+        self._revision += 1
 
     def note_event_read_error(self) -> None:
         self._stats.event_read_errors += 1
-        self.revision += 1
+        self._revision += 1
 
     def resync(self) -> ApplyResult:
         """Re-read what the backend holds (after a restart or reload) and write every difference."""
         self._stats.resyncs += 1
-        self.revision += 1
+        self._revision += 1
         self._rows_all = True
-        try:
-            self._applied = dict(self.backend.read_back())
-        except BackendError as exc:
-            log.error("backend_read_back_failed", backend=self.backend.name, error=str(exc))
-            self._applied = {}
-        self._outbox.failed.clear()
-        self._mark_all_dirty()
+        self._writer.read_back()
         return self.flush()
 
     # ---- outputs ------------------------------------------------------------------------------------
 
     def desired(self) -> dict[EntryKey, Entry]:
-        return {k: w.entry for k, w in self._desired.items()}
+        return self._writer.desired()
 
     def applied(self) -> dict[EntryKey, Entry]:
-        return dict(self._applied)
+        return self._writer.applied()
 
     def tasks(self) -> dict[int, Task]:
         return {tid: th.task for tid, th in self._threads.items()}
 
     def failures(self) -> dict[EntryKey, FailureReason]:
         """Keys the backend refused and that wait for their retry, with why."""
-        return {k: f.reason for k, f in self._outbox.failed.items()}
+        return self._writer.failures()
 
     def next_retry_at(self) -> float:
         """When the earliest refused key is due to be written again (monotonic seconds; inf if none).
         The engine wakes up then; any `flush` from that moment on writes it."""
-        return math.inf if self.hold_writes else self._outbox.next_retry_at()
+        return self._writer.next_retry_at()
 
     def matches(self) -> list[Match]:
         """Every task some intent matched, with the one intent whose strategy it gets (from scratch)."""
@@ -488,7 +447,7 @@ class Reconciler:
             out = dict(self._rows)
             changed = set(self._row_tids)
             procs = self._procs
-            for key in self._row_keys:
+            for key in self._writer.changed_keys:
                 if key.kind is KeyKind.TID:
                     changed.add(key.id)
                 elif (proc := procs.get(key.id)) is not None:
@@ -501,7 +460,8 @@ class Reconciler:
             else:
                 out[tid] = row
         self._rows = out
-        self._row_tids, self._row_keys, self._rows_all = set(), set(), False
+        self._row_tids, self._rows_all = set(), False
+        self._writer.changed_keys.clear()
         return MappingProxyType(out)
 
     def _row(self, tid: int) -> Match | None:
@@ -509,16 +469,16 @@ class Reconciler:
         w = th.winner if th is not None else None
         if th is None or w is None:
             return None
-        desired, applied = self._desired, self._applied
+        writer = self._writer
         task = th.task
         proc = self._procs[task.tgid]
         entry_key: EntryKey | None = None
         tid_key = EntryKey(KeyKind.TID, tid)
-        if tid_key in desired:
+        if writer.wanted(tid_key):
             entry_key = tid_key
         elif proc.winner is not None and not proc.winner.is_noop:
             entry_key = EntryKey(KeyKind.TGID, task.tgid)
-        ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
+        ok = entry_key is not None and writer.holds(entry_key)
         return Match(tid, task.tgid, task.comm, w.key, w.priority, w.slice_ns, w.scope.value,
                      str(entry_key) if entry_key is not None else "", ok)
 
@@ -547,21 +507,19 @@ class Reconciler:
                 else:
                     s.lost_tasks += 1
                     s.overlaps[w.key] = s.overlaps.get(w.key, 0) + 1
-        for key, f in self._intent_failures.items():
+        for key, f in self._writer.failures_by_intent.items():
             if key in result:
                 result[key].write_failures = f.count
                 result[key].last_error = f.last_message
                 result[key].last_reason = f.last_reason
-        for failed_key, failure in self._outbox.failed.items():
-            want = self._desired.get(failed_key)
-            if want is not None and want.owner in result:
-                s = result[want.owner]
+        for _key, reason, owner in self._writer.refused():
+            if owner in result:
+                s = result[owner]
                 s.pending_failures += 1
-                s.pending_reasons[failure.reason] = s.pending_reasons.get(failure.reason, 0) + 1
-        for dirty_key in self._outbox.dirty:
-            want = self._desired.get(dirty_key)
-            if want is not None and want.owner in result and self._applied.get(dirty_key) != want.entry:
-                result[want.owner].unwritten += 1
+                s.pending_reasons[reason] = s.pending_reasons.get(reason, 0) + 1
+        for owner in self._writer.unwritten():
+            if owner in result:
+                result[owner].unwritten += 1
         return result
 
     def intent_figures(self) -> Mapping[str, IntentStats]:
@@ -571,25 +529,15 @@ class Reconciler:
         outside a long write), are built anew; the others are the previous call's records, shared. The
         engine publishes the result (gthulhu_node/feed.py); no record is changed once returned."""
         policy = self._policy
-        desired, applied, outbox = self._desired, self._applied, self._outbox
-        live: dict[str, tuple[list[int], dict[FailureReason, int]]] = {}
-        for failed_key, failure in outbox.failed.items():
-            want = desired.get(failed_key)
-            if want is not None:
-                counts, reasons = live.setdefault(want.owner, ([0, 0], {}))
-                counts[0] += 1
-                reasons[failure.reason] = reasons.get(failure.reason, 0) + 1
-        for dirty_key in outbox.dirty:
-            want = desired.get(dirty_key)
-            if want is not None and applied.get(dirty_key) != want.entry:
-                live.setdefault(want.owner, ([0, 0], {}))[0][1] += 1
+        writer = self._writer
+        live = writer.pending()
         if self._all_touched:
             out: dict[str, IntentStats] = {}
             rebuild: Iterable[str] = policy.by_key
         else:
             out = dict(self._figures)
-            rebuild = (self._touched | self._live | live.keys()) & policy.by_key.keys()
-        counts_of, failures = self._counts, self._intent_failures
+            rebuild = (self._touched | writer.touched | self._live | live.keys()) & policy.by_key.keys()
+        counts_of, failures = self._counts, writer.failures_by_intent
         for key in rebuild:
             c = counts_of.get(key)
             f = failures.get(key)
@@ -610,6 +558,7 @@ class Reconciler:
             )
         self._figures = out
         self._touched = set()
+        writer.touched.clear()
         self._all_touched = False
         self._live = set(live)
         return MappingProxyType(out)
@@ -619,8 +568,10 @@ class Reconciler:
         st.tasks = len(self._threads)
         st.processes = len(self._procs)
         st.matched_tasks = self._matched
-        st.entries_desired = len(self._desired)
-        st.entries_applied = len(self._applied)
+        st.entries_desired, st.entries_applied = self._writer.sizes
+        ws = self._writer.stats
+        for name in WriterStats.__dataclass_fields__:
+            setattr(st, name, getattr(ws, name))
         copy = ReconcilerStats(**{f: getattr(st, f) for f in ReconcilerStats.__dataclass_fields__})
         copy.events = dict(st.events)
         return copy
@@ -641,11 +592,7 @@ class Reconciler:
                 th = threads[tid]
                 thread = self._eligible(policy.match(th.task.comm).thread, proc, policy)
                 assert th.winner is best((thread[0] if thread else None, proc.winner)), tid
-        desired, applied, outbox = self._desired, self._applied, self._outbox
-        differ = {k for k in desired.keys() | applied.keys() if applied.get(k) != _entry(desired.get(k))}
-        assert differ <= outbox.dirty.keys() | outbox.failed.keys(), differ
-        if not outbox.dirty and not self.hold_writes:
-            assert differ == outbox.failed.keys(), (differ, set(outbox.failed))
+        self._writer.check_invariants()
         # the counts kept as tasks are matched are what a pass over the task table gives
         scratch = self.intent_stats()
         kept = self._counts
@@ -666,7 +613,7 @@ class Reconciler:
         Log lines about (un)matched tasks are emitted after the write, so rendering them never delays it.
         """
         try:
-            return self._flush()
+            return self._writer.flush()
         finally:
             if self._pending_logs:
                 logs, self._pending_logs = self._pending_logs, []
@@ -677,170 +624,9 @@ class Reconciler:
                         log.debug(event, **fields)
             self._notify_settled()
 
-    def _flush(self) -> ApplyResult:
-        outbox = self._outbox
-        if self.hold_writes or (not outbox.dirty and not outbox.failed):
-            return ApplyResult()
-        now = self._clock()
-        dirty, retried = outbox.take(now)
-        if not dirty:
-            return ApplyResult()
-        todo: list[tuple[EntryKey, Entry | None]] = []
-        desired, applied, failed_keys = self._desired, self._applied, outbox.failed
-        for key in dirty:
-            entry = _entry(desired.get(key))
-            if entry == applied.get(key):
-                failed_keys.pop(key, None)
-                continue
-            todo.append((key, entry))
-        if not todo:
-            return ApplyResult()
-        self._stats.write_retries += retried
-        budget = self.budget_s
-        if budget is None:
-            return self._write(todo, dirty, now)
-        todo.sort(key=lambda item: dirty[item[0]] == 0)  # event-caused writes first: their latency counts
-        deadline = time.monotonic() + budget
-        total = ApplyResult()
-        i, n = 0, _FIRST_BATCH
-        while i < len(todo):
-            start = time.monotonic()
-            if i and start >= deadline:
-                break
-            n = max(1, min(2 * n if i else n, int((deadline - start) / self._write_cost_s)))
-            chunk = todo[i:i + n]
-            result = self._write(chunk, dirty, now)
-            self._write_cost_s = max(1e-6, 0.5 * self._write_cost_s
-                                     + 0.5 * (time.monotonic() - start) / len(chunk))
-            total.upserted += result.upserted
-            total.deleted += result.deleted
-            total.failed.update(result.failed)
-            i += len(chunk)
-        for key, _unwritten in todo[i:]:
-            outbox.mark(key, dirty[key])
-        return total
-
-    def _write(self, todo: list[tuple[EntryKey, Entry | None]], dirty: dict[EntryKey, int],
-               now: float) -> ApplyResult:
-        """One batch to the backend; the tables follow what it reports."""
-        upserts: dict[EntryKey, Entry] = {}
-        deletes: list[EntryKey] = []
-        for key, entry in todo:
-            if entry is None:
-                deletes.append(key)
-            else:
-                upserts[key] = entry
-        applied, outbox = self._applied, self._outbox
-        failed_keys = outbox.failed
-        st = self._stats
-        st.batches += 1
-        self.revision += 1
-        try:
-            result = self.backend.apply(upserts, deletes)
-        except Exception as raised:
-            # The whole batch was refused (nothing written): every key keeps its old applied value and is
-            # retried on its own. An exception no backend should raise (a bug, an OSError let through) is
-            # a refusal too, logged with its traceback: raised through the engine, it dropped the keys
-            # taken for this write until the next rescan.
-            exc = (raised if isinstance(raised, BackendError)
-                   else BackendError(f"{type(raised).__name__}: {raised}"))
-            log.error("backend_write_failed", backend=self.backend.name, keys=len(upserts) + len(deletes),
-                      error=str(exc), exc_info=not isinstance(raised, BackendError))
-            st.write_failures += len(upserts) + len(deletes)
-            for key in [*upserts, *deletes]:
-                self._record_failure(key, exc, now)
-            return ApplyResult(failed={k: exc for k in [*upserts, *deletes]})
-        done = time.monotonic_ns()
-        failed = result.failed
-        for key, entry in upserts.items():
-            err = failed.get(key)
-            if err is None:
-                applied[key] = entry
-                failed_keys.pop(key, None)
-                self._row_keys.add(key)
-            elif isinstance(err, TaskGoneError):
-                st.tasks_gone += 1
-                self._desired.pop(key, None)
-                self._row_keys.add(key)
-                failed_keys.pop(key, None)
-                if key in applied:  # an older entry under that key: delete it at the next flush
-                    outbox.mark(key, 0)
-            else:
-                st.write_failures += 1
-                if isinstance(err, MapFullError):
-                    st.map_full += 1
-                self._record_failure(key, err, now)
-        for key in deletes:
-            err = failed.get(key)
-            if err is None or isinstance(err, TaskGoneError):
-                applied.pop(key, None)
-                failed_keys.pop(key, None)
-                self._row_keys.add(key)
-            else:
-                st.write_failures += 1
-                self._record_failure(key, err, now)
-        st.upserts += result.upserted
-        st.deletes += result.deleted
-        self._observe_latencies(dirty, upserts, deletes, failed, done)
-        return result
-
-    def _observe_latencies(
-        self,
-        dirty: dict[EntryKey, int],
-        upserts: dict[EntryKey, Entry],
-        deletes: list[EntryKey],
-        failed: dict[EntryKey, BackendError],
-        done_ns: int,
-    ) -> None:
-        listeners = self._latency_listeners
-        if not listeners:
-            return
-        for key in [*upserts, *deletes]:
-            ts = dirty.get(key, 0)
-            if ts <= 0 or key in failed:
-                continue
-            seconds = max(0, done_ns - ts) / 1e9
-            for listener in listeners:
-                listener(seconds)
-
     def add_latency_listener(self, listener: Callable[[float], None]) -> None:
         """Also call `listener(seconds)` for every event-caused write (metrics' histogram). Thread-safe."""
-        self._latency_listeners = (*self._latency_listeners, listener)
-
-    def _record_failure(self, key: EntryKey, err: BackendError, now: float) -> None:
-        failure = self._outbox.fail(key, err, now)
-        reason, message = failure.reason, failure.message
-        want = self._desired.get(key)
-        if want is None:
-            return
-        self._touched.add(want.owner)
-        f = self._intent_failures.get(want.owner)
-        first = f is None or f.last_message != message
-        if f is None:
-            f = self._intent_failures[want.owner] = _IntentFailures()
-        f.count += 1
-        f.last_reason, f.last_message = reason, message
-        if first:
-            log.warning("entry_write_failed", intent_id=want.owner, key=str(key), reason=reason.value,
-                        error=message)
-
-    def _mark_all_dirty(self) -> None:
-        self._outbox.mark_all(self._desired.keys() | self._applied.keys())
-
-    def _set_desired(self, key: EntryKey, entry: Entry | None, owner: str, ts: int) -> None:
-        cur = self._desired.get(key)
-        if entry is None:
-            if cur is None:
-                return
-            del self._desired[key]
-        else:
-            if cur is not None and cur.entry == entry:
-                if cur.owner != owner:
-                    self._desired[key] = _Want(entry, owner)
-                return
-            self._desired[key] = _Want(entry, owner)
-        self._outbox.mark(key, ts)
-        self._row_keys.add(key)
+        self._writer.add_latency_listener(listener)
 
     # ---- the task table -----------------------------------------------------------------------------
 
@@ -906,14 +692,14 @@ class Reconciler:
         self._uncount(th)
         self._row_tids.add(tid)
         del self._threads[tid]
-        self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
+        self._writer.want(EntryKey(KeyKind.TID, tid), None, "", ts)
         proc = self._procs.get(task.tgid)
         if proc is None:
             return
         proc.tids.discard(tid)
         if not proc.tids:
             del self._procs[task.tgid]
-            self._set_desired(EntryKey(KeyKind.TGID, task.tgid), None, "", ts)
+            self._writer.want(EntryKey(KeyKind.TGID, task.tgid), None, "", ts)
             return
         if self._count_process_matches(proc, task.comm, -1):
             if self._refresh_proc_winner(proc, ts):
@@ -977,7 +763,7 @@ class Reconciler:
         proc.winner = new
         key = EntryKey(KeyKind.TGID, proc.tgid)
         if new is None or new.is_noop or not self.backend.process_fallback:
-            self._set_desired(key, None, "", ts)  # without a fallback, _assign gives each thread its own
+            self._writer.want(key, None, "", ts)  # without a fallback, _assign gives each thread its own
             return True
         if proc.start_time is None:
             try:
@@ -988,9 +774,9 @@ class Reconciler:
                 proc.start_time = leader.start_time
         if proc.start_time is None:
             log.warning("process_leader_unknown", tgid=proc.tgid, intent_id=new.key)
-            self._set_desired(key, None, "", ts)
+            self._writer.want(key, None, "", ts)
         else:
-            self._set_desired(key, Entry(new.priority, new.slice_ns, proc.start_time), new.key, ts)
+            self._writer.want(key, Entry(new.priority, new.slice_ns, proc.start_time), new.key, ts)
         return True
 
     def _assign_all(self, proc: _Proc, ts: int) -> None:
@@ -1015,7 +801,7 @@ class Reconciler:
                 fields: dict[str, object] = {"intent_id": prev.key, "tid": tid, "tgid": task.tgid}
                 self._pending_logs.append(("task_unmatched", {**fields, "comm": task.comm}))
             self._count(th, proc)
-            self._set_desired(key, None, "", ts)
+            self._writer.want(key, None, "", ts)
             return
         th.winner = w
         self._count(th, proc)
@@ -1032,9 +818,9 @@ class Reconciler:
             and (pw is w or (pw.priority, pw.slice_ns) == (w.priority, w.slice_ns))
         )
         if w.is_noop or covered_by_tgid:
-            self._set_desired(key, None, "", ts)
+            self._writer.want(key, None, "", ts)
         else:
-            self._set_desired(key, Entry(w.priority, w.slice_ns, task.start_time), w.key, ts)
+            self._writer.want(key, Entry(w.priority, w.slice_ns, task.start_time), w.key, ts)
 
     def _rematch_proc(self, proc: _Proc, ts: int = 0) -> None:
         """Recompute one process's and its threads' winners under the current policy (after a change, or
@@ -1046,7 +832,7 @@ class Reconciler:
         proc.pmatch.clear()
         if proc.winner is not None:
             proc.winner = None
-            self._set_desired(EntryKey(KeyKind.TGID, proc.tgid), None, "", ts)
+            self._writer.want(EntryKey(KeyKind.TGID, proc.tgid), None, "", ts)
         if self._policy.has_process_scope:
             for tid in proc.tids:
                 self._count_process_matches(proc, threads[tid].task.comm, +1)
