@@ -58,7 +58,8 @@ from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
 from gthulhu_node.matching import PolicySet, resolve_users
 from gthulhu_node.outbox import FailureReason
-from gthulhu_node.reconciler import IntentStats, Reconciler
+from gthulhu_node.reconciler import Reconciler
+from gthulhu_node.status_projection import IntentStats
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
 from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 

@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 
 import structlog
 
@@ -34,6 +33,7 @@ from gthulhu_node.backends.base import ApplyResult, Backend, Entry, EntryKey, Ke
 from gthulhu_node.backends.supervisor import Checked, SupervisedBackend
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
 from gthulhu_node.outbox import FailureReason
+from gthulhu_node.status_projection import IntentCount, IntentStats, Match, StatusProjection
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
 from gthulhu_node.writer import Writer, WriterStats
@@ -41,39 +41,6 @@ from gthulhu_node.writer import Writer, WriterStats
 log = structlog.get_logger(__name__)
 
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    """One task and the intent whose strategy it gets."""
-
-    tid: int
-    tgid: int
-    comm: str
-    intent_key: str
-    priority: int
-    slice_ns: int
-    scope: str  # the winning intent's scope: "thread" or "process"
-    entry: str  # the key that carries it ("tid:123", "tgid:100"), "" when nothing is written (noop)
-    applied: bool  # the backend holds that entry as computed
-
-
-@dataclass(slots=True)
-class IntentStats:
-    """Per-intent status: how many tasks it matched, won and lost (and to whom), write failures."""
-
-    key: str
-    noop: bool = False
-    matched_tasks: int = 0
-    applied_tasks: int = 0  # tasks whose strategy is this intent's
-    lost_tasks: int = 0
-    overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
-    write_failures: int = 0
-    pending_failures: int = 0  # entries of this intent not in the backend right now because a write failed
-    unwritten: int = 0  # entries of this intent waiting for their write (a long write is done in slices)
-    pending_reasons: dict[FailureReason, int] = field(default_factory=dict)  # the same, by reason
-    last_error: str = ""  # the backend's words for the last refusal, for people
-    last_reason: FailureReason | None = None
 
 
 @dataclass(slots=True)
@@ -113,16 +80,6 @@ class _Thread:
     counted: tuple[frozenset[str], str] | None = None
 
 
-@dataclass(slots=True)
-class _IntentCount:
-    """One intent's share of the task table, kept as threads are matched and unmatched."""
-
-    matched: int = 0
-    applied: int = 0
-    lost: int = 0
-    overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
-
-
 @dataclass(slots=True, eq=False)
 class _Proc:
     tgid: int
@@ -148,10 +105,10 @@ class Reconciler:
     - the writer (gthulhu_node/writer.py): the desired entries, exactly what the task table implies, what
       the backend holds, and the retry queue; it holds the supervised backend for life.
     The counters in `_stats` are history, not state.
-    The per-intent counts (`_counts`) follow the task table: each thread with a winner adds what it
-    counts (`_Thread.counted`) and takes it back when matched again or removed, so status is produced as
-    the table changes (`intent_figures`), not recomputed from scratch for every reader (`intent_stats` is
-    that from-scratch reference; `check_invariants` asserts they agree).
+    The status projection (gthulhu_node/status_projection.py) is fed as the table changes: each thread
+    with a winner adds what it counts (`_Thread.counted`) and takes it back when matched again or
+    removed, so status is produced (`intent_figures`, `task_rows`), not recomputed from scratch for every
+    reader (`intent_stats` is that from-scratch reference; `check_invariants` asserts they agree).
 
     Latency listeners (`on_latency` and `add_latency_listener`) are the writer's (gthulhu_node/writer.py).
     """
@@ -176,18 +133,7 @@ class Reconciler:
         self._threads: dict[int, _Thread] = {}
         self._procs: dict[int, _Proc] = {}
         self._stats = ReconcilerStats()
-        self._counts: dict[str, _IntentCount] = {}
-        self._matched = 0  # threads with a winner
-        self._touched: set[str] = set()  # intents whose counts or failures changed since `intent_figures`
-        self._all_touched = True  # the policy changed: every intent's figures are built again
-        self._figures: dict[str, IntentStats] = {}  # what `intent_figures` last returned
-        self._live: set[str] = set()  # intents that had refused or unwritten entries then
-        # Task rows as `task_rows` last returned them, and what may have changed them since: threads
-        # matched again or removed, keys whose desired or applied entry changed (a row says which key
-        # carries its strategy and whether the backend holds it), or everything (a resync).
-        self._rows: dict[int, Match] = {}
-        self._row_tids: set[int] = set()
-        self._rows_all = True
+        self._status = StatusProjection(self._threads, self._procs, self._writer)
         self._revision = 0  # inputs seen; `revision` adds the writer's batches
         # Called on this thread when the reconciler settles with callbacks waiting, before them: the
         # engine publishes status there, so whoever waited for the settle reads status that includes it.
@@ -260,7 +206,7 @@ class Reconciler:
         self._policy = policy
         self._stats.policy_updates += 1
         self._revision += 1
-        self._all_touched = True
+        self._status.all_touched = True
         self._writer.forget_intents_but(policy.by_key)
         stale = self._stale
         for tgid in self._procs:
@@ -406,7 +352,7 @@ class Reconciler:
         """Re-read what the backend holds (after a restart or reload) and write every difference."""
         self._stats.resyncs += 1
         self._revision += 1
-        self._rows_all = True
+        self._status.rows_all = True
         self._writer.read_back()
         return self.flush()
 
@@ -432,55 +378,18 @@ class Reconciler:
 
     def matches(self) -> list[Match]:
         """Every task some intent matched, with the one intent whose strategy it gets (from scratch)."""
-        out = [row for tid in self._threads if (row := self._row(tid)) is not None]
+        out = [row for tid in self._threads if (row := self._status.row(tid)) is not None]
         out.sort(key=lambda m: (m.tgid, m.tid))
         return out
 
     def task_rows(self) -> Mapping[int, Match]:
-        """The rows of `matches` by TID, produced: only the rows of threads matched again or removed, or
-        whose entry's desired or applied value changed since the last call, are built anew; the others
-        are the last call's (frozen) rows. The engine publishes the result (gthulhu_node/feed.py)."""
-        if self._rows_all:
-            out: dict[int, Match] = {}
-            tids: Iterable[int] = self._threads
-        else:
-            out = dict(self._rows)
-            changed = set(self._row_tids)
-            procs = self._procs
-            for key in self._writer.changed_keys:
-                if key.kind is KeyKind.TID:
-                    changed.add(key.id)
-                elif (proc := procs.get(key.id)) is not None:
-                    changed.update(proc.tids)
-            tids = changed
-        for tid in tids:
-            row = self._row(tid)
-            if row is None:
-                out.pop(tid, None)
-            else:
-                out[tid] = row
-        self._rows = out
-        self._row_tids, self._rows_all = set(), False
-        self._writer.changed_keys.clear()
-        return MappingProxyType(out)
+        """The rows of `matches` by TID, produced (StatusProjection.rows). The engine publishes them."""
+        return self._status.rows()
 
-    def _row(self, tid: int) -> Match | None:
-        th = self._threads.get(tid)
-        w = th.winner if th is not None else None
-        if th is None or w is None:
-            return None
-        writer = self._writer
-        task = th.task
-        proc = self._procs[task.tgid]
-        entry_key: EntryKey | None = None
-        tid_key = EntryKey(KeyKind.TID, tid)
-        if writer.wanted(tid_key):
-            entry_key = tid_key
-        elif proc.winner is not None and not proc.winner.is_noop:
-            entry_key = EntryKey(KeyKind.TGID, task.tgid)
-        ok = entry_key is not None and writer.holds(entry_key)
-        return Match(tid, task.tgid, task.comm, w.key, w.priority, w.slice_ns, w.scope.value,
-                     str(entry_key) if entry_key is not None else "", ok)
+    def intent_figures(self) -> Mapping[str, IntentStats]:
+        """Per-intent figures equal to `intent_stats`'s, produced (StatusProjection.figures). The engine
+        publishes them (gthulhu_node/feed.py); no record is changed once returned."""
+        return self._status.figures(self._policy)
 
     def intent_stats(self) -> dict[str, IntentStats]:
         """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
@@ -522,52 +431,11 @@ class Reconciler:
                 result[owner].unwritten += 1
         return result
 
-    def intent_figures(self) -> Mapping[str, IntentStats]:
-        """Per-intent figures equal to `intent_stats`'s, produced from the counts kept as tasks are
-        matched (no pass over the task table): only the intents whose counts or failures changed since
-        the last call, or that have refused or unwritten entries (a pass over the outbox, which is short
-        outside a long write), are built anew; the others are the previous call's records, shared. The
-        engine publishes the result (gthulhu_node/feed.py); no record is changed once returned."""
-        policy = self._policy
-        writer = self._writer
-        live = writer.pending()
-        if self._all_touched:
-            out: dict[str, IntentStats] = {}
-            rebuild: Iterable[str] = policy.by_key
-        else:
-            out = dict(self._figures)
-            rebuild = (self._touched | writer.touched | self._live | live.keys()) & policy.by_key.keys()
-        counts_of, failures = self._counts, writer.failures_by_intent
-        for key in rebuild:
-            c = counts_of.get(key)
-            f = failures.get(key)
-            pending = live.get(key)
-            out[key] = IntentStats(
-                key,
-                noop=policy.by_key[key].is_noop,
-                matched_tasks=c.matched if c else 0,
-                applied_tasks=c.applied if c else 0,
-                lost_tasks=c.lost if c else 0,
-                overlaps=dict(c.overlaps) if c else {},
-                write_failures=f.count if f else 0,
-                pending_failures=pending[0][0] if pending else 0,
-                unwritten=pending[0][1] if pending else 0,
-                pending_reasons=dict(pending[1]) if pending else {},
-                last_error=f.last_message if f else "",
-                last_reason=f.last_reason if f else None,
-            )
-        self._figures = out
-        self._touched = set()
-        writer.touched.clear()
-        self._all_touched = False
-        self._live = set(live)
-        return MappingProxyType(out)
-
     def stats(self) -> ReconcilerStats:
         st = self._stats
         st.tasks = len(self._threads)
         st.processes = len(self._procs)
-        st.matched_tasks = self._matched
+        st.matched_tasks = self._status.matched
         st.entries_desired, st.entries_applied = self._writer.sizes
         ws = self._writer.stats
         for name in WriterStats.__dataclass_fields__:
@@ -595,13 +463,13 @@ class Reconciler:
         self._writer.check_invariants()
         # the counts kept as tasks are matched are what a pass over the task table gives
         scratch = self.intent_stats()
-        kept = self._counts
+        kept = self._status.counts
         for key, s in scratch.items():
-            c = kept.get(key, _IntentCount())
+            c = kept.get(key, IntentCount())
             assert (c.matched, c.applied, c.lost, c.overlaps) == (
                 s.matched_tasks, s.applied_tasks, s.lost_tasks, s.overlaps), (key, c, s)
         assert all(c.matched > 0 for c in kept.values()), kept
-        assert self._matched == sum(1 for th in threads.values() if th.winner is not None)
+        assert self._status.matched == sum(1 for th in threads.values() if th.winner is not None)
 
     # ---- writing ------------------------------------------------------------------------------------
 
@@ -680,7 +548,7 @@ class Reconciler:
         else:
             self._assign(th, proc, ts)
         if changed:  # every thread of the process matches the process-scope intents it matches
-            self._count_all(proc)
+            self._status.count_all(proc)
 
     def _remove_task(self, tid: int, ts: int) -> None:
         th = self._threads.get(tid)
@@ -689,8 +557,8 @@ class Reconciler:
         task = th.task
         if self._stale:
             self._fresh(task.tgid)
-        self._uncount(th)
-        self._row_tids.add(tid)
+        self._status.uncount(th)
+        self._status.row_tids.add(tid)
         del self._threads[tid]
         self._writer.want(EntryKey(KeyKind.TID, tid), None, "", ts)
         proc = self._procs.get(task.tgid)
@@ -704,7 +572,7 @@ class Reconciler:
         if self._count_process_matches(proc, task.comm, -1):
             if self._refresh_proc_winner(proc, ts):
                 self._assign_all(proc, ts)
-            self._count_all(proc)
+            self._status.count_all(proc)
 
     def _eligible(
         self, cands: tuple[CompiledIntent, ...], proc: _Proc, policy: PolicySet | None = None
@@ -794,17 +662,17 @@ class Reconciler:
         prev = th.winner
         key = EntryKey(KeyKind.TID, tid)
         th.cands = frozenset(c.key for c in thread) if thread else frozenset()
-        self._row_tids.add(tid)
+        self._status.row_tids.add(tid)
         if w is None:
             if prev is not None:
                 th.winner = None
                 fields: dict[str, object] = {"intent_id": prev.key, "tid": tid, "tgid": task.tgid}
                 self._pending_logs.append(("task_unmatched", {**fields, "comm": task.comm}))
-            self._count(th, proc)
+            self._status.count(th, proc)
             self._writer.want(key, None, "", ts)
             return
         th.winner = w
-        self._count(th, proc)
+        self._status.count(th, proc)
         if prev is not w:
             self._pending_logs.append(
                 ("task_matched", {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
@@ -839,55 +707,6 @@ class Reconciler:
             if proc.pmatch:
                 self._refresh_proc_winner(proc, ts)
         self._assign_all(proc, ts)
-
-    def _count(self, th: _Thread, proc: _Proc) -> None:
-        """Make the per-intent counts hold what this thread counts now: every intent it matches (its own
-        thread-scope matches and its process's process-scope ones) counts it as matched, its winner as
-        applied, the others as lost to the winner. Called wherever a winner, a thread's matches or a
-        process's process-scope matches change; a no-op when nothing did."""
-        w = th.winner
-        new = None if w is None else (th.cands.union(proc.pmatch), w.key)
-        old = th.counted
-        if new == old:
-            return
-        if old is not None:
-            self._tally(old, -1)
-        if new is not None:
-            self._tally(new, +1)
-        self._matched += (new is not None) - (old is not None)
-        th.counted = new
-
-    def _uncount(self, th: _Thread) -> None:
-        if th.counted is not None:
-            self._tally(th.counted, -1)
-            self._matched -= 1
-            th.counted = None
-
-    def _count_all(self, proc: _Proc) -> None:
-        threads = self._threads
-        for tid in proc.tids:
-            self._count(threads[tid], proc)
-
-    def _tally(self, counted: tuple[frozenset[str], str], delta: int) -> None:
-        cands, winner = counted
-        counts, touched = self._counts, self._touched
-        for key in cands:
-            c = counts.get(key)
-            if c is None:
-                c = counts[key] = _IntentCount()
-            c.matched += delta
-            if key == winner:
-                c.applied += delta
-            else:
-                c.lost += delta
-                n = c.overlaps.get(winner, 0) + delta
-                if n:
-                    c.overlaps[winner] = n
-                else:
-                    del c.overlaps[winner]
-            if not c.matched:
-                del counts[key]
-            touched.add(key)
 
     def _fresh(self, tgid: int) -> None:
         """Rematch a stale process before anything changes it: its counts and winners must be the
