@@ -344,34 +344,23 @@ class Agent:
         self.board.close()
 
     def _apply_runtime_config(self) -> None:
-        """Load-time settings the Manager set through runtime-config (only the allowed ones), before
-        the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
-        from gthulhu_node.rest.runtime_config import take_into_effect
+        """Load-time settings the Manager set through runtime-config (rest/runtime_config.py), before the
+        scheduler is loaded."""
+        from gthulhu_node.rest.runtime_config import default_slice_at_start
 
-        applied = take_into_effect(self.config.state.directory,
-                                   frozenset(self.config.rest.runtime_config_allow))
-        slice_ns = applied.get("sliceNsDefault")
-        if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
-            log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
-                        configured=self.config.scheduler.default_slice_ns,
-                        source="the Manager's runtime-config")
+        configured = self.config.scheduler.default_slice_ns
+        slice_ns = default_slice_at_start(self.config.state.directory,
+                                          frozenset(self.config.rest.runtime_config_allow), configured)
+        if slice_ns != configured:
             scheduler = self.config.scheduler.model_copy(update={"default_slice_ns": slice_ns})
             self.config = self.config.model_copy(update={"scheduler": scheduler})
 
     def _pod_metrics_text(self) -> bytes:
         """Upstream's gthulhu_pod_* metrics for the Manager's scrape of the REST listener's /metrics."""
-        from gthulhu_node.rest.podmetrics import PodTarget, render
-        from gthulhu_node.rest.translate import pod_record_of
+        from gthulhu_node.rest.podmetrics import manager_pods_text
 
-        current = self.store.get(MANAGER_PODS)
-        targets: dict[str, PodTarget] = {}
-        for entry in current.entries if current is not None else ():
-            if entry.intent_id:
-                rec = pod_record_of(entry)
-                targets[intent_key(MANAGER_PODS, entry.intent_id)] = PodTarget(
-                    rec.pod_name, rec.pod_id, rec.namespace, rec.node_id or self.config.node.name
-                )
-        return render(targets, self.matches() if targets else (), self.config.watch.proc_root)
+        return manager_pods_text(MANAGER_PODS, self.store.get(MANAGER_PODS), self.matches,
+                                 self.config.node.name, self.config.watch.proc_root)
 
     def stop(self) -> None:
         """Stop what `start` started, in reverse (ready, REST, API, status, files, engine, backend).
