@@ -44,8 +44,10 @@ RULES: dict[str, tuple[str, ...]] = {
         "intents", "matching", "reconciler", "feed", "engine"),
     "gthulhu_node.reconciler": COMPOSITION + EDGES + _modules("feed", "engine"),
     "gthulhu_node.writer": COMPOSITION + EDGES + _modules(
-        "intents", "matching", "tasks", "reconciler", "status_projection", "feed", "engine"),
-    "gthulhu_node.status_projection": COMPOSITION + EDGES + _modules("reconciler", "feed", "engine"),
+        "intents", "matching", "tasks", "reconciler", "task_table", "status_projection", "feed", "engine"),
+    "gthulhu_node.status_projection": COMPOSITION + EDGES + _modules(
+        "reconciler", "task_table", "feed", "engine"),
+    "gthulhu_node.task_table": COMPOSITION + EDGES + _modules("reconciler", "feed", "engine"),
     "gthulhu_node.feed": COMPOSITION + EDGES + _modules("engine"),
     "gthulhu_node.engine": COMPOSITION + EDGES,
 }
@@ -63,7 +65,8 @@ LAYER_OF: dict[str, int] = {
     "gthulhu_node.backends.base": 2,
     "gthulhu_node.backends": 3, "gthulhu_node.scheduler": 3,
     "gthulhu_node.intents": 4, "gthulhu_node.matching": 4,
-    "gthulhu_node.reconciler": 5, "gthulhu_node.writer": 5, "gthulhu_node.status_projection": 5,
+    "gthulhu_node.reconciler": 5, "gthulhu_node.task_table": 5, "gthulhu_node.writer": 5,
+    "gthulhu_node.status_projection": 5,
     "gthulhu_node.outbox": 5, "gthulhu_node.feed": 5,
     "gthulhu_node.engine": 5,
     "gthulhu_node.intents.store": 6, "gthulhu_node.intents.journal": 6, "gthulhu_node.intents.localfiles": 6,
