@@ -25,7 +25,7 @@ import structlog
 
 from gthulhu_node.backends.base import Entry, EntryKey, KeyKind
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best
-from gthulhu_node.status_projection import IntentStats, StatusProjection
+from gthulhu_node.status_projection import StatusProjection
 from gthulhu_node.tasks.procfs import Task
 from gthulhu_node.writer import Writer
 
@@ -124,46 +124,6 @@ class TaskTable:
         if self.policy.has_owner_selectors:
             reowned[proc.tgid] = ts
 
-    def intent_stats(self) -> dict[str, IntentStats]:
-        """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
-        current = self.policy
-        result = {c.key: IntentStats(c.key, noop=c.is_noop) for c in current.ordered}
-        stale = self.stale
-        for th in self.threads.values():
-            w = th.winner
-            if w is None:
-                continue
-            proc = self.procs[th.task.tgid]
-            # a process not yet rematched is counted as the policy it was matched with has it: that is
-            # what the backend holds for it
-            policy = stale.get(proc.tgid, current)
-            candidates = set(self._eligible(policy.match(th.task.comm).thread, proc, policy))
-            candidates.update(policy.by_key[k] for k in proc.pmatch)
-            for c in candidates:
-                s = result.get(c.key)
-                if s is None:
-                    continue
-                s.matched_tasks += 1
-                if c is w:
-                    s.applied_tasks += 1
-                else:
-                    s.lost_tasks += 1
-                    s.overlaps[w.key] = s.overlaps.get(w.key, 0) + 1
-        for key, f in self._writer.failures_by_intent.items():
-            if key in result:
-                result[key].write_failures = f.count
-                result[key].last_error = f.last_message
-                result[key].last_reason = f.last_reason
-        for _key, reason, owner in self._writer.refused():
-            if owner in result:
-                s = result[owner]
-                s.pending_failures += 1
-                s.pending_reasons[reason] = s.pending_reasons.get(reason, 0) + 1
-        for owner in self._writer.unwritten():
-            if owner in result:
-                result[owner].unwritten += 1
-        return result
-
     def check_invariants(self) -> None:
         """Assert the table's invariants (the class docstring; tests call it after every step)."""
         threads, procs = self.threads, self.procs
@@ -178,7 +138,7 @@ class TaskTable:
             assert proc.winner is best(policy.by_key[k] for k in proc.pmatch), proc.tgid
             for tid in proc.tids:
                 th = threads[tid]
-                thread = self._eligible(policy.match(th.task.comm).thread, proc, policy)
+                thread = self.eligible(policy.match(th.task.comm).thread, proc, policy)
                 assert th.winner is best((thread[0] if thread else None, proc.winner)), tid
 
 
@@ -258,7 +218,7 @@ class TaskTable:
                 self._assign_all(proc, ts)
             self.status.count_all(proc)
 
-    def _eligible(
+    def eligible(
         self, cands: tuple[CompiledIntent, ...], proc: _Proc, policy: PolicySet | None = None
     ) -> tuple[CompiledIntent, ...]:
         """Drop candidates whose podUID or owner selectors (users, cgroup, executable, and the node's
@@ -296,7 +256,7 @@ class TaskTable:
             return False
         changed = False
         pm = proc.pmatch
-        for c in self._eligible(self.policy.match(comm).process, proc):
+        for c in self.eligible(self.policy.match(comm).process, proc):
             n = pm.get(c.key, 0) + delta
             if n <= 0:
                 pm.pop(c.key, None)
@@ -339,7 +299,7 @@ class TaskTable:
     def _assign(self, th: _Thread, proc: _Proc, ts: int) -> None:
         """Give one thread its winner: nothing, the TGID entry's strategy, or a TID entry of its own."""
         task = th.task
-        thread = self._eligible(self.policy.match(task.comm).thread, proc)
+        thread = self.eligible(self.policy.match(task.comm).thread, proc)
         pw = proc.winner
         w = best((thread[0] if thread else None, pw))
         tid = task.tid
