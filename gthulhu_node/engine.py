@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, TypeVar
 
 import structlog
@@ -42,8 +41,8 @@ import structlog
 from gthulhu_node.backends.base import Backend
 from gthulhu_node.backends.supervisor import Checked, ReloadPolicy
 from gthulhu_node.errors import Unavailable
-from gthulhu_node.feed import EngineFrame, StatusFeed
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.publication import FramePublisher
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
 from gthulhu_node.workers import Flag, Spawned, spawn
@@ -123,8 +122,6 @@ class Engine:
         self.ejection_limit = ejection_limit
         self.ejection_window_s = ejection_window_s
         self._on_give_up = on_give_up
-        self._use_events = use_events
-        self._events = events if events is not None else ProcEventSource()
         self._work: collections.deque[tuple[Callable[[Reconciler], Any], concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
@@ -137,12 +134,10 @@ class Engine:
         self._rescan_requested = False
         self._lock = threading.Lock()
         self._stats = EngineStats()
-        self.feed = StatusFeed()
-        self.publish_interval_s = publish_interval_s
-        self.refresh_s = refresh_s
-        self._published_revision = -1
-        self._next_publish = 0.0  # no publication for a change before this (monotonic)
-        self._refresh_due = 0.0  # a publication at this time even without a change
+        source = events if events is not None else ProcEventSource()
+        self._events = _EventPort(source, use_events, self._stats)
+        self._frames = FramePublisher(reconciler, publish_interval_s, refresh_s)
+        self.feed = self._frames.feed
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -247,23 +242,6 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-    def _open_events(self) -> bool:
-        if not self._use_events:
-            return False
-        try:
-            if self._events.is_open:
-                self._events.reopen()
-                self._stats.events_reopens += 1
-            else:
-                self._events.open()
-        except EventsUnavailable as exc:
-            if self._stats.events_available or not self._events.is_open:
-                log.error("proc_events_unavailable", error=str(exc))
-            self._stats.events_available = False
-            return False
-        self._stats.events_available = True
-        return True
-
     def _rescan(self, reason: str) -> None:
         r = self.reconciler
         try:
@@ -276,12 +254,12 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._open_events()
+            self._events.open()
             self._rescan("start")  # whole, before start() returns; later work goes in slices
             self.reconciler.budget_s = self.slice_s
             self._supervise()
-            self.reconciler.before_settled = self._publish_changed
-            self._publish(read_backend=True)  # status is there before start() returns
+            self.reconciler.before_settled = self._frames.publish_changed
+            self._frames.publish(read_backend=True)  # status is there before start() returns
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
@@ -301,19 +279,8 @@ class Engine:
     def _loop(self) -> None:
         poller = select.poll()
         poller.register(self._wake_fd, select.POLLIN)
-        events_fd = -1
-
-        def register_events() -> None:
-            nonlocal events_fd
-            if events_fd >= 0:
-                with contextlib.suppress(KeyError):
-                    poller.unregister(events_fd)
-                events_fd = -1
-            if self._events.is_open:
-                events_fd = self._events.fileno()
-                poller.register(events_fd, select.POLLIN | select.POLLERR)
-
-        register_events()
+        events = self._events
+        events.register(poller)
         now = time.monotonic()
         next_rescan = now + self.rescan_interval_s
         next_health = now + self.health_interval_s
@@ -322,14 +289,14 @@ class Engine:
             now = time.monotonic()
             with self._lock:
                 periodic = list(self._periodic)
-            publish_at = self._next_publish if r.revision != self._published_revision else self._refresh_due
-            due = min([next_rescan, next_health, r.next_retry_at(), publish_at, *(p.due for p in periodic)])
+            due = min([next_rescan, next_health, r.next_retry_at(), self._frames.due(),
+                       *(p.due for p in periodic)])
             timeout_ms = 0 if not r.settled else max(0, int((due - now) * 1000) + 1)
             ready = poller.poll(timeout_ms)
             self._stats.loop_wakeups += 1
             for fd, _mask in ready:
-                if fd == events_fd:
-                    batch = self._events.read_pending()
+                if fd == events.fd:
+                    batch = events.source.read_pending()
                     try:
                         r.handle_events(batch.events)
                     except Exception as exc:
@@ -341,8 +308,8 @@ class Engine:
                         else:
                             r.note_event_read_error()
                             log.warning("proc_events_error", error=batch.error)
-                        self._open_events()
-                        register_events()
+                        events.open()
+                        events.register(poller)
                         self._rescan("events_lost" if batch.lost else "events_error")
                         next_rescan = time.monotonic() + self.rescan_interval_s
                 elif fd == self._wake_fd:
@@ -351,15 +318,13 @@ class Engine:
             # A turn that publishes status during a long job does not also take a slice of it: the
             # publication (a few ms at 1,000 intents and tasks after a rematch) gets a turn of its own
             # instead of lengthening one that already spent its slices.
-            publishing = (not r.settled and r.revision != self._published_revision
-                          and time.monotonic() >= self._next_publish)
-            self._run_work(step=not publishing)
+            self._run_work(step=not self._frames.publishes_mid_job(time.monotonic()))
             with self._lock:
                 rescan_now, self._rescan_requested = self._rescan_requested, False
             now = time.monotonic()
             if rescan_now or now >= next_rescan:
-                if self._use_events and not self._events.is_open and self._open_events():
-                    register_events()
+                if events.use and not events.source.is_open and events.open():
+                    events.register(poller)
                 self._rescan("requested" if rescan_now else "periodic")
                 next_rescan = time.monotonic() + self.rescan_interval_s
             reloaded = r.backend.reload_finished
@@ -375,55 +340,7 @@ class Engine:
                     except Exception as exc:
                         self._stats.hook_failures += 1
                         log.exception("periodic_hook_failed", hook=p.name, error=str(exc))
-            now = time.monotonic()
-            if now >= self._refresh_due:
-                self._publish(read_backend=True)
-            elif r.revision != self._published_revision and now >= self._next_publish:
-                self._publish()
-
-    def _publish_changed(self) -> None:
-        """Before the reconciler's settled callbacks: publish what they wait for, unless published."""
-        if self.reconciler.revision != self._published_revision:
-            self._publish()
-
-    def _publish(self, read_backend: bool = False) -> None:
-        """Build the frame from the reconciler's produced figures and publish it; with `read_backend`,
-        the backend's health, counters and gauges are read again, else the last frame's stand. A backend
-        whose figures cannot be read costs those figures only (as a metrics scrape did)."""
-        r = self.reconciler
-        last = self.feed.latest()
-        health, counters, gauges = last.health, last.counters, last.gauges
-        if read_backend:
-            backend = r.backend
-            try:
-                health = backend.health()
-                counters = MappingProxyType(dict(backend.counters()))
-                gauges = MappingProxyType(dict(backend.gauges()))
-            except Exception as exc:
-                log.warning("backend_figures_unreadable", backend=backend.name, error=str(exc))
-                health, counters, gauges = None, MappingProxyType({}), MappingProxyType({})
-        now = time.monotonic()
-        try:
-            frame = EngineFrame(
-                version=last.version + 1,
-                produced_at=now,
-                settled=r.settled,
-                reconciler=r.stats(),
-                intents=r.intent_figures(),
-                matches=r.task_rows(),
-                health=health,
-                counters=counters,
-                gauges=gauges,
-            )
-        except Exception as exc:  # a bug here must cost status, not the engine
-            log.exception("status_publish_failed", error=str(exc))
-            return
-        finally:
-            self._published_revision = r.revision
-            self._next_publish = now + self.publish_interval_s
-            if read_backend:
-                self._refresh_due = now + self.refresh_s
-        self.feed.publish(frame)
+            self._frames.publish_if_due(time.monotonic())
 
     def _run_work(self, step: bool = True) -> None:
         work = self._work
@@ -467,5 +384,46 @@ class Engine:
         r = self.reconciler
         checked = r.backend.check(now)
         if checked is not Checked.NOTHING:
-            self._refresh_due = 0.0
+            self._frames.refresh_soon()
         r.backend_changed(checked)
+
+
+class _EventPort:
+    """The proc connector as the engine's loop polls it: opened, reopened after a loss (counted in the
+    engine's stats), and registered with the loop's poll under its current descriptor."""
+
+    def __init__(self, source: ProcEventSource, use: bool, stats: EngineStats) -> None:
+        self.source = source
+        self.use = use
+        self.stats = stats  # the engine's
+        self.fd = -1
+
+    def open(self) -> bool:
+        if not self.use:
+            return False
+        source, stats = self.source, self.stats
+        try:
+            if source.is_open:
+                source.reopen()
+                stats.events_reopens += 1
+            else:
+                source.open()
+        except EventsUnavailable as exc:
+            if stats.events_available or not source.is_open:
+                log.error("proc_events_unavailable", error=str(exc))
+            stats.events_available = False
+            return False
+        stats.events_available = True
+        return True
+
+    def register(self, poller: select.poll) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(KeyError):
+                poller.unregister(self.fd)
+            self.fd = -1
+        if self.source.is_open:
+            self.fd = self.source.fileno()
+            poller.register(self.fd, select.POLLIN | select.POLLERR)
+
+    def close(self) -> None:
+        self.source.close()

@@ -49,6 +49,7 @@ RULES: dict[str, tuple[str, ...]] = {
         "reconciler", "task_table", "feed", "engine"),
     "gthulhu_node.task_table": COMPOSITION + EDGES + _modules("reconciler", "feed", "engine"),
     "gthulhu_node.feed": COMPOSITION + EDGES + _modules("engine"),
+    "gthulhu_node.publication": COMPOSITION + EDGES + _modules("engine"),
     "gthulhu_node.engine": COMPOSITION + EDGES,
 }
 # composition inside a lower package: choosing a backend reads the configuration's kind
@@ -66,7 +67,7 @@ LAYER_OF: dict[str, int] = {
     "gthulhu_node.backends": 3, "gthulhu_node.scheduler": 3,
     "gthulhu_node.intents": 4, "gthulhu_node.matching": 4,
     "gthulhu_node.reconciler": 5, "gthulhu_node.task_table": 5, "gthulhu_node.writer": 5,
-    "gthulhu_node.status_projection": 5,
+    "gthulhu_node.status_projection": 5, "gthulhu_node.publication": 5,
     "gthulhu_node.outbox": 5, "gthulhu_node.feed": 5,
     "gthulhu_node.engine": 5,
     "gthulhu_node.intents.store": 6, "gthulhu_node.intents.journal": 6, "gthulhu_node.intents.localfiles": 6,
