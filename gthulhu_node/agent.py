@@ -56,8 +56,9 @@ from gthulhu_node.intents.status import (
 )
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
-from gthulhu_node.matching import PolicySet, resolve_users
+from gthulhu_node.matching import resolve_users
 from gthulhu_node.outbox import FailureReason
+from gthulhu_node.policy_builder import PolicyBuilder
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.status_projection import IntentStats
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
@@ -113,14 +114,6 @@ class AgentStats:
     cgroup_limits: CgroupLimitsStats = field(default_factory=CgroupLimitsStats)
 
 
-@dataclass(frozen=True, slots=True)
-class _Effect:
-    """What the reconciler holds: the intents in its policy set, and the error if building failed."""
-
-    intents: dict[str, Intent]
-    error: str = ""
-
-
 class Agent:
     """One gthulhu-node agent. Not started by the constructor; see the module docstring for the order."""
 
@@ -154,12 +147,8 @@ class Agent:
         self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
         self._ready = Flag()
         self._stopped = Flag()
-        self._effect = _Effect({})  # what the reconciler has in effect (settled)
-        self._effect_lock = threading.Lock()
-        self._submitted = _Effect({})  # what was last handed to the engine (the policy builder's only)
-        # The policy builder: woken by store changes, coalesced; `sync` waits for its hand-off
-        self._builds = WorkQueue()
-        self._builder = WorkerThread("policy-builder", self._run_builder)
+        # the policy-builder thread: woken by store changes, coalesced; `sync` waits for its hand-off
+        self.policies = PolicyBuilder(self.store, lambda: self.config, lambda: self.engine, self._wake_now)
         self._refresh_lock = threading.Lock()
         # The status thread: woken by frames (at most every STATUS_MIN_INTERVAL_S since the last refresh),
         # at once by the store, a policy in effect, readiness or stop, and every STATUS_INTERVAL_S
@@ -167,9 +156,7 @@ class Agent:
         self._status_thread = WorkerThread("intent-status", self._run_status, join_timeout_s=5)
         self._matched_tasks = 0
         self._refreshed_at = 0.0  # monotonic time of the last status refresh
-        self._policy_updates = 0
-        self._policy_errors = 0
-        self.store.subscribe(self._on_store_change)
+        self.store.subscribe(self.policies.store_changed)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -286,16 +273,14 @@ class Agent:
         """Saved intents and policy files first: the engine's first scan writes them."""
         self.store.load()
         self.local.reload(force=True)
-        effect, policy = self._build_policy()
-        self._effect = self._submitted = effect
+        policy = self.policies.first()
         reconciler = Reconciler(self._backend, policy=policy, proc_root=self.config.watch.proc_root)
         self.engine = engine_for(reconciler, self.config)
         self.engine.start()
-        self._builds.open()
-        self._builder.start()
+        self.policies.start()
 
     def _stop_engine(self) -> None:
-        self._builder.stop()
+        self.policies.stop()
         if self.engine is not None:
             self.engine.close()
 
@@ -382,80 +367,6 @@ class Agent:
 
     # ---- policy -------------------------------------------------------------------------------------
 
-    def _node_intents(self, sources: dict[str, SourceSet]) -> list[tuple[str, Intent]]:
-        node = self.config.node
-        return [
-            (intent_key(name, i.id), i)
-            for name, ss in sorted(sources.items())
-            for i in ss.intents
-            if i.selects_node(node.name, node.labels)
-        ]
-
-    def _build_policy(self, wanted: list[tuple[str, Intent]] | None = None) -> tuple[_Effect, PolicySet]:
-        """The policy of `wanted` (the store's node intents by default), and what it puts in effect."""
-        if wanted is None:
-            wanted = self._node_intents(self.store.snapshot())
-        try:
-            named_only = self.config.security.unprivileged_tasks == "named_only"
-            return _Effect(dict(wanted)), PolicySet.build(wanted, named_only=named_only)
-        except ValueError as exc:  # validated intents compile; this is a guard, not a path
-            self._policy_errors += 1
-            log.error("policy_build_failed", error=str(exc))
-            return _Effect(dict(wanted), error=str(exc)), PolicySet.empty()
-
-    def _on_store_change(self, source: str) -> None:
-        """Wake the policy builder: the writer (a REST or gRPC handler, the policy-file poller) returns
-        once its change is stored, not after compiling the whole new policy (70 ms for 10,000 new
-        patterns on a quiet host, more under load: the bench's 10,000-policy push went 684 -> 616 ms),
-        and changes that arrive during a build are built once, together. `sync` waits for the hand-off."""
-        engine = self.engine
-        if engine is None or not engine.running:
-            return  # during start the policy is built once, after every source is loaded
-        self._builds.wake()
-
-    def _run_builder(self, stop: Flag) -> None:
-        self._builds.serve(stop, self._build_turn)
-
-    def _build_turn(self) -> None:
-        """The policy builder's turn: build what the store holds now (every change since the last turn,
-        together) and hand it over."""
-        engine = self.engine
-        try:
-            if engine is not None and engine.running:
-                self._submit_latest(engine)
-        except Exception:  # a failed build must not end the builder: the next change builds again
-            self._policy_errors += 1
-            log.exception("policy_build_failed")
-
-    def _await_handed(self, timeout: float) -> bool:
-        """Wait until every store change made before this call is built and handed to the engine."""
-        return self._builds.wait_handled(timeout)
-
-    def _submit_latest(self, engine: Engine) -> None:
-        """Build the store's current policy and hand it to the engine, unless it is what was handed last.
-
-        Compiling the patterns (tens of milliseconds per thousand, more under load) is work the engine
-        thread, which feeds the watchdog and handles events, must not do. Only the policy builder's thread
-        calls this, so the engine receives builds in the order of the store snapshots they read."""
-        wanted = self._node_intents(self.store.snapshot())
-        if _Effect(dict(wanted)) == self._submitted:
-            return
-        effect, policy = self._build_policy(wanted)
-        self._submitted = effect
-        engine.submit(lambda r: self._take_policy(r, effect, policy))
-
-    def _take_policy(self, reconciler: Reconciler, effect: _Effect, policy: PolicySet) -> None:
-        """On the engine thread. Status calls the policy in effect only once the reconciler has rematched
-        every task and written (or been refused) every entry, which may take several loop turns."""
-        reconciler.set_policy(policy)
-        reconciler.when_settled(lambda: self._in_effect(effect))
-
-    def _in_effect(self, effect: _Effect) -> None:
-        with self._effect_lock:
-            self._effect = effect
-            self._policy_updates += 1
-        self._wake_now()
-
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
         """Wait until earlier store changes are built (the policy builder), then in effect (rematched and
         written), then rebuild status from the frame the engine published as it settled (best effort)."""
@@ -463,7 +374,7 @@ class Agent:
         if engine is not None and engine.running:
             deadline = time.monotonic() + timeout
             try:
-                if not self._await_handed(timeout):
+                if not self.policies.await_handed(timeout):
                     raise TimeoutError(f"the policy builder did not hand over within {timeout:g} s")
                 engine.when_settled().result(max(0.0, deadline - time.monotonic()))
             except Exception as exc:
@@ -526,8 +437,7 @@ class Agent:
         self, sources: dict[str, SourceSet], stats: Mapping[str, IntentStats] | None
     ) -> list[IntentStatus]:
         node = self.config.node
-        with self._effect_lock:
-            effect = self._effect
+        effect = self.policies.effect()
         backend_state, backend_reason = self._backend_state()
         out: list[IntentStatus] = []
         for name, ss in sources.items():
@@ -609,8 +519,7 @@ class Agent:
         if self.config.rest.enabled and self.config.rest.insecure_allow_plain_http:
             out.append(INSECURE_REST_WARNING.format(listen=self.config.rest.listen))
         if self.config.security.unprivileged_tasks == "allowed":
-            with self._effect_lock:
-                effect = self._effect
+            effect = self.policies.effect()
             takeable = sum(1 for i in effect.intents.values() if i.priority > 0 and not i.names_owner)
             if takeable:
                 out.append(ANY_USER_WARNING.format(count=takeable))
@@ -682,8 +591,8 @@ class Agent:
             matched_tasks=self._matched_tasks,
             local_files=self.local.stats(),
             api=self.api.service.stats() if self.api is not None else ApiStats(),
-            policy_updates=self._policy_updates,
-            policy_errors=self._policy_errors,
+            policy_updates=self.policies.updates,
+            policy_errors=self.policies.errors,
             rest=self.rest.stats() if self.rest is not None else None,
             cgroup_limits=self.cgroup_limits.stats(),
         )

@@ -74,6 +74,7 @@ LAYER_OF: dict[str, int] = {
     "gthulhu_node.intents.status": 6, "gthulhu_node.api": 6, "gthulhu_node.rest": 6, "gthulhu_node.probe": 6,
     "gthulhu_node.metrics_server": 6, "gthulhu_node.config": 6,
     "gthulhu_node.backends.select": 7, "gthulhu_node.preview": 7, "gthulhu_node.agent": 7,
+    "gthulhu_node.policy_builder": 7,
     "gthulhu_node.metrics": 7, "gthulhu_node.service": 7, "gthulhu_node.cli": 7, "gthulhu_node.commands": 7,
     "gthulhu_node.__main__": 7, "gthulhu_node.logs": 7, "gthulhu_node.preflight": 7,
     "gthulhu_node.privileges": 7,

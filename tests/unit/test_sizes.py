@@ -20,7 +20,7 @@ OVER_LIMIT: dict[str, str] = {
     "gthulhu_node/backends/eevdf.py:EevdfBackend": "the priority-scale branch edits it: cut after it merges",
     "gthulhu_node/intents/store.py:IntentStore": "the priority-scale branch edits it: cut after it merges",
     "gthulhu_node/rest/app.py:DecisionMakerApi": "one handler per upstream route; not cut yet (issue 41)",
-    "gthulhu_node/agent.py:Agent": "status rows and the policy builder not cut out yet (issue 41)",
+    "gthulhu_node/agent.py:Agent": "the status rows and their thread not cut out yet (issue 41)",
 }
 ROW = re.compile(r"^\| `(gthulhu_node/[\w/]+\.py)` \| (.+?) \|$")
 
