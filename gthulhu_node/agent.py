@@ -32,8 +32,9 @@ import structlog
 
 from gthulhu_node import __version__
 from gthulhu_node.api.server import ApiServer, ApiStats
-from gthulhu_node.backends.base import Backend, BackendState, SchedulerRefused
+from gthulhu_node.backends.base import Backend, BackendState
 from gthulhu_node.backends.select import fallback_after_ejections, fallback_after_refusal, select_backend
+from gthulhu_node.backends.supervisor import Choice, SupervisedBackend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.explain import Report, explain_in_agent
@@ -56,10 +57,12 @@ from gthulhu_node.intents.status import (
 )
 from gthulhu_node.intents.store import IntentStore, SourceSet, StoreStats
 from gthulhu_node.lifecycle import Component, Created, Health, Step, Supervisor
-from gthulhu_node.matching import PolicySet, resolve_users
+from gthulhu_node.matching import resolve_users
 from gthulhu_node.outbox import FailureReason
+from gthulhu_node.policy_builder import PolicyBuilder
 from gthulhu_node.preview import Displaced, Preview, preview_in_agent
-from gthulhu_node.reconciler import IntentStats, Reconciler
+from gthulhu_node.reconciler import Reconciler
+from gthulhu_node.status_projection import IntentStats
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch, describe
 from gthulhu_node.workers import Flag, WorkerThread, WorkQueue
 
@@ -113,14 +116,6 @@ class AgentStats:
     cgroup_limits: CgroupLimitsStats = field(default_factory=CgroupLimitsStats)
 
 
-@dataclass(frozen=True, slots=True)
-class _Effect:
-    """What the reconciler holds: the intents in its policy set, and the error if building failed."""
-
-    intents: dict[str, Intent]
-    error: str = ""
-
-
 class Agent:
     """One gthulhu-node agent. Not started by the constructor; see the module docstring for the order."""
 
@@ -137,10 +132,14 @@ class Agent:
         self.local = LocalPolicies(
             config.policies.directory, self.store, poll_interval_s=config.policies.poll_interval_s
         )
-        self.backend: Backend | None = backend
-        self.backend_reason = "given by the caller" if backend is not None else ""
-        self.sched_ext_refused = ""  # why the kernel refused our scheduler when auto fell back, else ""
-        self.sched_ext_given_up = ""  # why the engine stopped reloading an ejected scheduler, else ""
+        # the one backend, for life: it selects, falls back, reloads and gives up (backends/supervisor.py)
+        self._backend = SupervisedBackend(
+            backend,
+            reason="given by the caller" if backend is not None else "",
+            select=lambda: select_backend(self.config),
+            fall_back=self._fallback_after_refusal if config.backend.kind == "auto" else None,
+            replace=self._replacement,
+        )
         self.capabilities = ""  # set by the service: the capabilities dropped at start, for status
         self.cgroup_limits = CpuMaxWatch(config.watch.cgroup_root, config.watch.cgroup_scan_interval_s,
                                          self.cpu_max_enforced)
@@ -150,12 +149,8 @@ class Agent:
         self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
         self._ready = Flag()
         self._stopped = Flag()
-        self._effect = _Effect({})  # what the reconciler has in effect (settled)
-        self._effect_lock = threading.Lock()
-        self._submitted = _Effect({})  # what was last handed to the engine (the policy builder's only)
-        # The policy builder: woken by store changes, coalesced; `sync` waits for its hand-off
-        self._builds = WorkQueue()
-        self._builder = WorkerThread("policy-builder", self._run_builder)
+        # the policy-builder thread: woken by store changes, coalesced; `sync` waits for its hand-off
+        self.policies = PolicyBuilder(self.store, lambda: self.config, lambda: self.engine, self._wake_now)
         self._refresh_lock = threading.Lock()
         # The status thread: woken by frames (at most every STATUS_MIN_INTERVAL_S since the last refresh),
         # at once by the store, a policy in effect, readiness or stop, and every STATUS_INTERVAL_S
@@ -163,9 +158,7 @@ class Agent:
         self._status_thread = WorkerThread("intent-status", self._run_status, join_timeout_s=5)
         self._matched_tasks = 0
         self._refreshed_at = 0.0  # monotonic time of the last status refresh
-        self._policy_updates = 0
-        self._policy_errors = 0
-        self.store.subscribe(self._on_store_change)
+        self.store.subscribe(self.policies.store_changed)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -209,40 +202,39 @@ class Agent:
     def health(self) -> Health:
         return Health(self.ready, "" if self.ready else "not ready")
 
-    def _fall_back(self, refusal: SchedulerRefused) -> None:
-        """`backend: auto` on a kernel that refused our scheduler: run the next best backend instead of
-        dying (systemd would only restart us into the same refusal), and say so everywhere."""
-        log.error("sched_ext_refused", error=str(refusal), libbpf=list(refusal.details),
-                  action="falling back (backend.kind auto); set backend.kind: sched_ext to fail instead")
-        self.sched_ext_refused = str(refusal)
-        self.backend, self.backend_reason = fallback_after_refusal(self.config, str(refusal))
-        log.warning("backend_selected", backend=self.backend.name, reason=self.backend_reason,
-                    fallback=True)
-        self.backend.start()
+    @property
+    def backend(self) -> SupervisedBackend | None:
+        """The supervised backend once one is selected (at start, or given), else None."""
+        return self._backend if self._backend.current is not None else None
 
-    def _give_up_sched_ext(self, reason: str) -> Backend:
-        """The engine's replacement for a scheduler the kernel keeps ejecting (runs on the engine thread):
-        the next best backend, as for a refusal at start, started and named in status and metrics."""
-        self.sched_ext_given_up = reason
-        backend, why = fallback_after_ejections(self.config, reason)
+    @property
+    def backend_reason(self) -> str:
+        return self._backend.reason
+
+    @property
+    def sched_ext_refused(self) -> str:
+        """Why the kernel refused our scheduler when auto fell back, else ""."""
+        return self._backend.refused
+
+    @property
+    def sched_ext_given_up(self) -> str:
+        """Why the engine stopped reloading an ejected scheduler, else ""."""
+        return self._backend.given_up
+
+    def _fallback_after_refusal(self, refusal: str) -> Choice:
+        return fallback_after_refusal(self.config, refusal)
+
+    def _replacement(self, why: str) -> Choice:
+        """The replacement for a scheduler the kernel keeps ejecting (on the engine thread): the next best
+        backend, as for a refusal at start, started."""
+        backend, reason = fallback_after_ejections(self.config, why)
         backend.start()
-        self.backend, self.backend_reason = backend, why
-        log.warning("backend_selected", backend=backend.name, reason=why, fallback=True)
-        return backend
+        return backend, reason
 
     def _start_backend(self) -> None:
         if self.config.rest.enabled and self.config.rest.runtime_config_allow:
             self._apply_runtime_config()
-        chosen = self.backend is None
-        if self.backend is None:
-            self.backend, self.backend_reason = select_backend(self.config)
-        log.info("backend_selected", backend=self.backend.name, reason=self.backend_reason)
-        try:
-            self.backend.start()
-        except SchedulerRefused as exc:
-            if not chosen or self.config.backend.kind != "auto":
-                raise
-            self._fall_back(exc)
+        self._backend.start()
 
     def cpu_max_enforced(self) -> bool:
         """Whether cgroup cpu.max holds now. While our sched_ext scheduler runs, the kernel's CFS bandwidth
@@ -270,31 +262,28 @@ class Agent:
         return backend.cpu_max_source
 
     def _stop_backend(self) -> None:
-        if self.backend is not None:
-            self.backend.stop()
+        self._backend.stop()
 
     def _backend_health(self) -> Health:
-        health = self.backend.health() if self.backend is not None else None
+        running = self._backend.current
+        health = running.health() if running is not None else None
         if health is None:
             return Health(False, "no backend")
         return Health(health.state is BackendState.RUNNING, health.reason)
 
     def _start_engine(self) -> None:
         """Saved intents and policy files first: the engine's first scan writes them."""
-        assert self.backend is not None
         self.store.load()
         self.local.reload(force=True)
         self.local.check_scale()
-        effect, policy = self._build_policy()
-        self._effect = self._submitted = effect
-        reconciler = Reconciler(self.backend, policy=policy, proc_root=self.config.watch.proc_root)
-        self.engine = engine_for(reconciler, self.config, on_give_up=self._give_up_sched_ext)
+        policy = self.policies.first()
+        reconciler = Reconciler(self._backend, policy=policy, proc_root=self.config.watch.proc_root)
+        self.engine = engine_for(reconciler, self.config)
         self.engine.start()
-        self._builds.open()
-        self._builder.start()
+        self.policies.start()
 
     def _stop_engine(self) -> None:
-        self._builder.stop()
+        self.policies.stop()
         if self.engine is not None:
             self.engine.close()
 
@@ -345,34 +334,23 @@ class Agent:
         self.board.close()
 
     def _apply_runtime_config(self) -> None:
-        """Load-time settings the Manager set through runtime-config (only the allowed ones), before
-        the scheduler is loaded: this is when a changed sliceNsDefault takes effect."""
-        from gthulhu_node.rest.runtime_config import take_into_effect
+        """Load-time settings the Manager set through runtime-config (rest/runtime_config.py), before the
+        scheduler is loaded."""
+        from gthulhu_node.rest.runtime_config import default_slice_at_start
 
-        applied = take_into_effect(self.config.state.directory,
-                                   frozenset(self.config.rest.runtime_config_allow))
-        slice_ns = applied.get("sliceNsDefault")
-        if isinstance(slice_ns, int) and slice_ns != self.config.scheduler.default_slice_ns:
-            log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
-                        configured=self.config.scheduler.default_slice_ns,
-                        source="the Manager's runtime-config")
+        configured = self.config.scheduler.default_slice_ns
+        slice_ns = default_slice_at_start(self.config.state.directory,
+                                          frozenset(self.config.rest.runtime_config_allow), configured)
+        if slice_ns != configured:
             scheduler = self.config.scheduler.model_copy(update={"default_slice_ns": slice_ns})
             self.config = self.config.model_copy(update={"scheduler": scheduler})
 
     def _pod_metrics_text(self) -> bytes:
         """Upstream's gthulhu_pod_* metrics for the Manager's scrape of the REST listener's /metrics."""
-        from gthulhu_node.rest.podmetrics import PodTarget, render
-        from gthulhu_node.rest.translate import pod_record_of
+        from gthulhu_node.rest.podmetrics import manager_pods_text
 
-        current = self.store.get(MANAGER_PODS)
-        targets: dict[str, PodTarget] = {}
-        for entry in current.entries if current is not None else ():
-            if entry.intent_id:
-                rec = pod_record_of(entry)
-                targets[intent_key(MANAGER_PODS, entry.intent_id)] = PodTarget(
-                    rec.pod_name, rec.pod_id, rec.namespace, rec.node_id or self.config.node.name
-                )
-        return render(targets, self.matches() if targets else (), self.config.watch.proc_root)
+        return manager_pods_text(MANAGER_PODS, self.store.get(MANAGER_PODS), self.matches,
+                                 self.config.node.name, self.config.watch.proc_root)
 
     def stop(self) -> None:
         """Stop what `start` started, in reverse (ready, REST, API, status, files, engine, backend).
@@ -394,80 +372,6 @@ class Agent:
 
     # ---- policy -------------------------------------------------------------------------------------
 
-    def _node_intents(self, sources: dict[str, SourceSet]) -> list[tuple[str, Intent]]:
-        node = self.config.node
-        return [
-            (intent_key(name, i.id), i)
-            for name, ss in sorted(sources.items())
-            for i in ss.intents
-            if i.selects_node(node.name, node.labels)
-        ]
-
-    def _build_policy(self, wanted: list[tuple[str, Intent]] | None = None) -> tuple[_Effect, PolicySet]:
-        """The policy of `wanted` (the store's node intents by default), and what it puts in effect."""
-        if wanted is None:
-            wanted = self._node_intents(self.store.snapshot())
-        try:
-            named_only = self.config.security.unprivileged_tasks == "named_only"
-            return _Effect(dict(wanted)), PolicySet.build(wanted, named_only=named_only)
-        except ValueError as exc:  # validated intents compile; this is a guard, not a path
-            self._policy_errors += 1
-            log.error("policy_build_failed", error=str(exc))
-            return _Effect(dict(wanted), error=str(exc)), PolicySet.empty()
-
-    def _on_store_change(self, source: str) -> None:
-        """Wake the policy builder: the writer (a REST or gRPC handler, the policy-file poller) returns
-        once its change is stored, not after compiling the whole new policy (70 ms for 10,000 new
-        patterns on a quiet host, more under load: the bench's 10,000-policy push went 684 -> 616 ms),
-        and changes that arrive during a build are built once, together. `sync` waits for the hand-off."""
-        engine = self.engine
-        if engine is None or not engine.running:
-            return  # during start the policy is built once, after every source is loaded
-        self._builds.wake()
-
-    def _run_builder(self, stop: Flag) -> None:
-        self._builds.serve(stop, self._build_turn)
-
-    def _build_turn(self) -> None:
-        """The policy builder's turn: build what the store holds now (every change since the last turn,
-        together) and hand it over."""
-        engine = self.engine
-        try:
-            if engine is not None and engine.running:
-                self._submit_latest(engine)
-        except Exception:  # a failed build must not end the builder: the next change builds again
-            self._policy_errors += 1
-            log.exception("policy_build_failed")
-
-    def _await_handed(self, timeout: float) -> bool:
-        """Wait until every store change made before this call is built and handed to the engine."""
-        return self._builds.wait_handled(timeout)
-
-    def _submit_latest(self, engine: Engine) -> None:
-        """Build the store's current policy and hand it to the engine, unless it is what was handed last.
-
-        Compiling the patterns (tens of milliseconds per thousand, more under load) is work the engine
-        thread, which feeds the watchdog and handles events, must not do. Only the policy builder's thread
-        calls this, so the engine receives builds in the order of the store snapshots they read."""
-        wanted = self._node_intents(self.store.snapshot())
-        if _Effect(dict(wanted)) == self._submitted:
-            return
-        effect, policy = self._build_policy(wanted)
-        self._submitted = effect
-        engine.submit(lambda r: self._take_policy(r, effect, policy))
-
-    def _take_policy(self, reconciler: Reconciler, effect: _Effect, policy: PolicySet) -> None:
-        """On the engine thread. Status calls the policy in effect only once the reconciler has rematched
-        every task and written (or been refused) every entry, which may take several loop turns."""
-        reconciler.set_policy(policy)
-        reconciler.when_settled(lambda: self._in_effect(effect))
-
-    def _in_effect(self, effect: _Effect) -> None:
-        with self._effect_lock:
-            self._effect = effect
-            self._policy_updates += 1
-        self._wake_now()
-
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> None:
         """Wait until earlier store changes are built (the policy builder), then in effect (rematched and
         written), then rebuild status from the frame the engine published as it settled (best effort)."""
@@ -475,7 +379,7 @@ class Agent:
         if engine is not None and engine.running:
             deadline = time.monotonic() + timeout
             try:
-                if not self._await_handed(timeout):
+                if not self.policies.await_handed(timeout):
                     raise TimeoutError(f"the policy builder did not hand over within {timeout:g} s")
                 engine.when_settled().result(max(0.0, deadline - time.monotonic()))
             except Exception as exc:
@@ -538,8 +442,7 @@ class Agent:
         self, sources: dict[str, SourceSet], stats: Mapping[str, IntentStats] | None
     ) -> list[IntentStatus]:
         node = self.config.node
-        with self._effect_lock:
-            effect = self._effect
+        effect = self.policies.effect()
         backend_state, backend_reason = self._backend_state()
         out: list[IntentStatus] = []
         for name, ss in sources.items():
@@ -621,8 +524,7 @@ class Agent:
         if self.config.rest.enabled and self.config.rest.insecure_allow_plain_http:
             out.append(INSECURE_REST_WARNING.format(listen=self.config.rest.listen))
         if self.config.security.unprivileged_tasks == "allowed":
-            with self._effect_lock:
-                effect = self._effect
+            effect = self.policies.effect()
             takeable = sum(1 for i in effect.intents.values() if i.priority > 0 and not i.names_owner)
             if takeable:
                 out.append(ANY_USER_WARNING.format(count=takeable))
@@ -703,8 +605,8 @@ class Agent:
             matched_tasks=self._matched_tasks,
             local_files=self.local.stats(),
             api=self.api.service.stats() if self.api is not None else ApiStats(),
-            policy_updates=self._policy_updates,
-            policy_errors=self._policy_errors,
+            policy_updates=self.policies.updates,
+            policy_errors=self.policies.errors,
             rest=self.rest.stats() if self.rest is not None else None,
             cgroup_limits=self.cgroup_limits.stats(),
         )

@@ -5,8 +5,9 @@ Its loop waits (poll) on three things at once:
   thread is written to the backend in the same wakeup, with no batching timer;
 - an eventfd for submitted work: other threads (gRPC, local files, metrics) call `submit(fn)` and get a
   Future; fn(reconciler) runs on the engine thread between event batches;
-- timers: the periodic full rescan (`watch.rescan_interval_s`), backend health checks (an ejected scheduler
-  is reloaded with exponential backoff, then every entry is written again; a running backend gets its
+- timers: the periodic full rescan (`watch.rescan_interval_s`), the backend's health check (the
+  supervised backend's `check`, gthulhu_node/backends/supervisor.py: an ejected scheduler is reloaded with
+  exponential backoff or given up, then the reconciler writes every entry again; a running backend gets its
   `tick`, the upkeep the EEVDF backend once ran on a thread of its own), and registered periodic hooks
   (the service feeds the systemd watchdog from one, so a stuck engine stops the watchdog).
 
@@ -31,25 +32,17 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, TypeVar
 
 import structlog
 
-from gthulhu_node.backends.base import (
-    ApplyResult,
-    Backend,
-    BackendError,
-    BackendHealth,
-    BackendState,
-    Entry,
-    EntryKey,
-)
+from gthulhu_node.backends.base import Backend
+from gthulhu_node.backends.supervisor import Checked, ReloadPolicy
 from gthulhu_node.errors import Unavailable
-from gthulhu_node.feed import EngineFrame, StatusFeed
 from gthulhu_node.lifecycle import Health
+from gthulhu_node.publication import FramePublisher
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventsUnavailable, ProcEventSource
 from gthulhu_node.workers import Flag, Spawned, spawn
@@ -114,8 +107,10 @@ class Engine:
         publish_interval_s: float = PUBLISH_INTERVAL_S,
         refresh_s: float = REFRESH_S,
     ) -> None:
-        """`on_give_up(reason)` returns a started replacement backend once the backend was ejected
-        `ejection_limit` times within `ejection_window_s`; without it the engine reloads forever.
+        """The reload settings go to the reconciler's supervised backend (SupervisedBackend.supervise), which
+        reloads an ejected backend and gives it up: `on_give_up(reason)`, when given, returns a started
+        replacement once the backend was ejected `ejection_limit` times within `ejection_window_s`
+        (instead of the supervisor's own); without either it reloads forever.
         `slice_s`: how long one loop turn may spend on a rematch, and as long again on writes
         (`Reconciler.budget_s`), once the first scan is done."""
         self.reconciler = reconciler
@@ -127,9 +122,6 @@ class Engine:
         self.ejection_limit = ejection_limit
         self.ejection_window_s = ejection_window_s
         self._on_give_up = on_give_up
-        self._ejection_times: collections.deque[float] = collections.deque()
-        self._use_events = use_events
-        self._events = events if events is not None else ProcEventSource()
         self._work: collections.deque[tuple[Callable[[Reconciler], Any], concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
@@ -141,18 +133,11 @@ class Engine:
         self._start_error: BaseException | None = None
         self._rescan_requested = False
         self._lock = threading.Lock()
-        self._ejected = False
-        self._reloading: Spawned | None = None
-        self._reload_outcome: list[BaseException | None] = []
-        self._backoff_s = reload_backoff_initial_s
-        self._next_reload = 0.0
         self._stats = EngineStats()
-        self.feed = StatusFeed()
-        self.publish_interval_s = publish_interval_s
-        self.refresh_s = refresh_s
-        self._published_revision = -1
-        self._next_publish = 0.0  # no publication for a change before this (monotonic)
-        self._refresh_due = 0.0  # a publication at this time even without a change
+        source = events if events is not None else ProcEventSource()
+        self._events = _EventPort(source, use_events, self._stats)
+        self._frames = FramePublisher(reconciler, publish_interval_s, refresh_s)
+        self.feed = self._frames.feed
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -243,30 +228,19 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self._stats
-        return EngineStats(**{f: getattr(s, f) for f in EngineStats.__dataclass_fields__})
+        out = EngineStats(**{f: getattr(s, f) for f in EngineStats.__dataclass_fields__})
+        b = self.reconciler.backend.stats.copy()
+        out.backend_state, out.backend_ejections = b.state, b.ejections
+        out.backend_reloads, out.backend_reload_failures = b.reloads, b.reload_failures
+        out.last_ejection_reason, out.gave_up_reason = b.last_ejection_reason, b.gave_up_reason
+        out.hook_failures += b.tick_failures
+        return out
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
             os.eventfd_write(self._wake_fd, 1)
 
     # ---- the loop -----------------------------------------------------------------------------------
-
-    def _open_events(self) -> bool:
-        if not self._use_events:
-            return False
-        try:
-            if self._events.is_open:
-                self._events.reopen()
-                self._stats.events_reopens += 1
-            else:
-                self._events.open()
-        except EventsUnavailable as exc:
-            if self._stats.events_available or not self._events.is_open:
-                log.error("proc_events_unavailable", error=str(exc))
-            self._stats.events_available = False
-            return False
-        self._stats.events_available = True
-        return True
 
     def _rescan(self, reason: str) -> None:
         r = self.reconciler
@@ -280,12 +254,12 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._open_events()
+            self._events.open()
             self._rescan("start")  # whole, before start() returns; later work goes in slices
             self.reconciler.budget_s = self.slice_s
-            self._stats.backend_state = self.reconciler.backend.health().state.value
-            self.reconciler.before_settled = self._publish_changed
-            self._publish(read_backend=True)  # status is there before start() returns
+            self._supervise()
+            self.reconciler.before_settled = self._frames.publish_changed
+            self._frames.publish(read_backend=True)  # status is there before start() returns
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
@@ -297,10 +271,7 @@ class Engine:
             log.exception("engine_crashed", error=str(exc))
             raise
         finally:
-            if self._reloading is not None:  # whoever stops the backend next must not meet the reload
-                self._reloading.join()
-            if isinstance(self.reconciler.backend, _Reloading):
-                self._restore_backend()
+            self.reconciler.backend.end()  # whoever stops the backend next must not meet a reload
             self._events.close()
             self._fail_pending()
             self.feed.close()
@@ -308,19 +279,8 @@ class Engine:
     def _loop(self) -> None:
         poller = select.poll()
         poller.register(self._wake_fd, select.POLLIN)
-        events_fd = -1
-
-        def register_events() -> None:
-            nonlocal events_fd
-            if events_fd >= 0:
-                with contextlib.suppress(KeyError):
-                    poller.unregister(events_fd)
-                events_fd = -1
-            if self._events.is_open:
-                events_fd = self._events.fileno()
-                poller.register(events_fd, select.POLLIN | select.POLLERR)
-
-        register_events()
+        events = self._events
+        events.register(poller)
         now = time.monotonic()
         next_rescan = now + self.rescan_interval_s
         next_health = now + self.health_interval_s
@@ -329,14 +289,14 @@ class Engine:
             now = time.monotonic()
             with self._lock:
                 periodic = list(self._periodic)
-            publish_at = self._next_publish if r.revision != self._published_revision else self._refresh_due
-            due = min([next_rescan, next_health, r.next_retry_at(), publish_at, *(p.due for p in periodic)])
+            due = min([next_rescan, next_health, r.next_retry_at(), self._frames.due(),
+                       *(p.due for p in periodic)])
             timeout_ms = 0 if not r.settled else max(0, int((due - now) * 1000) + 1)
             ready = poller.poll(timeout_ms)
             self._stats.loop_wakeups += 1
             for fd, _mask in ready:
-                if fd == events_fd:
-                    batch = self._events.read_pending()
+                if fd == events.fd:
+                    batch = events.source.read_pending()
                     try:
                         r.handle_events(batch.events)
                     except Exception as exc:
@@ -348,8 +308,8 @@ class Engine:
                         else:
                             r.note_event_read_error()
                             log.warning("proc_events_error", error=batch.error)
-                        self._open_events()
-                        register_events()
+                        events.open()
+                        events.register(poller)
                         self._rescan("events_lost" if batch.lost else "events_error")
                         next_rescan = time.monotonic() + self.rescan_interval_s
                 elif fd == self._wake_fd:
@@ -358,18 +318,16 @@ class Engine:
             # A turn that publishes status during a long job does not also take a slice of it: the
             # publication (a few ms at 1,000 intents and tasks after a rematch) gets a turn of its own
             # instead of lengthening one that already spent its slices.
-            publishing = (not r.settled and r.revision != self._published_revision
-                          and time.monotonic() >= self._next_publish)
-            self._run_work(step=not publishing)
+            self._run_work(step=not self._frames.publishes_mid_job(time.monotonic()))
             with self._lock:
                 rescan_now, self._rescan_requested = self._rescan_requested, False
             now = time.monotonic()
             if rescan_now or now >= next_rescan:
-                if self._use_events and not self._events.is_open and self._open_events():
-                    register_events()
+                if events.use and not events.source.is_open and events.open():
+                    events.register(poller)
                 self._rescan("requested" if rescan_now else "periodic")
                 next_rescan = time.monotonic() + self.rescan_interval_s
-            reloaded = self._reloading is not None and not self._reloading.is_alive()
+            reloaded = r.backend.reload_finished
             if now >= next_health or reloaded:
                 self._check_backend(now)
                 if now >= next_health:
@@ -382,55 +340,7 @@ class Engine:
                     except Exception as exc:
                         self._stats.hook_failures += 1
                         log.exception("periodic_hook_failed", hook=p.name, error=str(exc))
-            now = time.monotonic()
-            if now >= self._refresh_due:
-                self._publish(read_backend=True)
-            elif r.revision != self._published_revision and now >= self._next_publish:
-                self._publish()
-
-    def _publish_changed(self) -> None:
-        """Before the reconciler's settled callbacks: publish what they wait for, unless published."""
-        if self.reconciler.revision != self._published_revision:
-            self._publish()
-
-    def _publish(self, read_backend: bool = False) -> None:
-        """Build the frame from the reconciler's produced figures and publish it; with `read_backend`,
-        the backend's health, counters and gauges are read again, else the last frame's stand. A backend
-        whose figures cannot be read costs those figures only (as a metrics scrape did)."""
-        r = self.reconciler
-        last = self.feed.latest()
-        health, counters, gauges = last.health, last.counters, last.gauges
-        if read_backend:
-            backend = r.backend
-            try:
-                health = backend.health()
-                counters = MappingProxyType(dict(backend.counters()))
-                gauges = MappingProxyType(dict(backend.gauges()))
-            except Exception as exc:
-                log.warning("backend_figures_unreadable", backend=backend.name, error=str(exc))
-                health, counters, gauges = None, MappingProxyType({}), MappingProxyType({})
-        now = time.monotonic()
-        try:
-            frame = EngineFrame(
-                version=last.version + 1,
-                produced_at=now,
-                settled=r.settled,
-                reconciler=r.stats(),
-                intents=r.intent_figures(),
-                matches=r.task_rows(),
-                health=health,
-                counters=counters,
-                gauges=gauges,
-            )
-        except Exception as exc:  # a bug here must cost status, not the engine
-            log.exception("status_publish_failed", error=str(exc))
-            return
-        finally:
-            self._published_revision = r.revision
-            self._next_publish = now + self.publish_interval_s
-            if read_backend:
-                self._refresh_due = now + self.refresh_s
-        self.feed.publish(frame)
+            self._frames.publish_if_due(time.monotonic())
 
     def _run_work(self, step: bool = True) -> None:
         work = self._work
@@ -455,164 +365,65 @@ class Engine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineStopped("engine stopped before running this"))
 
-    def _check_backend(self, now: float) -> None:
-        """Health check; an ejected backend is reloaded with exponential backoff, then fully resynced."""
-        if self._reloading is not None:
-            if not self._reloading.is_alive():
-                self._finish_reload(now)
-            return
+    def _supervise(self) -> None:
+        """Hand the reload settings to the backend's supervisor, which owns every change of backend."""
+        on_give_up = self._on_give_up
         backend = self.reconciler.backend
+
+        def replace(why: str) -> tuple[Backend, str]:
+            assert on_give_up is not None
+            return on_give_up(why), backend.reason
+
+        policy = ReloadPolicy(self.reload_backoff_initial_s, self.reload_backoff_max_s, self.ejection_limit,
+                              self.ejection_window_s)
+        backend.supervise(policy, self._wake, replace if on_give_up is not None else None)
+
+    def _check_backend(self, now: float) -> None:
+        """Health check (SupervisedBackend.check): an ejected backend is reloaded with exponential backoff
+        or given up, then every entry is written again; status is read from it again at once."""
         r = self.reconciler
-        if not self._ejected:
-            try:
-                health = backend.health()
-            except Exception as exc:  # a broken health check must not end the engine
-                log.exception("backend_health_failed", backend=backend.name, error=str(exc))
-                return
-            self._stats.backend_state = health.state.value
-            if health.state is BackendState.RUNNING:
-                try:
-                    backend.tick(now)
-                except Exception as exc:  # the backend's upkeep must not end the engine either
-                    self._stats.hook_failures += 1
-                    log.exception("backend_tick_failed", backend=backend.name, error=str(exc))
-            if health.state is not BackendState.EJECTED:
-                return
-            self._ejected = True
-            self._refresh_due = 0.0
-            r.hold_writes = True
-            self._stats.backend_ejections += 1
-            self._stats.last_ejection_reason = health.reason
-            self._backoff_s = self.reload_backoff_initial_s
-            self._next_reload = now
-            log.error("scheduler_ejected", backend=backend.name, reason=health.reason)
-            if self._too_many_ejections(now):
-                self._give_up(backend, health.reason)
-                return
-        if now < self._next_reload:
-            return
-        self._begin_reload(backend.inner if isinstance(backend, _Reloading) else backend)
+        checked = r.backend.check(now)
+        if checked is not Checked.NOTHING:
+            self._frames.refresh_soon()
+        r.backend_changed(checked)
 
-    def _begin_reload(self, backend: Backend) -> None:
-        """Stop and start the backend on a thread of its own: loading a scheduler takes seconds, which the
-        engine thread (events, submitted work, the watchdog hook) must not wait for. Meanwhile the
-        reconciler holds a stand-in, so nothing on the engine thread reaches the backend being reloaded:
-        the reload thread is its only user until `_finish_reload` gives it back (docs/design.md). The
-        stand-in stays through failed reloads: the backend they stopped would report itself stopped, and
-        metrics and alerts must keep saying ejected, with the kernel's reason, until it is back."""
-        outcome: list[BaseException | None] = []
 
-        def reload() -> None:
-            try:
-                try:
-                    backend.stop()
-                except BackendError as exc:
-                    log.warning("backend_stop_failed", backend=backend.name, error=str(exc))
-                backend.start()
-            except Exception as exc:
-                outcome.append(exc)
+class _EventPort:
+    """The proc connector as the engine's loop polls it: opened, reopened after a loss (counted in the
+    engine's stats), and registered with the loop's poll under its current descriptor."""
+
+    def __init__(self, source: ProcEventSource, use: bool, stats: EngineStats) -> None:
+        self.source = source
+        self.use = use
+        self.stats = stats  # the engine's
+        self.fd = -1
+
+    def open(self) -> bool:
+        if not self.use:
+            return False
+        source, stats = self.source, self.stats
+        try:
+            if source.is_open:
+                source.reopen()
+                stats.events_reopens += 1
             else:
-                outcome.append(None)
-            self._wake()
+                source.open()
+        except EventsUnavailable as exc:
+            if stats.events_available or not source.is_open:
+                log.error("proc_events_unavailable", error=str(exc))
+            stats.events_available = False
+            return False
+        stats.events_available = True
+        return True
 
-        self.reconciler.backend = _Reloading(backend, self._stats.last_ejection_reason)
-        self._refresh_due = 0.0  # the frame reads the stand-in from now on
-        self._reload_outcome = outcome
-        self._reloading = spawn("gthulhu-backend-reload", reload)
+    def register(self, poller: select.poll) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(KeyError):
+                poller.unregister(self.fd)
+            self.fd = -1
+        if self.source.is_open:
+            self.fd = self.source.fileno()
+            poller.register(self.fd, select.POLLIN | select.POLLERR)
 
-    def _restore_backend(self) -> Backend:
-        self._reloading = None
-        stand_in = self.reconciler.backend
-        backend = stand_in.inner if isinstance(stand_in, _Reloading) else stand_in
-        self.reconciler.backend = backend
-        return backend
-
-    def _finish_reload(self, now: float) -> None:
-        r = self.reconciler
-        error = self._reload_outcome[0] if self._reload_outcome else RuntimeError("the reload thread ended")
-        if error is not None:
-            self._reloading = None
-            self._stats.backend_reload_failures += 1
-            self._next_reload = now + self._backoff_s
-            log.error("backend_reload_failed", backend=r.backend.name, error=str(error),
-                      retry_in_s=self._backoff_s)
-            self._backoff_s = min(self._backoff_s * 2, self.reload_backoff_max_s)
-            return
-        backend = self._restore_backend()
-        self._ejected = False
-        self._refresh_due = 0.0  # the backend's own figures again, without waiting for refresh_s
-        r.hold_writes = False
-        self._stats.backend_reloads += 1
-        self._stats.backend_state = backend.health().state.value
-        log.info("backend_reloaded", backend=backend.name)
-        r.resync()
-
-    def _too_many_ejections(self, now: float) -> bool:
-        """Count this ejection; True once `ejection_limit` fell within the last `ejection_window_s`."""
-        self._ejection_times.append(now)
-        while self._ejection_times and now - self._ejection_times[0] > self.ejection_window_s:
-            self._ejection_times.popleft()
-        return self._on_give_up is not None and len(self._ejection_times) >= self.ejection_limit
-
-    def _give_up(self, backend: Backend, reason: str) -> None:
-        """A scheduler the kernel keeps ejecting is not reloaded again (each reload leaves the policies
-        unapplied for a while, and each ejection is a kernel error): the replacement backend takes over,
-        every entry is written to it, and it stays until the agent restarts."""
-        r = self.reconciler
-        why = (f"{len(self._ejection_times)} ejections within {self.ejection_window_s:g} s "
-               f"(scheduler.ejection_limit {self.ejection_limit}); the last: {reason}")
-        assert self._on_give_up is not None
-        try:
-            backend.stop()
-        except BackendError as exc:
-            log.warning("backend_stop_failed", backend=backend.name, error=str(exc))
-        try:
-            replacement = self._on_give_up(why)
-        except Exception as exc:
-            # Nothing to run instead: keep reloading what we had, as without a limit.
-            log.error("backend_replacement_failed", backend=backend.name, error=str(exc))
-            self._on_give_up = None
-            return
-        r.backend = replacement
-        self._refresh_due = 0.0
-        if replacement.process_fallback != backend.process_fallback:
-            r.set_policy(r.policy)  # process scope becomes TID entries, or TGID entries again
-        self._ejected = False
-        self._ejection_times.clear()
-        r.hold_writes = False
-        self._stats.gave_up_reason = why
-        self._stats.backend_state = replacement.health().state.value
-        log.error("backend_given_up", backend=backend.name, replacement=replacement.name, reason=why,
-                  action="systemctl restart gthulhu-node tries the scheduler again")
-        r.resync()
-
-
-class _Reloading(Backend):
-    """What the reconciler holds from the first reload of an ejected backend until one succeeds: it writes
-    nothing (the engine holds writes while ejected) and answers the engine thread's readers (metrics,
-    status) without touching the backend being reloaded."""
-
-    def __init__(self, inner: Backend, reason: str) -> None:
-        self.inner = inner
-        self.reason = reason or "being reloaded"
-        self.name = inner.name
-        self.process_fallback = inner.process_fallback
-
-    @property
-    def capacity(self) -> int | None:
-        return self.inner.capacity
-
-    def start(self) -> None:
-        raise BackendError(f"the {self.name} backend is being reloaded")
-
-    def stop(self) -> None:
-        raise BackendError(f"the {self.name} backend is being reloaded")
-
-    def apply(self, upserts: Mapping[EntryKey, Entry], deletes: Iterable[EntryKey]) -> ApplyResult:
-        raise BackendError(f"the {self.name} backend is being reloaded")
-
-    def read_back(self) -> dict[EntryKey, Entry]:
-        return {}
-
-    def health(self) -> BackendHealth:
-        return BackendHealth(BackendState.EJECTED, self.reason)
+    def close(self) -> None:
+        self.source.close()

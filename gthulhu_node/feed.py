@@ -24,7 +24,8 @@ from types import MappingProxyType
 import structlog
 
 from gthulhu_node.backends.base import BackendHealth
-from gthulhu_node.reconciler import IntentStats, Match, ReconcilerStats
+from gthulhu_node.reconciler import ReconcilerStats
+from gthulhu_node.status_projection import IntentStats, Match
 from gthulhu_node.workers import Latest
 
 log = structlog.get_logger(__name__)

@@ -38,7 +38,8 @@ from gthulhu_node.backends.base import Backend, BackendHealth
 from gthulhu_node.engine import EngineStats
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.peers import PeerStats
-from gthulhu_node.reconciler import IntentStats, ReconcilerStats
+from gthulhu_node.reconciler import ReconcilerStats
+from gthulhu_node.status_projection import IntentStats
 from gthulhu_node.workers import Spawned
 
 if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only needs their types

@@ -63,7 +63,7 @@ def preview(
     reconciler = Reconciler(backend, policy=policy, proc_root=proc_root)
     snap = snapshot(proc_root)
     reconciler.apply_snapshot(snap)
-    stats = reconciler.intent_stats()
+    stats = reconciler.intent_figures()
     out: list[PreviewIntent] = []
     for key, intent in mine:
         st = stats.get(key)

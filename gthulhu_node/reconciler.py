@@ -1,22 +1,17 @@
-"""The reconciler: owns the desired strategy table and is the only writer to the backend (docs/watching.md).
+"""The reconciler: its inputs put together on one thread (the engine's), over three parts that each own
+one thing (docs/watching.md, docs/design.md):
+- the task table (gthulhu_node/task_table.py): tasks, matching and winners, no I/O of its own (the reads
+  it needs come through `ProcFiles`, below);
+- the writer (gthulhu_node/writer.py): desired against applied, the retry queue, the time budget; it
+  holds the supervised backend (gthulhu_node/backends/supervisor.py) for life;
+- the status projection (gthulhu_node/status_projection.py): figures and task rows, fed by the two.
 
-Inputs, all on one thread (the engine's): a policy set (`set_policy`, a full recompute), full /proc
-snapshots (`apply_snapshot`, the ground truth) and proc connector events (`handle_events`, the fast path).
-Each ends in the same diff: the desired table {EntryKey -> Entry} against the reconciler's own view of what
-the backend holds (`applied`, re-read from the backend by `resync` after a backend restart), written as one
-batch.
-
-Rules it implements:
-- A task is (tid, start_time): a TID seen with another start time is a new task (the old one is gone).
-- One task gets exactly one intent's strategy (matching.py's precedence), never a merge.
-- scope=process: the strongest process-scope intent matching any thread of a process becomes that
-  process's TGID entry, so threads it creates later are covered by the kernel at once. A thread whose own
-  winner (its thread-scope matches and the process winner) gives something else gets a TID entry.
-- Noop intents (priority 0, executionTime 0) match and win like any other but write nothing.
-- Exits remove entries at once; an incomplete snapshot never removes anything.
-- Per-key write failures: a refused key keeps a typed `FailureReason` (shown on the owning intent's status)
-  and is retried on its own with exponential backoff (gthulhu_node/outbox.py), and at every full diff;
-  TaskGoneError drops the entry (the exit event follows).
+Inputs: a policy set (`set_policy`, a full recompute), full /proc snapshots (`apply_snapshot`, the ground
+truth) and proc connector events (`handle_events`, the fast path). Each ends in the same diff, written as
+one batch. Exits remove entries at once; an incomplete snapshot never removes anything. Per-key write
+failures: a refused key keeps a typed `FailureReason` (shown on the owning intent's status) and is retried
+on its own with exponential backoff (gthulhu_node/outbox.py), and at every full diff; TaskGoneError drops
+the entry (the exit event follows).
 """
 
 from __future__ import annotations
@@ -26,74 +21,29 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 
 import structlog
 
-from gthulhu_node.backends.base import (
-    ApplyResult,
-    Backend,
-    BackendError,
-    Entry,
-    EntryKey,
-    KeyKind,
-    MapFullError,
-    TaskGoneError,
-)
-from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
-from gthulhu_node.outbox import FailureReason, Outbox
+from gthulhu_node.backends.base import ApplyResult, Backend, Entry, EntryKey, KeyKind
+from gthulhu_node.backends.supervisor import Checked, SupervisedBackend
+from gthulhu_node.matching import Owner, PolicySet, read_owner, read_pod_uid
+from gthulhu_node.outbox import FailureReason
+from gthulhu_node.status_projection import IntentStats, Match
+from gthulhu_node.task_table import TaskTable
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, read_task, snapshot
+from gthulhu_node.writer import EntryView, Writer, WriterStats
 
 log = structlog.get_logger(__name__)
-
-# First guess of one key's write cost, before a budgeted flush has measured the backend.
-_WRITE_COST_GUESS_S = 0.0002
-# A budgeted flush's batches start this small and at most double: a backend slower than the guess (or
-# than it was) costs one small batch too many, not one budget-sized batch at the wrong price.
-_FIRST_BATCH = 2
 
 _EVENT_NAMES = {k: k.name.lower() for k in EventKind}
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
-    """One task and the intent whose strategy it gets."""
-
-    tid: int
-    tgid: int
-    comm: str
-    intent_key: str
-    priority: int
-    slice_ns: int
-    scope: str  # the winning intent's scope: "thread" or "process"
-    entry: str  # the key that carries it ("tid:123", "tgid:100"), "" when nothing is written (noop)
-    applied: bool  # the backend holds that entry as computed
-    overlaps: tuple[str, ...] = ()  # the other intents it matches, which the winner beats (sorted keys)
-
-
 @dataclass(slots=True)
-class IntentStats:
-    """Per-intent status: how many tasks it matched, won and lost (and to whom), write failures."""
-
-    key: str
-    noop: bool = False
-    matched_tasks: int = 0
-    applied_tasks: int = 0  # tasks whose strategy is this intent's
-    lost_tasks: int = 0
-    overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
-    write_failures: int = 0
-    pending_failures: int = 0  # entries of this intent not in the backend right now because a write failed
-    unwritten: int = 0  # entries of this intent waiting for their write (a long write is done in slices)
-    pending_reasons: dict[FailureReason, int] = field(default_factory=dict)  # the same, by reason
-    last_error: str = ""  # the backend's words for the last refusal, for people
-    last_reason: FailureReason | None = None
-
-
-@dataclass(slots=True)
-class ReconcilerStats:
-    """Counters for metrics (read at scrape time through `Reconciler.stats()`). Reaction latencies are not
-    here: they go to the latency listeners (the metrics' histogram) only."""
+class ReconcilerStats(WriterStats):
+    """Counters for metrics (read at scrape time through `Reconciler.stats()`): the writer's and the task
+    table's. Reaction latencies are not here: they go to the latency listeners (the metrics' histogram)
+    only."""
 
     events: dict[str, int] = field(default_factory=lambda: {k.name.lower(): 0 for k in EventKind})
     events_lost: int = 0
@@ -108,13 +58,6 @@ class ReconcilerStats:
     matched_tasks: int = 0
     entries_desired: int = 0
     entries_applied: int = 0
-    batches: int = 0
-    upserts: int = 0
-    deletes: int = 0
-    write_failures: int = 0
-    write_retries: int = 0  # writes of a refused key again after its backoff (not at a full diff)
-    map_full: int = 0
-    tasks_gone: int = 0
     tasks_vanished: int = 0  # an event named a task that was gone before its /proc entry could be read
     # /proc/<tgid>/{cgroup,status} unreadable for a reason other than the process being gone: selectors
     # that ask failed closed, and the read is tried again at the next match
@@ -123,81 +66,13 @@ class ReconcilerStats:
     policy_updates: int = 0
 
 
-@dataclass(slots=True, eq=False)
-class _Thread:
-    task: Task
-    winner: CompiledIntent | None = None  # the one intent whose strategy it gets (noop included)
-    # the keys of the thread-scope intents it matched (eligible ones) when its winner was last computed
-    cands: frozenset[str] = frozenset()
-    # what this thread adds to the per-intent counts now: (every intent it matches, its winner's key)
-    counted: tuple[frozenset[str], str] | None = None
-
-
-@dataclass(slots=True)
-class _IntentCount:
-    """One intent's share of the task table, kept as threads are matched and unmatched."""
-
-    matched: int = 0
-    applied: int = 0
-    lost: int = 0
-    overlaps: dict[str, int] = field(default_factory=dict)  # winner's key -> tasks lost to it
-
-
-@dataclass(slots=True, eq=False)
-class _Proc:
-    tgid: int
-    tids: set[int] = field(default_factory=set)
-    start_time: int | None = None  # the leader's, for the TGID entry
-    # scope=process intents matched by this process's threads: intent key -> number of threads
-    pmatch: dict[str, int] = field(default_factory=dict)
-    winner: CompiledIntent | None = None
-    pod: str | None = None  # normalized pod UID, read from /proc/<tgid>/cgroup when first needed
-    pod_known: bool = False
-    owner: Owner | None = None  # read from /proc/<tgid> when an intent first asks who the process is
-    owner_known: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Want:
-    """One desired entry and the intent that produced it."""
-
-    entry: Entry
-    owner: str
-
-
-@dataclass(slots=True)
-class _IntentFailures:
-    count: int = 0
-    last_reason: FailureReason = FailureReason.BACKEND
-    last_message: str = ""
-
-
-def _entry(want: _Want | None) -> Entry | None:
-    return want.entry if want is not None else None
-
 
 class Reconciler:
-    """Desired table, diff, batched writes. Not thread-safe: the engine thread owns it.
-
-    Its state is four structures, each with one invariant (`check_invariants` asserts them all):
-    - the task table, `_threads` (tid -> task and its winner) and `_procs` (tgid -> threads, process-scope
-      match counts, process winner): every thread is in exactly its own process's `tids`, every process
-      has a thread, and every winner is what matching.py's precedence gives for the current policy;
-    - `_desired` (key -> entry and owning intent): exactly the entries the task table implies;
-    - `_applied` (key -> entry): what the backend holds, as far as we know: read back at `resync`, then
-      changed only by writes the backend reported done;
-    - `_outbox` (dirty keys, refused keys and their retry times): a key whose desired and applied values
-      differ is dirty or refused; right after a flush, exactly the refused ones differ (`Outbox`).
-    Per-intent failure counts (`_intent_failures`) and the counters in `_stats` are history, not state.
-    The per-intent counts (`_counts`) follow the task table: each thread with a winner adds what it
-    counts (`_Thread.counted`) and takes it back when matched again or removed, so status is produced as
-    the table changes (`intent_figures`), not recomputed from scratch for every reader (`intent_stats` is
-    that from-scratch reference; `check_invariants` asserts they agree).
-
-    Latency listeners (`on_latency` and `add_latency_listener`) are called for every write caused by an
-    event, with the time from the kernel's event timestamp (CLOCK_MONOTONIC, the moment of the prctl / fork /
-    exit) to the end of the backend write. They are the only record of latency (the metrics' histogram).
-    """
+    """The inputs, in order, over the task table, the writer and the status projection. Not thread-safe:
+    the engine thread owns it. `check_invariants` asserts each part's invariants, and that the
+    projection's counts equal the table's from-scratch recount (`intent_stats`). The counters in
+    `_stats` are history, not state. Settle callbacks (`when_settled`) run once no rematch is left and
+    nothing is left to write; latency listeners are the writer's."""
 
     def __init__(
         self,
@@ -208,57 +83,62 @@ class Reconciler:
         on_latency: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.backend = backend
+        # held for life: every change of backend (reload, give-up, the stand-in) happens inside it
+        self._writer = Writer(
+            backend if isinstance(backend, SupervisedBackend) else SupervisedBackend(backend),
+            clock=clock, on_latency=on_latency,
+        )
         self.proc_root = proc_root
         self._clock = clock
-        # replaced whole, never mutated: another thread may add a listener while the engine thread reads it
-        self._latency_listeners: tuple[Callable[[float], None], ...] = (on_latency,) if on_latency else ()
-        self._policy = policy or PolicySet.empty()
-        self._threads: dict[int, _Thread] = {}
-        self._procs: dict[int, _Proc] = {}
-        self._desired: dict[EntryKey, _Want] = {}
-        self._applied: dict[EntryKey, Entry] = {}
-        self._outbox = Outbox()
-        self._intent_failures: dict[str, _IntentFailures] = {}
+        self._table = TaskTable(policy or PolicySet.empty(), ProcFiles(proc_root), self._writer, clock)
+        self._status = self._table.status
         self._stats = ReconcilerStats()
-        self._counts: dict[str, _IntentCount] = {}
-        self._matched = 0  # threads with a winner
-        self._touched: set[str] = set()  # intents whose counts or failures changed since `intent_figures`
-        self._all_touched = True  # the policy changed: every intent's figures are built again
-        self._figures: dict[str, IntentStats] = {}  # what `intent_figures` last returned
-        self._live: set[str] = set()  # intents that had refused or unwritten entries then
-        # Task rows as `task_rows` last returned them, and what may have changed them since: threads
-        # matched again or removed, keys whose desired or applied entry changed (a row says which key
-        # carries its strategy and whether the backend holds it), or everything (a resync).
-        self._rows: dict[int, Match] = {}
-        self._row_tids: set[int] = set()
-        self._row_keys: set[EntryKey] = set()
-        self._rows_all = True
-        # Grows whenever an input or a write may have changed what the tables say: the engine publishes
-        # status (gthulhu_node/feed.py) when it moved since the last publication.
-        self.revision = 0
+        self._revision = 0  # inputs seen; `revision` adds the writer's batches
         # Called on this thread when the reconciler settles with callbacks waiting, before them: the
         # engine publishes status there, so whoever waited for the settle reads status that includes it.
         self.before_settled: Callable[[], None] | None = None
-        # Set by the engine while the backend is down (ejected, reloading): changes accumulate, nothing is
-        # written; `resync` writes everything once the backend is back.
-        self.hold_writes = False
-        self._pending_logs: list[tuple[str, dict[str, object]]] = []
-        # None: a policy change and a flush finish in the call (tests, preview). The engine sets a few
-        # milliseconds: its thread feeds the watchdog and answers callers, so a rematch and a long write
-        # are done in slices of about this much, one per loop turn (`step`), events handled in between.
-        self.budget_s: float | None = None
-        # Processes whose winners were computed with an older policy than `_policy` (tgid -> that policy):
-        # they keep its strategies until rematched, by `step` or before anything changes them.
-        self._stale: dict[int, PolicySet] = {}
         self._on_settled: list[Callable[[], None]] = []
-        self._write_cost_s = _WRITE_COST_GUESS_S
 
     # ---- inputs -------------------------------------------------------------------------------------
 
     @property
     def policy(self) -> PolicySet:
-        return self._policy
+        return self._table.policy
+
+    @property
+    def backend(self) -> SupervisedBackend:
+        """The one backend, held (by the writer) for life: reloads and replacements happen inside it."""
+        return self._writer.backend
+
+    @property
+    def revision(self) -> int:
+        """Grows when an input or a write may have changed the tables: the engine publishes then (feed.py)."""
+        return self._revision + self._table.rematched + self._writer.stats.batches
+
+    @property
+    def budget_s(self) -> float | None:
+        """None: a change finishes in the call (tests, preview). The engine sets a few ms: its thread feeds
+        the watchdog, so a rematch and a long write go in slices of this much, one per loop turn (`step`)."""
+        return self._writer.budget_s
+
+    @budget_s.setter
+    def budget_s(self, seconds: float | None) -> None:
+        self._writer.budget_s = seconds
+
+    @property
+    def hold_writes(self) -> bool:
+        """Down (ejected, reloading) or held (SupervisedBackend.held): nothing written until `resync`."""
+        return self.backend.held
+
+    def backend_changed(self, checked: Checked) -> None:
+        """After the supervisor's health check: a backend running again (reloaded, or a replacement) gets
+        every entry written again; a replacement that covers processes differently (TGID entries or a
+        TID entry per thread) gets every process rematched first."""
+        if checked is Checked.REPLACED_OTHER_SCOPE:
+            self._restale(self.policy)
+            self._table.rematch(self._clock() + self.budget_s if self.budget_s is not None else math.inf)
+        if checked in (Checked.RELOADED, Checked.REPLACED, Checked.REPLACED_OTHER_SCOPE):
+            self.resync()
 
     def set_policy(self, policy: PolicySet) -> ApplyResult:
         """Replace the policy set and recompute every task's strategy, then write the difference.
@@ -266,29 +146,26 @@ class Reconciler:
         Without a `budget_s` all of it happens in this call. With one, this call does the first slice and
         `step` the rest; until then each process keeps the strategies of the policy it was matched with
         (`settled` is False), and a process an event touches is rematched first."""
-        old = self._policy
-        self._policy = policy
-        self._stats.policy_updates += 1
-        self.revision += 1
-        self._all_touched = True
-        for key in [k for k in self._intent_failures if k not in policy.by_key]:
-            del self._intent_failures[key]
-        stale = self._stale
-        for tgid in self._procs:
-            stale.setdefault(tgid, old)
-        # refused keys are tried again at once under the new policy, not after their backoff
-        self._outbox.mark_all(self._outbox.failed.keys())
-        self._outbox.failed.clear()
+        self._restale(policy)
         if self.budget_s is None:
-            self._rematch(math.inf)
+            self._table.rematch(math.inf)
             return self.flush()
         return self.step()
+
+    def _restale(self, policy: PolicySet) -> None:
+        """Take `policy`: every process keeps its winners under the old one until rematched."""
+        self._table.take_policy(policy)
+        self._stats.policy_updates += 1
+        self._revision += 1
+        self._status.all_touched = True
+        self._writer.forget_intents_but(policy.by_key)
+        self._writer.retry_refused_now()  # under the new policy, not after their backoff
 
     @property
     def settled(self) -> bool:
         """No rematch in progress and nothing left to write (or writes held): what the tables say is what
         the backend holds, apart from refused keys."""
-        return not self._stale and (not self._outbox.dirty or self.hold_writes)
+        return not self._table.stale and (not self._writer.dirty or self.hold_writes)
 
     def when_settled(self, callback: Callable[[], None]) -> None:
         """Call `callback()` on this thread once `settled` (now if it is), in the order registered."""
@@ -299,22 +176,9 @@ class Reconciler:
         """One slice of pending work: rematch processes for up to `budget_s`, then write for up to as long
         (the engine calls this every loop turn while `settled` is False)."""
         budget = self.budget_s
-        if self._stale:
-            self._rematch(self._clock() + budget if budget is not None else math.inf)
+        if self._table.stale:
+            self._table.rematch(self._clock() + budget if budget is not None else math.inf)
         return self.flush()
-
-    def _rematch(self, deadline: float) -> None:
-        stale, procs, clock = self._stale, self._procs, self._clock
-        n = 0
-        while stale:
-            if n and clock() >= deadline:
-                return
-            tgid = next(iter(stale))
-            self._rematch_proc(procs[tgid])
-            self.revision += 1
-            n += 1
-        log.info("policy_applied", intents=len(self._policy), tasks=len(self._threads),
-                 entries=len(self._desired))
 
     def _notify_settled(self) -> None:
         if self._on_settled and self.settled:
@@ -334,23 +198,24 @@ class Reconciler:
         """
         st = self._stats
         st.scans += 1
-        self.revision += 1
+        self._revision += 1
         st.scan_errors += snap.errors
         st.scan_duration_last_s = snap.duration_s
         st.scan_duration_total_s += snap.duration_s
+        table = self._table
         if snap.complete:
-            seen = snap.tasks
-            for tid in [t for t, th in self._threads.items() if (s := seen.get(t)) is None or s != th.task]:
+            seen, threads = snap.tasks, table.threads
+            for tid in [t for t, th in threads.items() if (s := seen.get(t)) is None or s != th.task]:
                 new = seen.get(tid)
-                old = self._threads[tid].task
+                old = threads[tid].task
                 if new is None or new.start_time != old.start_time or new.tgid != old.tgid:
-                    self._remove_task(tid, 0)
+                    table.remove(tid, 0)
         else:
             st.scans_incomplete += 1
             log.warning("proc_scan_incomplete", errors=snap.errors, tasks=len(snap.tasks))
         for task in snap.tasks.values():
-            self._put_task(task, 0)
-        self._mark_all_dirty()
+            table.put(task, 0)
+        self._writer.mark_all_dirty()
         return self.flush()
 
     def rescan(self) -> ApplyResult:
@@ -360,299 +225,123 @@ class Reconciler:
     def handle_events(self, events: Iterable[ProcEvent]) -> ApplyResult:
         """Apply events in order, then write everything they changed as one batch."""
         counts = self._stats.events
-        threads = self._threads
+        table = self._table
+        threads, procs = table.threads, table.procs
         reowned: dict[int, int] = {}  # tgid -> event time: processes whose owner must be read again
-        self.revision += 1
+        self._revision += 1
         for ev in events:
             kind = ev.kind
             counts[_EVENT_NAMES[kind]] += 1
             if kind is EventKind.EXIT:
                 th = threads.get(ev.tid)
                 if th is not None and th.task.tgid == ev.tgid:
-                    self._remove_task(ev.tid, ev.timestamp_ns)
+                    table.remove(ev.tid, ev.timestamp_ns)
             elif kind is EventKind.COMM:
                 th = threads.get(ev.tid)
                 if th is not None and th.task.tgid == ev.tgid and ev.comm is not None:
                     old = th.task
                     if old.comm != ev.comm:
-                        self._put_task(Task(old.tgid, old.tid, ev.comm, old.start_time), ev.timestamp_ns)
+                        table.put(Task(old.tgid, old.tid, ev.comm, old.start_time), ev.timestamp_ns)
                 else:
-                    self._read_and_put(ev.tgid, ev.tid, ev.timestamp_ns)
+                    table.read_and_put(ev.tgid, ev.tid, ev.timestamp_ns)
             elif kind is EventKind.FORK:
-                self._read_and_put(ev.tgid, ev.tid, ev.timestamp_ns)
+                table.read_and_put(ev.tgid, ev.tid, ev.timestamp_ns)
             elif kind is EventKind.EXEC:
                 # After exec a process has one thread, which holds the TGID; drop the others (the thread
                 # that called exec changed its TID to the TGID without an exit event).
-                proc = self._procs.get(ev.tgid)
+                proc = procs.get(ev.tgid)
                 if proc is not None:
                     for tid in [t for t in proc.tids if t != ev.tgid]:
-                        self._remove_task(tid, ev.timestamp_ns)
-                    self._forget_owner(proc, ev.timestamp_ns, reowned)  # another executable, maybe user
-                self._read_and_put(ev.tgid, ev.tgid, ev.timestamp_ns)
+                        table.remove(tid, ev.timestamp_ns)
+                    table.forget_owner(proc, ev.timestamp_ns, reowned)  # another executable, maybe user
+                table.read_and_put(ev.tgid, ev.tgid, ev.timestamp_ns)
             elif kind is EventKind.UID:
-                proc = self._procs.get(ev.tgid)
+                proc = procs.get(ev.tgid)
                 if proc is not None:
-                    self._forget_owner(proc, ev.timestamp_ns, reowned)
+                    table.forget_owner(proc, ev.timestamp_ns, reowned)
         for tgid, ts in reowned.items():
-            if (proc := self._procs.get(tgid)) is not None and tgid not in self._stale:
-                self._rematch_proc(proc, ts)
+            if (proc := procs.get(tgid)) is not None and tgid not in table.stale:
+                table.rematch_proc(proc, ts)
         return self.flush()
-
-    def _forget_owner(self, proc: _Proc, ts: int, reowned: dict[int, int]) -> None:
-        """Who the process is may have changed (setuid, exec): the owner selectors are evaluated again,
-        with a fresh read, for every thread of it. Without this a root process that named a thread, then
-        dropped to nobody and exec'd, kept a boost `named_only` denies nobody (issue 38, item 7). The
-        rematch is done once per process at the end of the batch (a setuid is one event per thread)."""
-        if not proc.owner_known:
-            return  # never read, nothing cached: the next match reads it
-        proc.owner_known = False
-        proc.owner = None
-        if self._policy.has_owner_selectors:
-            reowned[proc.tgid] = ts
 
     def note_events_lost(self) -> None:
         """The event source dropped events; the engine rescans at once."""
         self._stats.events_lost += 1
-        self.revision += 1
+        self._revision += 1
 
     def note_event_read_error(self) -> None:
         self._stats.event_read_errors += 1
-        self.revision += 1
+        self._revision += 1
 
     def resync(self) -> ApplyResult:
         """Re-read what the backend holds (after a restart or reload) and write every difference."""
         self._stats.resyncs += 1
-        self.revision += 1
-        self._rows_all = True
-        try:
-            self._applied = dict(self.backend.read_back())
-        except BackendError as exc:
-            log.error("backend_read_back_failed", backend=self.backend.name, error=str(exc))
-            self._applied = {}
-        self._outbox.failed.clear()
-        self._mark_all_dirty()
+        self._revision += 1
+        self._status.rows_all = True
+        self._writer.read_back()
         return self.flush()
 
     # ---- outputs ------------------------------------------------------------------------------------
 
     def desired(self) -> dict[EntryKey, Entry]:
-        return {k: w.entry for k, w in self._desired.items()}
+        return self._writer.desired()
 
     def applied(self) -> dict[EntryKey, Entry]:
-        return dict(self._applied)
+        return self._writer.applied()
 
     def tasks(self) -> dict[int, Task]:
-        return {tid: th.task for tid, th in self._threads.items()}
+        return {tid: th.task for tid, th in self._table.threads.items()}
 
     def failures(self) -> dict[EntryKey, FailureReason]:
         """Keys the backend refused and that wait for their retry, with why."""
-        return {k: f.reason for k, f in self._outbox.failed.items()}
+        return self._writer.failures()
 
-    def explain_view(
-        self, tid: int, tgid: int
-    ) -> tuple[dict[EntryKey, tuple[Entry | None, str, Entry | None, str]], str]:
-        """For `explain` (gthulhu_node/explain.py), O(1): the thread's TID and its TGID key, each with
-        (desired entry, the intent that wants it, applied entry, why the backend refused it or ""), and
-        the key of the thread's winner ("" when none)."""
-        out: dict[EntryKey, tuple[Entry | None, str, Entry | None, str]] = {}
-        for key in (EntryKey(KeyKind.TID, tid), EntryKey(KeyKind.TGID, tgid)):
-            want = self._desired.get(key)
-            failed = self._outbox.failed.get(key)
-            out[key] = (_entry(want), want.owner if want else "", self._applied.get(key),
-                        failed.reason.value if failed else "")
-        th = self._threads.get(tid)
-        return out, th.winner.key if th is not None and th.winner is not None else ""
+    def explain_view(self, tid: int, tgid: int) -> tuple[dict[EntryKey, EntryView], str]:
+        """For `explain`, O(1): the writer's view of the thread's TID and TGID keys, its winner's key."""
+        th = self._table.threads.get(tid)
+        keys = (EntryKey(KeyKind.TID, tid), EntryKey(KeyKind.TGID, tgid))
+        return {k: self._writer.view(k) for k in keys}, th.winner.key if th and th.winner else ""
 
     def next_retry_at(self) -> float:
         """When the earliest refused key is due to be written again (monotonic seconds; inf if none).
         The engine wakes up then; any `flush` from that moment on writes it."""
-        return math.inf if self.hold_writes else self._outbox.next_retry_at()
+        return self._writer.next_retry_at()
 
     def matches(self) -> list[Match]:
         """Every task some intent matched, with the one intent whose strategy it gets (from scratch)."""
-        out = [row for tid in self._threads if (row := self._row(tid)) is not None]
+        out = [row for tid in self._table.threads if (row := self._status.row(tid)) is not None]
         out.sort(key=lambda m: (m.tgid, m.tid))
         return out
 
     def task_rows(self) -> Mapping[int, Match]:
-        """The rows of `matches` by TID, produced: only the rows of threads matched again or removed, or
-        whose entry's desired or applied value changed since the last call, are built anew; the others
-        are the last call's (frozen) rows. The engine publishes the result (gthulhu_node/feed.py)."""
-        if self._rows_all:
-            out: dict[int, Match] = {}
-            tids: Iterable[int] = self._threads
-        else:
-            out = dict(self._rows)
-            changed = set(self._row_tids)
-            procs = self._procs
-            for key in self._row_keys:
-                if key.kind is KeyKind.TID:
-                    changed.add(key.id)
-                elif (proc := procs.get(key.id)) is not None:
-                    changed.update(proc.tids)
-            tids = changed
-        for tid in tids:
-            row = self._row(tid)
-            if row is None:
-                out.pop(tid, None)
-            else:
-                out[tid] = row
-        self._rows = out
-        self._row_tids, self._row_keys, self._rows_all = set(), set(), False
-        return MappingProxyType(out)
-
-    def _row(self, tid: int) -> Match | None:
-        th = self._threads.get(tid)
-        w = th.winner if th is not None else None
-        if th is None or w is None:
-            return None
-        desired, applied = self._desired, self._applied
-        task = th.task
-        proc = self._procs[task.tgid]
-        entry_key: EntryKey | None = None
-        tid_key = EntryKey(KeyKind.TID, tid)
-        if tid_key in desired:
-            entry_key = tid_key
-        elif proc.winner is not None and not proc.winner.is_noop:
-            entry_key = EntryKey(KeyKind.TGID, task.tgid)
-        ok = entry_key is not None and applied.get(entry_key) == _entry(desired.get(entry_key))
-        lost = tuple(sorted(th.counted[0] - {w.key})) if th.counted is not None else ()
-        return Match(tid, task.tgid, task.comm, w.key, w.priority, w.slice_ns, w.scope.value,
-                     str(entry_key) if entry_key is not None else "", ok, lost)
-
-    def intent_stats(self) -> dict[str, IntentStats]:
-        """Per-intent matched/applied/lost counts and overlaps, computed from the current tables."""
-        current = self._policy
-        result = {c.key: IntentStats(c.key, noop=c.is_noop) for c in current.ordered}
-        stale = self._stale
-        for th in self._threads.values():
-            w = th.winner
-            if w is None:
-                continue
-            proc = self._procs[th.task.tgid]
-            # a process not yet rematched is counted as the policy it was matched with has it: that is
-            # what the backend holds for it
-            policy = stale.get(proc.tgid, current)
-            candidates = set(self._eligible(policy.match(th.task.comm).thread, proc, policy))
-            candidates.update(policy.by_key[k] for k in proc.pmatch)
-            for c in candidates:
-                s = result.get(c.key)
-                if s is None:
-                    continue
-                s.matched_tasks += 1
-                if c is w:
-                    s.applied_tasks += 1
-                else:
-                    s.lost_tasks += 1
-                    s.overlaps[w.key] = s.overlaps.get(w.key, 0) + 1
-        for key, f in self._intent_failures.items():
-            if key in result:
-                result[key].write_failures = f.count
-                result[key].last_error = f.last_message
-                result[key].last_reason = f.last_reason
-        for failed_key, failure in self._outbox.failed.items():
-            want = self._desired.get(failed_key)
-            if want is not None and want.owner in result:
-                s = result[want.owner]
-                s.pending_failures += 1
-                s.pending_reasons[failure.reason] = s.pending_reasons.get(failure.reason, 0) + 1
-        for dirty_key in self._outbox.dirty:
-            want = self._desired.get(dirty_key)
-            if want is not None and want.owner in result and self._applied.get(dirty_key) != want.entry:
-                result[want.owner].unwritten += 1
-        return result
+        """The rows of `matches` by TID, produced (StatusProjection.rows). The engine publishes them."""
+        return self._status.rows()
 
     def intent_figures(self) -> Mapping[str, IntentStats]:
-        """Per-intent figures equal to `intent_stats`'s, produced from the counts kept as tasks are
-        matched (no pass over the task table): only the intents whose counts or failures changed since
-        the last call, or that have refused or unwritten entries (a pass over the outbox, which is short
-        outside a long write), are built anew; the others are the previous call's records, shared. The
-        engine publishes the result (gthulhu_node/feed.py); no record is changed once returned."""
-        policy = self._policy
-        desired, applied, outbox = self._desired, self._applied, self._outbox
-        live: dict[str, tuple[list[int], dict[FailureReason, int]]] = {}
-        for failed_key, failure in outbox.failed.items():
-            want = desired.get(failed_key)
-            if want is not None:
-                counts, reasons = live.setdefault(want.owner, ([0, 0], {}))
-                counts[0] += 1
-                reasons[failure.reason] = reasons.get(failure.reason, 0) + 1
-        for dirty_key in outbox.dirty:
-            want = desired.get(dirty_key)
-            if want is not None and applied.get(dirty_key) != want.entry:
-                live.setdefault(want.owner, ([0, 0], {}))[0][1] += 1
-        if self._all_touched:
-            out: dict[str, IntentStats] = {}
-            rebuild: Iterable[str] = policy.by_key
-        else:
-            out = dict(self._figures)
-            rebuild = (self._touched | self._live | live.keys()) & policy.by_key.keys()
-        counts_of, failures = self._counts, self._intent_failures
-        for key in rebuild:
-            c = counts_of.get(key)
-            f = failures.get(key)
-            pending = live.get(key)
-            out[key] = IntentStats(
-                key,
-                noop=policy.by_key[key].is_noop,
-                matched_tasks=c.matched if c else 0,
-                applied_tasks=c.applied if c else 0,
-                lost_tasks=c.lost if c else 0,
-                overlaps=dict(c.overlaps) if c else {},
-                write_failures=f.count if f else 0,
-                pending_failures=pending[0][0] if pending else 0,
-                unwritten=pending[0][1] if pending else 0,
-                pending_reasons=dict(pending[1]) if pending else {},
-                last_error=f.last_message if f else "",
-                last_reason=f.last_reason if f else None,
-            )
-        self._figures = out
-        self._touched = set()
-        self._all_touched = False
-        self._live = set(live)
-        return MappingProxyType(out)
+        """Per-intent figures equal to `intent_stats`'s, produced (StatusProjection.figures). The engine
+        publishes them (gthulhu_node/feed.py); no record is changed once returned."""
+        return self._status.figures(self.policy)
 
     def stats(self) -> ReconcilerStats:
         st = self._stats
-        st.tasks = len(self._threads)
-        st.processes = len(self._procs)
-        st.matched_tasks = self._matched
-        st.entries_desired = len(self._desired)
-        st.entries_applied = len(self._applied)
+        table = self._table
+        st.tasks = len(table.threads)
+        st.processes = len(table.procs)
+        st.tasks_vanished, st.owner_read_errors = table.vanished, table.owner_read_errors
+        st.matched_tasks = self._status.matched
+        st.entries_desired, st.entries_applied = self._writer.sizes
+        ws = self._writer.stats
+        for name in WriterStats.__dataclass_fields__:
+            setattr(st, name, getattr(ws, name))
         copy = ReconcilerStats(**{f: getattr(st, f) for f in ReconcilerStats.__dataclass_fields__})
         copy.events = dict(st.events)
         return copy
 
     def check_invariants(self) -> None:
-        """Assert the invariants the class docstring states (tests call it after every step)."""
-        threads, procs = self._threads, self._procs
-        for tid, th in threads.items():
-            assert th.task.tid == tid and tid in procs[th.task.tgid].tids, tid
-        for tgid, proc in procs.items():
-            assert proc.tids and all(threads[t].task.tgid == tgid for t in proc.tids), tgid
-        assert sum(len(p.tids) for p in procs.values()) == len(threads)
-        assert self._stale.keys() <= procs.keys()
-        for proc in procs.values():
-            policy = self._stale.get(proc.tgid, self._policy)  # a stale process: the one it was matched with
-            assert proc.winner is best(policy.by_key[k] for k in proc.pmatch), proc.tgid
-            for tid in proc.tids:
-                th = threads[tid]
-                thread = self._eligible(policy.match(th.task.comm).thread, proc, policy)
-                assert th.winner is best((thread[0] if thread else None, proc.winner)), tid
-        desired, applied, outbox = self._desired, self._applied, self._outbox
-        differ = {k for k in desired.keys() | applied.keys() if applied.get(k) != _entry(desired.get(k))}
-        assert differ <= outbox.dirty.keys() | outbox.failed.keys(), differ
-        if not outbox.dirty and not self.hold_writes:
-            assert differ == outbox.failed.keys(), (differ, set(outbox.failed))
-        # the counts kept as tasks are matched are what a pass over the task table gives
-        scratch = self.intent_stats()
-        kept = self._counts
-        for key, s in scratch.items():
-            c = kept.get(key, _IntentCount())
-            assert (c.matched, c.applied, c.lost, c.overlaps) == (
-                s.matched_tasks, s.applied_tasks, s.lost_tasks, s.overlaps), (key, c, s)
-        assert all(c.matched > 0 for c in kept.values()), kept
-        assert self._matched == sum(1 for th in threads.values() if th.winner is not None)
+        """Assert each part's invariants (tests call it after every step; tests/unit/recount.py adds
+        that the projection's counts are what a pass over the task table gives)."""
+        self._table.check_invariants()
+        self._writer.check_invariants()
 
     # ---- writing ------------------------------------------------------------------------------------
 
@@ -664,10 +353,10 @@ class Reconciler:
         Log lines about (un)matched tasks are emitted after the write, so rendering them never delays it.
         """
         try:
-            return self._flush()
+            return self._writer.flush()
         finally:
-            if self._pending_logs:
-                logs, self._pending_logs = self._pending_logs, []
+            if self._table.pending_logs:
+                logs, self._table.pending_logs = self._table.pending_logs, []
                 for event, fields in logs:
                     if event == "task_matched":
                         log.info(event, **fields)
@@ -675,435 +364,22 @@ class Reconciler:
                         log.debug(event, **fields)
             self._notify_settled()
 
-    def _flush(self) -> ApplyResult:
-        outbox = self._outbox
-        if self.hold_writes or (not outbox.dirty and not outbox.failed):
-            return ApplyResult()
-        now = self._clock()
-        dirty, retried = outbox.take(now)
-        if not dirty:
-            return ApplyResult()
-        todo: list[tuple[EntryKey, Entry | None]] = []
-        desired, applied, failed_keys = self._desired, self._applied, outbox.failed
-        for key in dirty:
-            entry = _entry(desired.get(key))
-            if entry == applied.get(key):
-                failed_keys.pop(key, None)
-                continue
-            todo.append((key, entry))
-        if not todo:
-            return ApplyResult()
-        self._stats.write_retries += retried
-        budget = self.budget_s
-        if budget is None:
-            return self._write(todo, dirty, now)
-        todo.sort(key=lambda item: dirty[item[0]] == 0)  # event-caused writes first: their latency counts
-        deadline = time.monotonic() + budget
-        total = ApplyResult()
-        i, n = 0, _FIRST_BATCH
-        while i < len(todo):
-            start = time.monotonic()
-            if i and start >= deadline:
-                break
-            n = max(1, min(2 * n if i else n, int((deadline - start) / self._write_cost_s)))
-            chunk = todo[i:i + n]
-            result = self._write(chunk, dirty, now)
-            self._write_cost_s = max(1e-6, 0.5 * self._write_cost_s
-                                     + 0.5 * (time.monotonic() - start) / len(chunk))
-            total.upserted += result.upserted
-            total.deleted += result.deleted
-            total.failed.update(result.failed)
-            i += len(chunk)
-        for key, _unwritten in todo[i:]:
-            outbox.mark(key, dirty[key])
-        return total
-
-    def _write(self, todo: list[tuple[EntryKey, Entry | None]], dirty: dict[EntryKey, int],
-               now: float) -> ApplyResult:
-        """One batch to the backend; the tables follow what it reports."""
-        upserts: dict[EntryKey, Entry] = {}
-        deletes: list[EntryKey] = []
-        for key, entry in todo:
-            if entry is None:
-                deletes.append(key)
-            else:
-                upserts[key] = entry
-        applied, outbox = self._applied, self._outbox
-        failed_keys = outbox.failed
-        st = self._stats
-        st.batches += 1
-        self.revision += 1
-        try:
-            result = self.backend.apply(upserts, deletes)
-        except Exception as raised:
-            # The whole batch was refused (nothing written): every key keeps its old applied value and is
-            # retried on its own. An exception no backend should raise (a bug, an OSError let through) is
-            # a refusal too, logged with its traceback: raised through the engine, it dropped the keys
-            # taken for this write until the next rescan.
-            exc = (raised if isinstance(raised, BackendError)
-                   else BackendError(f"{type(raised).__name__}: {raised}"))
-            log.error("backend_write_failed", backend=self.backend.name, keys=len(upserts) + len(deletes),
-                      error=str(exc), exc_info=not isinstance(raised, BackendError))
-            st.write_failures += len(upserts) + len(deletes)
-            for key in [*upserts, *deletes]:
-                self._record_failure(key, exc, now)
-            return ApplyResult(failed={k: exc for k in [*upserts, *deletes]})
-        done = time.monotonic_ns()
-        failed = result.failed
-        for key, entry in upserts.items():
-            err = failed.get(key)
-            if err is None:
-                applied[key] = entry
-                failed_keys.pop(key, None)
-                self._row_keys.add(key)
-            elif isinstance(err, TaskGoneError):
-                st.tasks_gone += 1
-                self._desired.pop(key, None)
-                self._row_keys.add(key)
-                failed_keys.pop(key, None)
-                if key in applied:  # an older entry under that key: delete it at the next flush
-                    outbox.mark(key, 0)
-            else:
-                st.write_failures += 1
-                if isinstance(err, MapFullError):
-                    st.map_full += 1
-                self._record_failure(key, err, now)
-        for key in deletes:
-            err = failed.get(key)
-            if err is None or isinstance(err, TaskGoneError):
-                applied.pop(key, None)
-                failed_keys.pop(key, None)
-                self._row_keys.add(key)
-            else:
-                st.write_failures += 1
-                self._record_failure(key, err, now)
-        st.upserts += result.upserted
-        st.deletes += result.deleted
-        self._observe_latencies(dirty, upserts, deletes, failed, done)
-        return result
-
-    def _observe_latencies(
-        self,
-        dirty: dict[EntryKey, int],
-        upserts: dict[EntryKey, Entry],
-        deletes: list[EntryKey],
-        failed: dict[EntryKey, BackendError],
-        done_ns: int,
-    ) -> None:
-        listeners = self._latency_listeners
-        if not listeners:
-            return
-        for key in [*upserts, *deletes]:
-            ts = dirty.get(key, 0)
-            if ts <= 0 or key in failed:
-                continue
-            seconds = max(0, done_ns - ts) / 1e9
-            for listener in listeners:
-                listener(seconds)
-
     def add_latency_listener(self, listener: Callable[[float], None]) -> None:
         """Also call `listener(seconds)` for every event-caused write (metrics' histogram). Thread-safe."""
-        self._latency_listeners = (*self._latency_listeners, listener)
+        self._writer.add_latency_listener(listener)
 
-    def _record_failure(self, key: EntryKey, err: BackendError, now: float) -> None:
-        failure = self._outbox.fail(key, err, now)
-        reason, message = failure.reason, failure.message
-        want = self._desired.get(key)
-        if want is None:
-            return
-        self._touched.add(want.owner)
-        f = self._intent_failures.get(want.owner)
-        first = f is None or f.last_message != message
-        if f is None:
-            f = self._intent_failures[want.owner] = _IntentFailures()
-        f.count += 1
-        f.last_reason, f.last_message = reason, message
-        if first:
-            log.warning("entry_write_failed", intent_id=want.owner, key=str(key), reason=reason.value,
-                        error=message)
 
-    def _mark_all_dirty(self) -> None:
-        self._outbox.mark_all(self._desired.keys() | self._applied.keys())
+@dataclass(frozen=True, slots=True)
+class ProcFiles:
+    """The task table's reads (task_table.ProcReader) from /proc under `root`."""
 
-    def _set_desired(self, key: EntryKey, entry: Entry | None, owner: str, ts: int) -> None:
-        cur = self._desired.get(key)
-        if entry is None:
-            if cur is None:
-                return
-            del self._desired[key]
-        else:
-            if cur is not None and cur.entry == entry:
-                if cur.owner != owner:
-                    self._desired[key] = _Want(entry, owner)
-                return
-            self._desired[key] = _Want(entry, owner)
-        self._outbox.mark(key, ts)
-        self._row_keys.add(key)
+    root: Path
 
-    # ---- the task table -----------------------------------------------------------------------------
+    def task(self, tgid: int, tid: int) -> Task | None:
+        return read_task(tgid, tid, self.root)
 
-    def _read_and_put(self, tgid: int, tid: int, ts: int) -> None:
-        try:
-            task = read_task(tgid, tid, self.proc_root)
-        except (OSError, ValueError) as exc:
-            log.warning("task_read_failed", tid=tid, tgid=tgid, error=str(exc))
-            return
-        if task is None:
-            self._stats.tasks_vanished += 1
-            return  # gone already: its exit event follows
-        self._put_task(task, ts)
+    def owner(self, tgid: int) -> Owner | None:
+        return read_owner(tgid, self.root)
 
-    def _put_task(self, task: Task, ts: int) -> None:
-        """Add a task or update its comm; a known TID with another start time or TGID is replaced."""
-        th = self._threads.get(task.tid)
-        old = th.task if th is not None else None
-        if old is not None:
-            if old == task:
-                return
-            if old.start_time != task.start_time or old.tgid != task.tgid:
-                self._remove_task(old.tid, ts)
-                th = old = None
-        if self._stale:
-            self._fresh(task.tgid)
-        proc = self._procs.get(task.tgid)
-        if proc is not None and task.tid == task.tgid and proc.start_time not in (None, task.start_time):
-            # A leader with another start time: the PID was reused, so every thread of the old process is
-            # gone (a leader's PID outlives its group) and their exits were lost. Kept, they held the
-            # process's matches, and its TGID entry kept the dead process's start time, which the
-            # scheduler ignores: the new process lost its boost.
-            for tid in list(proc.tids):
-                self._remove_task(tid, ts)
-            proc = self._procs.get(task.tgid)
-        if proc is None:
-            proc = self._procs[task.tgid] = _Proc(task.tgid)
-        if task.tid == task.tgid:
-            proc.start_time = task.start_time
-        changed = False
-        if old is not None:
-            changed = self._count_process_matches(proc, old.comm, -1)
-        if th is None:
-            th = self._threads[task.tid] = _Thread(task)
-        else:
-            th.task = task
-        proc.tids.add(task.tid)
-        changed = self._count_process_matches(proc, task.comm, +1) or changed
-        if changed and self._refresh_proc_winner(proc, ts):
-            self._assign_all(proc, ts)
-        else:
-            self._assign(th, proc, ts)
-        if changed:  # every thread of the process matches the process-scope intents it matches
-            self._count_all(proc)
-
-    def _remove_task(self, tid: int, ts: int) -> None:
-        th = self._threads.get(tid)
-        if th is None:
-            return
-        task = th.task
-        if self._stale:
-            self._fresh(task.tgid)
-        self._uncount(th)
-        self._row_tids.add(tid)
-        del self._threads[tid]
-        self._set_desired(EntryKey(KeyKind.TID, tid), None, "", ts)
-        proc = self._procs.get(task.tgid)
-        if proc is None:
-            return
-        proc.tids.discard(tid)
-        if not proc.tids:
-            del self._procs[task.tgid]
-            self._set_desired(EntryKey(KeyKind.TGID, task.tgid), None, "", ts)
-            return
-        if self._count_process_matches(proc, task.comm, -1):
-            if self._refresh_proc_winner(proc, ts):
-                self._assign_all(proc, ts)
-            self._count_all(proc)
-
-    def _eligible(
-        self, cands: tuple[CompiledIntent, ...], proc: _Proc, policy: PolicySet | None = None
-    ) -> tuple[CompiledIntent, ...]:
-        """Drop candidates whose podUID or owner selectors (users, cgroup, executable, and the node's
-        `named_only` setting) do not admit the process (under `policy`, the current one by default)."""
-        policy = policy or self._policy
-        if not cands:
-            return cands
-        if policy.has_pod_selectors and any(c.pod_uid is not None for c in cands):
-            if not proc.pod_known:
-                try:
-                    proc.pod = read_pod_uid(proc.tgid, self.proc_root)
-                    proc.pod_known = True
-                except OSError as exc:  # unknown for now: no pod intent, and asked again next time
-                    self._owner_read_failed(proc, exc)
-                    proc.pod = None
-            cands = tuple(c for c in cands if c.pod_uid is None or c.pod_uid == proc.pod)
-        if not policy.has_owner_selectors or not (policy.named_only or any(c.needs_owner for c in cands)):
-            return cands
-        if not proc.owner_known:
-            try:
-                proc.owner = read_owner(proc.tgid, self.proc_root)
-                proc.owner_known = True
-            except OSError as exc:
-                self._owner_read_failed(proc, exc)
-                proc.owner = None
-        return tuple(c for c in cands if c.admits(proc.owner, policy.named_only))
-
-    def _owner_read_failed(self, proc: _Proc, exc: OSError) -> None:
-        self._stats.owner_read_errors += 1
-        log.warning("process_owner_unreadable", tgid=proc.tgid, error=str(exc))
-
-    def _count_process_matches(self, proc: _Proc, comm: str, delta: int) -> bool:
-        """Update the process-scope match counts for one thread's comm; True if the set of keys changed."""
-        if not self._policy.has_process_scope:
-            return False
-        changed = False
-        pm = proc.pmatch
-        for c in self._eligible(self._policy.match(comm).process, proc):
-            n = pm.get(c.key, 0) + delta
-            if n <= 0:
-                pm.pop(c.key, None)
-                changed = True
-            else:
-                changed = changed or (n == 1 and delta > 0)
-                pm[c.key] = n
-        return changed
-
-    def _refresh_proc_winner(self, proc: _Proc, ts: int) -> bool:
-        """Recompute the process's winner and TGID entry; True when the winner changed."""
-        by_key = self._policy.by_key
-        new = best(by_key[k] for k in proc.pmatch)
-        if new is proc.winner:
-            return False
-        proc.winner = new
-        key = EntryKey(KeyKind.TGID, proc.tgid)
-        if new is None or new.is_noop or not self.backend.process_fallback:
-            self._set_desired(key, None, "", ts)  # without a fallback, _assign gives each thread its own
-            return True
-        if proc.start_time is None:
-            try:
-                leader = read_task(proc.tgid, proc.tgid, self.proc_root)
-            except (OSError, ValueError):
-                leader = None
-            if leader is not None:
-                proc.start_time = leader.start_time
-        if proc.start_time is None:
-            log.warning("process_leader_unknown", tgid=proc.tgid, intent_id=new.key)
-            self._set_desired(key, None, "", ts)
-        else:
-            self._set_desired(key, Entry(new.priority, new.slice_ns, proc.start_time), new.key, ts)
-        return True
-
-    def _assign_all(self, proc: _Proc, ts: int) -> None:
-        threads = self._threads
-        for tid in proc.tids:
-            self._assign(threads[tid], proc, ts)
-
-    def _assign(self, th: _Thread, proc: _Proc, ts: int) -> None:
-        """Give one thread its winner: nothing, the TGID entry's strategy, or a TID entry of its own."""
-        task = th.task
-        thread = self._eligible(self._policy.match(task.comm).thread, proc)
-        pw = proc.winner
-        w = best((thread[0] if thread else None, pw))
-        tid = task.tid
-        prev = th.winner
-        key = EntryKey(KeyKind.TID, tid)
-        th.cands = frozenset(c.key for c in thread) if thread else frozenset()
-        self._row_tids.add(tid)
-        if w is None:
-            if prev is not None:
-                th.winner = None
-                fields: dict[str, object] = {"intent_id": prev.key, "tid": tid, "tgid": task.tgid}
-                self._pending_logs.append(("task_unmatched", {**fields, "comm": task.comm}))
-            self._count(th, proc)
-            self._set_desired(key, None, "", ts)
-            return
-        th.winner = w
-        self._count(th, proc)
-        if prev is not w:
-            self._pending_logs.append(
-                ("task_matched", {"intent_id": w.key, "tid": tid, "tgid": task.tgid, "comm": task.comm,
-                                  "priority": w.priority, "slice_ns": w.slice_ns, "scope": w.scope.value})
-            )
-        covered_by_tgid = (
-            self.backend.process_fallback
-            and pw is not None
-            and not pw.is_noop
-            and proc.start_time is not None
-            and (pw is w or (pw.priority, pw.slice_ns) == (w.priority, w.slice_ns))
-        )
-        if w.is_noop or covered_by_tgid:
-            self._set_desired(key, None, "", ts)
-        else:
-            self._set_desired(key, Entry(w.priority, w.slice_ns, task.start_time), w.key, ts)
-
-    def _rematch_proc(self, proc: _Proc, ts: int = 0) -> None:
-        """Recompute one process's and its threads' winners under the current policy (after a change, or
-        at `ts`, the time of the event that changed who the process is)."""
-        self._stale.pop(proc.tgid, None)
-        threads = self._threads
-        for tid in proc.tids:
-            threads[tid].winner = None
-        proc.pmatch.clear()
-        if proc.winner is not None:
-            proc.winner = None
-            self._set_desired(EntryKey(KeyKind.TGID, proc.tgid), None, "", ts)
-        if self._policy.has_process_scope:
-            for tid in proc.tids:
-                self._count_process_matches(proc, threads[tid].task.comm, +1)
-            if proc.pmatch:
-                self._refresh_proc_winner(proc, ts)
-        self._assign_all(proc, ts)
-
-    def _count(self, th: _Thread, proc: _Proc) -> None:
-        """Make the per-intent counts hold what this thread counts now: every intent it matches (its own
-        thread-scope matches and its process's process-scope ones) counts it as matched, its winner as
-        applied, the others as lost to the winner. Called wherever a winner, a thread's matches or a
-        process's process-scope matches change; a no-op when nothing did."""
-        w = th.winner
-        new = None if w is None else (th.cands.union(proc.pmatch), w.key)
-        old = th.counted
-        if new == old:
-            return
-        if old is not None:
-            self._tally(old, -1)
-        if new is not None:
-            self._tally(new, +1)
-        self._matched += (new is not None) - (old is not None)
-        th.counted = new
-        self._row_tids.add(th.task.tid)  # its row shows what it beats (Match.overlaps)
-
-    def _uncount(self, th: _Thread) -> None:
-        if th.counted is not None:
-            self._tally(th.counted, -1)
-            self._matched -= 1
-            th.counted = None
-
-    def _count_all(self, proc: _Proc) -> None:
-        threads = self._threads
-        for tid in proc.tids:
-            self._count(threads[tid], proc)
-
-    def _tally(self, counted: tuple[frozenset[str], str], delta: int) -> None:
-        cands, winner = counted
-        counts, touched = self._counts, self._touched
-        for key in cands:
-            c = counts.get(key)
-            if c is None:
-                c = counts[key] = _IntentCount()
-            c.matched += delta
-            if key == winner:
-                c.applied += delta
-            else:
-                c.lost += delta
-                n = c.overlaps.get(winner, 0) + delta
-                if n:
-                    c.overlaps[winner] = n
-                else:
-                    del c.overlaps[winner]
-            if not c.matched:
-                del counts[key]
-            touched.add(key)
-
-    def _fresh(self, tgid: int) -> None:
-        """Rematch a stale process before anything changes it: its counts and winners must be the
-        current policy's for the change to be computed right."""
-        if tgid in self._stale:
-            self._rematch_proc(self._procs[tgid])
+    def pod_uid(self, tgid: int) -> str | None:
+        return read_pod_uid(tgid, self.root)

@@ -16,7 +16,7 @@ processes has none either).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +24,10 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gthulhu_node.intents.model import intent_key
+from gthulhu_node.intents.store import SourceSet
+from gthulhu_node.rest.translate import pod_record_of
 
 LABELS = ["pod_name", "pod_uid", "namespace", "node_name"]
 
@@ -153,3 +157,18 @@ def render(targets: Mapping[str, PodTarget], governed: Iterable[Governed],
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PodMetrics(targets, governed, proc_root))
     return generate_latest(registry)
+
+
+def manager_pods_text(source: str, current: SourceSet | None, governed: Callable[[], Iterable[Governed]],
+                      node_name: str, proc_root: Path = Path("/proc")) -> bytes:
+    """The pod metrics of the Manager's pod intents (`current`: the store's `source`, `manager-pods`): one
+    target per intent, labelled from its pushed record (the node's own name when it names none); the
+    governed tasks are read only when there is a target."""
+    targets: dict[str, PodTarget] = {}
+    for entry in current.entries if current is not None else ():
+        if entry.intent_id:
+            rec = pod_record_of(entry)
+            targets[intent_key(source, entry.intent_id)] = PodTarget(
+                rec.pod_name, rec.pod_id, rec.namespace, rec.node_id or node_name
+            )
+    return render(targets, governed() if targets else (), proc_root)

@@ -231,3 +231,15 @@ def take_into_effect(state_dir: Path | None, allowed: frozenset[str]) -> dict[st
         except OSError as exc:
             log.error("rest_runtime_config_unwritable", path=str(state_dir / STATE_FILE), error=str(exc))
     return _allowed_values(doc, allowed)
+
+
+def default_slice_at_start(state_dir: Path | None, allowed: frozenset[str], configured: int) -> int:
+    """The scheduler's default slice to load with: the Manager's sliceNsDefault when it set one through
+    runtime-config (only if allowed), else `configured`. Called once, before the scheduler is loaded: this
+    is when a changed sliceNsDefault takes effect."""
+    slice_ns = take_into_effect(state_dir, allowed).get("sliceNsDefault")
+    if not isinstance(slice_ns, int) or slice_ns == configured:
+        return configured
+    log.warning("runtime_config_applied", setting="scheduler.default_slice_ns", value=slice_ns,
+                configured=configured, source="the Manager's runtime-config")
+    return slice_ns

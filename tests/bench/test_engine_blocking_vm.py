@@ -2,7 +2,7 @@
 sched_ext backend beside the dry run in the same guest, same load (tests/bench/blockbench.py). Under TCG a
 map write from Python costs about 1 ms and the scheduler's load about 8 s of verifier time, so these
 figures are reported beside the dry run's in the same boot, not held to the host's 50 ms. The reload runs
-off the engine thread (`Engine._begin_reload`): its seconds must not show as a gap. Run:
+off the engine thread (`SupervisedBackend._begin_reload`): its seconds must not show as a gap. Run:
 `.venv/bin/python -m pytest -m bench -s -p no:cacheprovider tests/bench/test_engine_blocking_vm.py`
 """
 

@@ -423,20 +423,20 @@ def test_a_store_write_returns_before_the_policy_is_built_and_sync_waits_for_it(
     the policy builder compiles the new set on its own thread, and `sync` (what every gRPC write waits
     on) returns only once that build is in effect. Before, the writer compiled the whole policy itself
     (1-2 s for 10,000 patterns inside a REST push): here the store's apply would block on the held build."""
-    from gthulhu_node.agent import Agent
     from gthulhu_node.intents.parse import parse_intent
+    from gthulhu_node.policy_builder import PolicyBuilder
 
     release = threading.Event()
     building = threading.Event()
-    real = Agent._build_policy
+    real = PolicyBuilder.build
 
-    def held(self: Agent, *args: object) -> object:
+    def held(self: PolicyBuilder, *args: object) -> object:
         building.set()
         assert release.wait(60)
         return real(self, *args)  # type: ignore[arg-type]
 
     with NamedThread("gn-builder-t") as t, running_agent() as agent:
-        monkeypatch.setattr(Agent, "_build_policy", held)
+        monkeypatch.setattr(PolicyBuilder, "build", held)
         wrote = threading.Thread(target=lambda: agent.store.apply(
             "builder", 0, [parse_intent({"id": "b", "commandRegex": "^gn-builder-t$", "priority": 3})]))
         wrote.start()

@@ -207,10 +207,10 @@ def test_a_backend_ejected_too_often_is_replaced_not_reloaded_forever(
     for n in (1, 2):
         b.eject(f"disabled by sysrq-S ({n})")
         wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
-    assert not reasons and r.backend is b
+    assert not reasons and r.backend.current is b
     b.eject("disabled by sysrq-S (3)")
     wait_for(lambda: bool(e.stats().gave_up_reason))
-    assert r.backend is replacement
+    assert r.backend.current is replacement
     assert len(reasons) == 1 and "3 ejections within 60 s" in reasons[0] and "(3)" in reasons[0]
     assert e.stats().backend_reloads == 2 and b.starts == 3
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in replacement.table)
@@ -228,7 +228,7 @@ def test_ejections_spread_wider_than_the_window_do_not_give_up(proc: FakeProc, e
         b.eject("watchdog")
         wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
         time.sleep(0.4)
-    assert r.backend is b and not e.stats().gave_up_reason
+    assert r.backend.current is b and not e.stats().gave_up_reason
 
 
 class TickingBackend(DryRunBackend):
@@ -269,7 +269,7 @@ def test_a_replacement_without_process_fallback_gets_process_scope_as_tid_entrie
     e.call(lambda r: r.set_policy(PolicySet.build([("local/p", Intent.model_validate(doc))])))
     assert set(b.table) == {EntryKey(KeyKind.TGID, 70)}
     b.eject("disabled by sysrq-S")
-    wait_for(lambda: r.backend is replacement and len(replacement.table) == 2)
+    wait_for(lambda: r.backend.current is replacement and len(replacement.table) == 2)
     held = e.call(lambda r: r.backend.read_back())
     assert set(held) == {EntryKey(KeyKind.TID, 70), EntryKey(KeyKind.TID, 71)}
 
@@ -303,14 +303,15 @@ def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
     b.eject("disabled by sysrq-S")
     assert b.in_start.wait(DEADLINE_S)
     # mid-reload, the engine thread still runs submitted work, and none of it reaches the backend
-    assert e.call(lambda r: r.backend, timeout=5) is not b  # the stand-in
+    assert e.call(lambda r: r.backend.reloading, timeout=5)  # the stand-in answers
     health = e.call(lambda r: r.backend.health(), timeout=5)
     assert health == BackendHealth(BackendState.EJECTED, "disabled by sysrq-S")
     assert e.call(lambda r: r.backend.counters(), timeout=5) == {}
     b.go.set()
     wait_for(lambda: e.stats().backend_reloads == 1)
     assert b.starts[1] == "gthulhu-backend-reload"
-    assert e.call(lambda r: r.backend) is b
+    current, reloading = e.call(lambda r: (r.backend.current, r.backend.reloading))
+    assert current is b and not reloading
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
 
 

@@ -43,7 +43,13 @@ RULES: dict[str, tuple[str, ...]] = {
     "gthulhu_node.outbox": COMPOSITION + EDGES + _modules(
         "intents", "matching", "reconciler", "feed", "engine"),
     "gthulhu_node.reconciler": COMPOSITION + EDGES + _modules("feed", "engine"),
+    "gthulhu_node.writer": COMPOSITION + EDGES + _modules(
+        "intents", "matching", "tasks", "reconciler", "task_table", "status_projection", "feed", "engine"),
+    "gthulhu_node.status_projection": COMPOSITION + EDGES + _modules(
+        "reconciler", "task_table", "feed", "engine"),
+    "gthulhu_node.task_table": COMPOSITION + EDGES + _modules("reconciler", "feed", "engine"),
     "gthulhu_node.feed": COMPOSITION + EDGES + _modules("engine"),
+    "gthulhu_node.publication": COMPOSITION + EDGES + _modules("engine"),
     "gthulhu_node.engine": COMPOSITION + EDGES,
 }
 # composition inside a lower package: choosing a backend reads the configuration's kind
@@ -60,13 +66,16 @@ LAYER_OF: dict[str, int] = {
     "gthulhu_node.backends.base": 2,
     "gthulhu_node.backends": 3, "gthulhu_node.scheduler": 3,
     "gthulhu_node.intents": 4, "gthulhu_node.matching": 4,
-    "gthulhu_node.reconciler": 5, "gthulhu_node.outbox": 5, "gthulhu_node.feed": 5, "gthulhu_node.engine": 5,
+    "gthulhu_node.reconciler": 5, "gthulhu_node.task_table": 5, "gthulhu_node.writer": 5,
+    "gthulhu_node.status_projection": 5, "gthulhu_node.publication": 5,
+    "gthulhu_node.outbox": 5, "gthulhu_node.feed": 5,
+    "gthulhu_node.engine": 5,
     "gthulhu_node.intents.store": 6, "gthulhu_node.intents.journal": 6, "gthulhu_node.intents.localfiles": 6,
     "gthulhu_node.intents.status": 6, "gthulhu_node.api": 6, "gthulhu_node.rest": 6, "gthulhu_node.probe": 6,
     "gthulhu_node.metrics_server": 6, "gthulhu_node.config": 6,
     # the read side of the running agent, served by api/ and rest/: they run the reconciler's code
     "gthulhu_node.explain": 6, "gthulhu_node.preview": 6,
-    "gthulhu_node.backends.select": 7, "gthulhu_node.agent": 7,
+    "gthulhu_node.backends.select": 7, "gthulhu_node.agent": 7, "gthulhu_node.policy_builder": 7,
     "gthulhu_node.metrics": 7, "gthulhu_node.service": 7, "gthulhu_node.cli": 7, "gthulhu_node.commands": 7,
     "gthulhu_node.__main__": 7, "gthulhu_node.logs": 7, "gthulhu_node.preflight": 7,
     "gthulhu_node.privileges": 7,

@@ -39,8 +39,9 @@ from gthulhu_node.metrics import (
     histogram_quantile,
     parse_listen,
 )
-from gthulhu_node.reconciler import IntentStats, ReconcilerStats
+from gthulhu_node.reconciler import ReconcilerStats
 from gthulhu_node.rest.app import RestStats
+from gthulhu_node.status_projection import IntentStats
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 from tests.fakecgroup import tree
 from tests.prom import Samples, scrape

@@ -26,6 +26,7 @@ from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from gthulhu_node.tasks.procfs import Snapshot, Task, snapshot
 from tests.unit.fakeproc import FakeProc
+from tests.unit.recount import check_invariants, intent_stats
 
 VLLM = "^EngineCore(_DP[0-9]+)?$"
 
@@ -74,7 +75,7 @@ def test_thread_scope_writes_one_tid_entry_per_matching_thread(proc: FakeProc) -
         (101, "local/vllm", "tid:101", True),
         (102, "local/vllm", "tid:102", True),
     }
-    st = r.intent_stats()["local/vllm"]
+    st = intent_stats(r)["local/vllm"]
     assert (st.matched_tasks, st.applied_tasks, st.lost_tasks) == (2, 2, 0)
 
 
@@ -90,7 +91,7 @@ def test_overlap_one_winner_per_task_and_loser_names_it(proc: FakeProc) -> None:
         )
     )
     assert b.table == {tid(101): Entry(5, 0, 100), tid(102): Entry(7, 1_000_000, 100)}
-    stats = r.intent_stats()
+    stats = intent_stats(r)
     assert stats["local/all"].overlaps == {"manager/dp": 1}
     assert (stats["local/all"].matched_tasks, stats["local/all"].lost_tasks) == (2, 1)
     assert stats["manager/dp"].overlaps == {}
@@ -133,7 +134,7 @@ def test_process_scope_vs_thread_scope_precedence(proc: FakeProc) -> None:
     assert b.table == {tgid(300): Entry(5, 0, 10), tid(301): Entry(2, 0, 11)}
     owner = {m.tid: m.intent_key for m in r.matches()}
     assert owner == {300: "local/proc", 301: "local/dp0", 302: "local/proc", 303: "local/proc"}
-    stats = r.intent_stats()
+    stats = intent_stats(r)
     assert stats["local/dp1"].overlaps == {"local/proc": 1}
     assert stats["local/proc"].overlaps == {"local/dp0": 1}
 
@@ -189,7 +190,7 @@ def test_noop_intent_matches_but_writes_nothing(proc: FakeProc) -> None:
     assert b.table == {}
     [m] = r.matches()
     assert (m.intent_key, m.entry, m.priority) == ("local/noop", "", 0)
-    st = r.intent_stats()["local/noop"]
+    st = intent_stats(r)["local/noop"]
     assert st.noop and st.applied_tasks == 1
 
 
@@ -332,7 +333,7 @@ def test_map_full_shows_on_the_intent_and_is_retried(proc: FakeProc) -> None:
     r.rescan()
     r.set_policy(policy(("local/vllm", {})))
     assert len(b.table) == 1
-    st = r.intent_stats()["local/vllm"]
+    st = intent_stats(r)["local/vllm"]
     assert st.write_failures == 1 and st.pending_failures == 1 and "full" in st.last_error
     assert r.stats().map_full == 1
     assert sum(m.applied for m in r.matches()) == 1
@@ -341,7 +342,7 @@ def test_map_full_shows_on_the_intent_and_is_retried(proc: FakeProc) -> None:
     r.handle_events([ev(EventKind.EXIT, written.id, 100)])
     r.rescan()  # the next full diff retries the failed key
     assert len(b.table) == 1 and written not in b.table
-    assert r.intent_stats()["local/vllm"].pending_failures == 0
+    assert intent_stats(r)["local/vllm"].pending_failures == 0
 
 
 class GoneBackend(DryRunBackend):
@@ -365,7 +366,7 @@ def test_task_gone_drops_the_entry_without_failing_the_intent(proc: FakeProc) ->
     r.rescan()
     r.set_policy(policy(("local/vllm", {})))
     assert r.desired() == {} and b.table == {}
-    assert r.intent_stats()["local/vllm"].write_failures == 0
+    assert intent_stats(r)["local/vllm"].write_failures == 0
     assert r.stats().tasks_gone == 1
 
 
@@ -385,10 +386,10 @@ def test_hold_writes_keeps_changes_until_released(proc: FakeProc) -> None:
     proc.add(100, 101, "EngineCore_DP0", 5)
     r, b = make(proc)
     r.rescan()
-    r.hold_writes = True
+    r.backend.hold()
     r.set_policy(policy(("local/vllm", {})))
     assert b.table == {}
-    r.hold_writes = False
+    r.backend.release()
     r.flush()
     assert b.table == {tid(101): Entry(10, 0, 5)}
 
@@ -494,7 +495,7 @@ def test_owner_selectors_follow_a_process_that_changes_user(owners: FakeProc, ev
     (owners.root / "300" / "status").write_text("Name:\tx\nUid:\t0\t0\t0\t0\n")  # and the other way
     r.handle_events([ev(event, 300, 300, ts=6)])
     assert {k.id for k in b.table} == {300}
-    r.check_invariants()
+    check_invariants(r)
 
 
 def test_unreadable_cgroup_is_not_remembered_as_no_pod(proc: FakeProc) -> None:
@@ -589,7 +590,7 @@ def test_a_refused_key_is_retried_on_its_own_with_doubling_backoff(proc: FakePro
     clock.now = r.next_retry_at()
     r.flush()
     assert b.table == {tid(101): Entry(10, 0, 5)} and r.failures() == {} and r.next_retry_at() == math.inf
-    st = r.intent_stats()["local/vllm"]
+    st = intent_stats(r)["local/vllm"]
     assert st.pending_failures == 0 and st.write_failures == 13 and r.stats().write_retries == 13
 
 
@@ -616,7 +617,7 @@ def test_an_unexpected_backend_exception_is_a_refusal_retried_per_key(proc: Fake
     r.rescan()
     r.set_policy(policy(("local/vllm", {})))  # must not raise
     assert r.failures() == {tid(101): FailureReason.BACKEND}
-    assert "RuntimeError: bug in the backend" in r.intent_stats()["local/vllm"].last_error
+    assert "RuntimeError: bug in the backend" in intent_stats(r)["local/vllm"].last_error
     b.crash = False
     clock.now = r.next_retry_at()
     r.flush()
@@ -626,7 +627,7 @@ def test_an_unexpected_backend_exception_is_a_refusal_retried_per_key(proc: Fake
 def test_a_held_backend_is_not_retried(proc: FakeProc) -> None:
     clock = Clock()
     r, b = refused_vllm(proc, BackendError("tid:101: busy"), clock)
-    r.hold_writes = True
+    r.backend.hold()
     assert r.next_retry_at() == math.inf
     clock.now += 60
     r.flush()
@@ -637,11 +638,11 @@ def test_failures_carry_a_typed_reason_not_only_text(proc: FakeProc) -> None:
     """Status decides "map full" from the reason: a backend's message that says "full" about something
     else is not a full map, and a map-full error is one whatever its words."""
     r, b = refused_vllm(proc, BackendError("journal disk full"), Clock())
-    st = r.intent_stats()["local/vllm"]
+    st = intent_stats(r)["local/vllm"]
     assert st.pending_reasons == {FailureReason.BACKEND: 1} and st.last_reason is FailureReason.BACKEND
     b.error = MapFullError("no room")
     r.rescan()
-    st = r.intent_stats()["local/vllm"]
+    st = intent_stats(r)["local/vllm"]
     assert st.pending_reasons == {FailureReason.MAP_FULL: 1} and st.last_error == "no room"
     assert r.stats().map_full == 1
 
@@ -684,8 +685,8 @@ def test_produced_counts_follow_a_process_scope_intent_that_a_thread_exit_leaves
     assert r.intent_figures()["local/p-python"].matched_tasks == 2
     proc.remove(100, 101)
     r.handle_events([ev(EventKind.EXIT, 101, 100)])
-    r.check_invariants()
+    check_invariants(r)
     figures = r.intent_figures()
-    assert dict(figures) == r.intent_stats()
+    assert dict(figures) == intent_stats(r)
     assert figures["local/p-python"].matched_tasks == 0
     assert figures["local/p-worker"].applied_tasks == 1

@@ -36,6 +36,7 @@ from gthulhu_node.outbox import RETRY_MAX_S
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.events import EventKind, ProcEvent
 from tests.unit.fakeproc import FakeProc
+from tests.unit.recount import check_invariants, intent_stats
 
 COMMS = ("EngineCore_DP0", "EngineCore_DP1", "worker", "python3", "idle")
 # Thread and process scope, overlapping patterns, equal strategies (a TGID entry covers a thread), noops.
@@ -263,14 +264,14 @@ class ReconcilerModel(RuleBasedStateMachine):
 
     def _check_produced(self) -> None:
         produced = dict(self.r.intent_figures())
-        assert produced == self.r.intent_stats()
+        assert produced == intent_stats(self.r)
         assert dict(self.r.task_rows()) == {m.tid: m for m in self.r.matches()}
 
     # ---- checks ----------------------------------------------------------------------------------
 
     @invariant()
     def structures_hold(self) -> None:
-        self.r.check_invariants()
+        check_invariants(self.r)
 
     @invariant()
     def applied_is_what_the_backend_holds(self) -> None:
@@ -285,7 +286,7 @@ class ReconcilerModel(RuleBasedStateMachine):
             tid: (t.tgid, t.comm, t.start) for tid, t in self.tasks.items()}
         assert self.r.desired() == desired
         assert {m.tid: m.intent_key for m in self.r.matches()} == {t: w.key for t, w in winners.items()}
-        stats = self.r.intent_stats()
+        stats = intent_stats(self.r)
         assert {k: (s.matched_tasks, s.applied_tasks, s.lost_tasks) for k, s in stats.items()} == counts
         failed = self.r.failures()
         for key, entry in desired.items():
