@@ -645,7 +645,8 @@ void OP(gthulhu_running, struct task_struct *p)
 		return;
 	tctx->started_at = bpf_ktime_get_ns();
 	tctx->bw_mark = tctx->started_at;
-	if (tctx->prio)
+	/* Either tier's run counts: a head start is the 10-20 levels' boost. */
+	if (tctx->prio || tctx->head_start)
 		tctx->stats.boosted_runs++;
 	if (!tctx->prio && before(vtime_now, tctx->vtime))
 		vtime_now = tctx->vtime;

@@ -87,11 +87,11 @@ struct gthulhu_exit_info {
 };
 
 /*
- * What the scheduler did with one task since it was loaded (the last member of its task_ctx, task storage
- * map `task_ctxs`): `explain` reads it back with a pidfd as the key.
+ * What the scheduler did with one task since it was loaded (a member of its task_ctx, found by BTF; task
+ * storage map `task_ctxs`): `explain` reads it back with a pidfd as the key.
  */
 struct gthulhu_task_stats {
-	u64 boosted_runs; /* runs started at a priority above 0 (ops.running) */
+	u64 boosted_runs; /* runs started boosted: preempt tier, or head start (ops.running) */
 	u64 demotions;    /* times the guard demoted it: over its share of a boost window */
 };
 

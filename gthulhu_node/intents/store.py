@@ -614,9 +614,12 @@ def _parse_state(blob: bytes, journal_path: Path) -> tuple[dict[str, SourceSet],
     valid = 0
     sources: dict[str, Any] = dict(raw_sources)
     if journal_id:
-        records, valid, version = read_journal(journal_path, journal_id, STATE_MAX_BYTES + COMPACT_MIN_BYTES)
-        if version is not None:
-            _check_version(version, "journal")
+        # the snapshot's version decides the scale: a v2 snapshot usually has no journal (every snapshot
+        # write removes it), and then read_journal has no version to give
+        records, valid, journal_version = read_journal(journal_path, journal_id,
+                                                       STATE_MAX_BYTES + COMPACT_MIN_BYTES)
+        if journal_version is not None:
+            _check_version(journal_version, "journal")
         for n, record in enumerate(records):
             try:
                 _replay(sources, record)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import platform
@@ -367,10 +368,15 @@ class LoadedScheduler:
         self._count_prog = obj.program("gthulhu_count_entries")
         # struct task_ctx is the scheduler's own (not in gthulhu.h): its size and where its `stats` member
         # sits come from the object's BTF, so fields added before `stats` move nothing here
-        btf = obj.btf()
         self._task_ctxs_fd = obj.map("task_ctxs").fd
-        self._task_ctx_size = btf.struct_size("task_ctx")
-        self._task_stats_offset = dict((n, off) for n, off, _ in btf.struct_members("task_ctx"))["stats"]
+        # (size, offset of stats), or why not: only `explain` needs it, so it never fails the load
+        self._task_ctx_layout: tuple[int, int] | str
+        try:
+            btf = obj.btf()
+            members = {n: off for n, off, _ in btf.struct_members("task_ctx")}
+            self._task_ctx_layout = (btf.struct_size("task_ctx"), members["stats"])
+        except Exception as exc:
+            self._task_ctx_layout = f"the scheduler object's BTF has no task_ctx.stats ({exc!r})"
         # per program, when loaded with LoadSettings.verifier_stats
         self.verifier_insns: dict[str, int | None] = {}
 
@@ -385,10 +391,12 @@ class LoadedScheduler:
     def task_stats(self, pidfd: int) -> GthulhuTaskStats | None:
         """The per-task counters of the task a pidfd names (task storage maps take a pidfd as their key
         from user space); None when the scheduler holds no context for it."""
-        value = (ctypes.c_uint8 * self._task_ctx_size)()
+        if isinstance(self._task_ctx_layout, str):
+            raise OSError(errno.ENOTSUP, self._task_ctx_layout)
+        size, start = self._task_ctx_layout
+        value = (ctypes.c_uint8 * size)()
         if not libbpf.map_lookup(self._task_ctxs_fd, ctypes.c_int(pidfd), value):
             return None
-        start = self._task_stats_offset
         return GthulhuTaskStats.from_buffer_copy(bytes(value)[start:start + ctypes.sizeof(GthulhuTaskStats)])
 
     def bss(self, refresh_counts: bool = True) -> GthulhuBss:

@@ -125,6 +125,26 @@ def test_migrates_the_priorities_of_a_version_2_state_directory(tmp_path: Path) 
     assert _manager_root(after) == MANAGER_ROOT_BEFORE
 
 
+@pytest.mark.parametrize("journal", ["none", "another snapshot's"])
+def test_a_version_2_snapshot_without_its_journal_is_migrated_too(tmp_path: Path, journal: str) -> None:
+    """Every snapshot write removes the journal, so most v2 state directories hold intents.json alone (or a
+    journal another snapshot left). The scale was taken from the journal's header then: with no journal to
+    read, the v2 snapshot was loaded unmigrated and its strongest old level (20) became a weak head start."""
+    state = tmp_path / "state"
+    shutil.copytree(STATE_V2, state)
+    if journal == "none":
+        (state / "intents.journal").unlink()
+    else:
+        text = (state / "intents.journal").read_text()
+        other = text.replace('"journal":"ff8fe28f9b7cd6cd"', '"journal":"0"', 1)
+        (state / "intents.journal").write_text(other)
+    store = IntentStore(state)
+    store.load()
+    snap = store.snapshot()
+    assert snap["cli"].generation == 1
+    assert [i.priority for i in snap["cli"].intents] == [5, 0]  # old 10 -> 5; slice-only stays 0
+
+
 def test_a_newer_state_file_is_refused_and_left_in_place(tmp_path: Path) -> None:
     text = RELEASE_0_1_0.read_text().replace('"version": 1', '"version": 99', 1)
     (tmp_path / STATE_FILE).write_text(text)
