@@ -232,7 +232,7 @@ def test_journal_has_structured_events(shared: Shared) -> None:
     for comm in ("EngineCore_DP0", "EngineCore_DP1"):
         record = by_tid[shared.tids[comm]]
         assert record["COMM"] == comm
-        assert record["SCHED_PRIORITY"] == "10" and record["SLICE_NS"] == "2000000"
+        assert record["SCHED_PRIORITY"] == "5" and record["SLICE_NS"] == "2000000"
         assert record["PRIORITY"] == "6" and record["SYSLOG_IDENTIFIER"] == "gthulhu-node"
         assert record["MESSAGE"].startswith("task_matched ")
         assert record["CODE_FILE"].endswith("reconciler.py")
