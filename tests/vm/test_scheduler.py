@@ -264,10 +264,14 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
         assert ours["small"] <= 0.03 + 0.012 and ours["boosted_small"] <= 0.03 + 0.012, ours
         # By work done, seven runs on 2026-12-02 gave ours against EEVDF 0.69-1.16 and boosted against
         # unboosted 0.73-1.12; four on the noisier 2026-12-05 (a make test, three alone) 0.60-1.05 and
-        # 0.67-1.87, EEVDF itself 0.018-0.043 under the 0.03 quota. The measure swings with the host by more
-        # than 30 %, so these catch a quota that starves the task (boosted or not), not a 30 % difference.
-        assert 0.5 * eevdf["small_by_work"] <= ours["small_by_work"], (eevdf, ours)
-        assert 0.5 * ours["small_by_work"] <= ours["boosted_small_by_work"], ours
+        # 0.67-1.87, EEVDF itself 0.018-0.043 under the 0.03 quota. Five more on 2026-12-05 evening (two in
+        # clean-clone make tests, three alone on a quiet host): ours against EEVDF 0.28, 1.53, 1.17, 0.50,
+        # 0.68, boosted against unboosted 0.49 (make test), 0.77, 0.78, 1.62, EEVDF itself 0.017-0.036: a
+        # threshold of half failed two make tests and one quiet run of five. The measure swings with the
+        # host by more than 2x, so these catch a quota that starves the task (boosted or not: next to
+        # nothing done), not a 2x difference.
+        assert 0.2 * eevdf["small_by_work"] <= ours["small_by_work"], (eevdf, ours)
+        assert 0.2 * ours["small_by_work"] <= ours["boosted_small_by_work"], ours
     # 50 cgroups at 3 % each: none over its cap, all of them run, and together no more than the caps allow.
     # Not compared with EEVDF's total: under TCG it gives them less than their caps (1.01-1.38 of 1.5
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
