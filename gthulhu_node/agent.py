@@ -496,9 +496,9 @@ class Agent:
     def _backend_state(self) -> tuple[str, str]:
         if self.engine is None:
             return ("starting" if not self._stopped.is_set() else "stopped"), ""
-        es = self.engine.stats()
-        state = es.backend_state or BackendState.RUNNING.value
-        return state, es.last_ejection_reason if state != BackendState.RUNNING.value else ""
+        sup = self.engine.stats().backend
+        state = sup.state or BackendState.RUNNING.value
+        return state, sup.last_ejection_reason if state != BackendState.RUNNING.value else ""
 
     def _summary(self) -> AgentSummary:
         state, reason = self._backend_state()

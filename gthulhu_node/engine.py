@@ -33,13 +33,13 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import structlog
 
 from gthulhu_node.backends.base import Backend
-from gthulhu_node.backends.supervisor import Checked, ReloadPolicy
+from gthulhu_node.backends.supervisor import Checked, ReloadPolicy, SupervisorStats
 from gthulhu_node.errors import Unavailable
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.publication import FramePublisher
@@ -66,17 +66,15 @@ class EngineStopped(Unavailable, RuntimeError):
 
 @dataclass(slots=True)
 class EngineStats:
+    """The engine's own counters, and its supervised backend's (`backend`: state, ejections, reloads, give-up;
+    one definition, the supervisor's, copied when read)."""
+
     events_available: bool = False
     events_reopens: int = 0
     loop_wakeups: int = 0
     submitted: int = 0
-    backend_state: str = ""
-    backend_ejections: int = 0
-    backend_reloads: int = 0
-    backend_reload_failures: int = 0
-    last_ejection_reason: str = ""
-    hook_failures: int = 0
-    gave_up_reason: str = ""  # why the engine stopped reloading the backend and replaced it, else ""
+    hook_failures: int = 0  # its periodic hooks that raised (the backend's ticks: backend.tick_failures)
+    backend: SupervisorStats = field(default_factory=SupervisorStats)
 
 
 @dataclass(slots=True, eq=False)
@@ -228,13 +226,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self._stats
-        out = EngineStats(**{f: getattr(s, f) for f in EngineStats.__dataclass_fields__})
-        b = self.reconciler.backend.stats.copy()
-        out.backend_state, out.backend_ejections = b.state, b.ejections
-        out.backend_reloads, out.backend_reload_failures = b.reloads, b.reload_failures
-        out.last_ejection_reason, out.gave_up_reason = b.last_ejection_reason, b.gave_up_reason
-        out.hook_failures += b.tick_failures
-        return out
+        own = {f.name: getattr(s, f.name) for f in fields(EngineStats) if f.name != "backend"}
+        return EngineStats(**own, backend=self.reconciler.backend.stats.copy())
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):

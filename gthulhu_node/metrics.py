@@ -388,14 +388,15 @@ class EngineCollector(StatsCollector[EngineSnapshot]):
             yield _counter("proc_events_reopens_total", "Proc connector sockets reopened after an error.",
                            engine.events_reopens)
             yield _counter("engine_wakeups_total", "Engine loop wakeups.", engine.loop_wakeups)
+            backend = engine.backend
             yield _counter("scheduler_ejections_total", "Times the kernel removed the scheduler.",
-                           engine.backend_ejections)
-            yield _counter("scheduler_reloads_total", "Scheduler reloads after an ejection.",
-                           engine.backend_reloads)
+                           backend.ejections)
+            yield _counter("scheduler_reloads_total", "Scheduler reloads after an ejection.", backend.reloads)
             yield _counter("scheduler_reload_failures_total", "Failed scheduler reloads.",
-                           engine.backend_reload_failures)
+                           backend.reload_failures)
+            # the backend's tick is one of the periodic hooks (it runs at the supervisor's health check)
             yield _counter("engine_hook_failures_total", "Periodic hooks that raised.",
-                           engine.hook_failures)
+                           engine.hook_failures + backend.tick_failures)
         stats = snap.reconciler
         if stats is None:
             return
@@ -476,8 +477,8 @@ class EngineCollector(StatsCollector[EngineSnapshot]):
             yield _gauge("backend_capacity_entries", "Entries each of the backend's maps holds at most "
                          "(scheduler.map_capacity); compare gthulhu_node_backend_entries{table=\"applied\"}.",
                          float(capacity))
-        state = snap.engine.backend_state if snap.engine is not None else ""
-        reason = snap.engine.last_ejection_reason if snap.engine is not None else ""
+        state = snap.engine.backend.state if snap.engine is not None else ""
+        reason = snap.engine.backend.last_ejection_reason if snap.engine is not None else ""
         if snap.health is not None:
             state = snap.health.state.value
             reason = snap.health.reason or reason

@@ -174,11 +174,11 @@ def one_round(make: Callable[[], Backend], salt: int) -> dict[str, float]:
         t_applied = time.monotonic()
         apply_s = t_applied - t
         time.sleep(0.2)
-        reloads = engine.stats().backend_reloads
+        reloads = engine.stats().backend.reloads
         t_reload = time.monotonic()
         eject_once(backend)
         deadline = time.monotonic() + 60
-        while engine.stats().backend_reloads == reloads and time.monotonic() < deadline:
+        while engine.stats().backend.reloads == reloads and time.monotonic() < deadline:
             time.sleep(0.01)
         engine.when_settled().result(120)  # every entry written again
         t_reloaded = time.monotonic()

@@ -135,10 +135,10 @@ def test_ejected_backend_is_reloaded_with_backoff_and_resynced(proc: FakeProc, e
     e.call(lambda r: r.set_policy(vllm()))
     assert EntryKey(KeyKind.TID, 60) in b.table
     b.eject("watchdog timeout: gthulhu[60] failed to run for 30s")
-    wait_for(lambda: e.stats().backend_reloads == 1)
+    wait_for(lambda: e.stats().backend.reloads == 1)
     st = e.stats()
-    assert st.backend_ejections == 1 and st.backend_reload_failures == 2
-    assert "watchdog" in st.last_ejection_reason
+    assert st.backend.ejections == 1 and st.backend.reload_failures == 2
+    assert "watchdog" in st.backend.last_ejection_reason
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in b.table)
     assert e.call(lambda r: r.stats().resyncs) == 1
 
@@ -164,10 +164,10 @@ def test_a_backend_that_cannot_be_reloaded_still_reads_as_ejected_with_the_kerne
     engines.append(e)
     e.start()
     b.eject("disabled by sysrq-S")
-    wait_for(lambda: e.stats().backend_reload_failures == 1)
+    wait_for(lambda: e.stats().backend.reload_failures == 1)
     ejected = BackendHealth(BackendState.EJECTED, "disabled by sysrq-S")
     assert e.call(lambda r: r.backend.health()) == ejected
-    assert e.stats().backend_state == "ejected"
+    assert e.stats().backend.state == "ejected"
     # what metrics read: the published frame, refreshed every refresh_s
     first = e.feed.latest()
     assert e.feed.wait_newer(first.version, DEADLINE_S).health == ejected
@@ -206,13 +206,13 @@ def test_a_backend_ejected_too_often_is_replaced_not_reloaded_forever(
     e.call(lambda r: r.set_policy(vllm()))
     for n in (1, 2):
         b.eject(f"disabled by sysrq-S ({n})")
-        wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
+        wait_for(lambda n=n: e.stats().backend.reloads == n)  # type: ignore[misc]
     assert not reasons and r.backend.current is b
     b.eject("disabled by sysrq-S (3)")
-    wait_for(lambda: bool(e.stats().gave_up_reason))
+    wait_for(lambda: bool(e.stats().backend.gave_up_reason))
     assert r.backend.current is replacement
     assert len(reasons) == 1 and "3 ejections within 60 s" in reasons[0] and "(3)" in reasons[0]
-    assert e.stats().backend_reloads == 2 and b.starts == 3
+    assert e.stats().backend.reloads == 2 and b.starts == 3
     wait_for(lambda: EntryKey(KeyKind.TID, 60) in replacement.table)
 
 
@@ -226,9 +226,9 @@ def test_ejections_spread_wider_than_the_window_do_not_give_up(proc: FakeProc, e
     e.start()
     for n in (1, 2, 3):
         b.eject("watchdog")
-        wait_for(lambda n=n: e.stats().backend_reloads == n)  # type: ignore[misc]
+        wait_for(lambda n=n: e.stats().backend.reloads == n)  # type: ignore[misc]
         time.sleep(0.4)
-    assert r.backend.current is b and not e.stats().gave_up_reason
+    assert r.backend.current is b and not e.stats().backend.gave_up_reason
 
 
 class TickingBackend(DryRunBackend):
@@ -308,7 +308,7 @@ def test_a_reload_runs_off_the_engine_thread_which_keeps_answering(
     assert health == BackendHealth(BackendState.EJECTED, "disabled by sysrq-S")
     assert e.call(lambda r: r.backend.counters(), timeout=5) == {}
     b.go.set()
-    wait_for(lambda: e.stats().backend_reloads == 1)
+    wait_for(lambda: e.stats().backend.reloads == 1)
     assert b.starts[1] == "gthulhu-backend-reload"
     current, reloading = e.call(lambda r: (r.backend.current, r.backend.reloading))
     assert current is b and not reloading

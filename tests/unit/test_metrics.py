@@ -17,6 +17,7 @@ from gthulhu_node.agent import AgentStats
 from gthulhu_node.api.server import ApiStats
 from gthulhu_node.backends.base import BackendHealth, BackendState, Entry, EntryKey, KeyKind
 from gthulhu_node.backends.dryrun import DryRunBackend
+from gthulhu_node.backends.supervisor import SupervisorStats
 from gthulhu_node.engine import EngineStats
 from gthulhu_node.feed import EngineFrame, StatusFeed
 from gthulhu_node.intents.localfiles import LocalFilesStats
@@ -177,7 +178,8 @@ class FakeEngine:
         return self._feed
 
     def stats(self) -> EngineStats:
-        return EngineStats(events_available=True, backend_ejections=1, backend_state="running")
+        backend = SupervisorStats(state="running", ejections=1, reloads=2, reload_failures=3, tick_failures=4)
+        return EngineStats(events_available=True, hook_failures=1, backend=backend)
 
 
 class FakeAgent:
@@ -228,6 +230,9 @@ def test_scrape_over_http_shows_component_stats() -> None:
     assert got["gthulhu_node_backend_info"][info] == 1
     assert got["gthulhu_node_scheduler_state"][(("state", "running"),)] == 1
     assert got["gthulhu_node_scheduler_ejections_total"][()] == 1
+    assert got["gthulhu_node_scheduler_reloads_total"][()] == 2
+    assert got["gthulhu_node_scheduler_reload_failures_total"][()] == 3
+    assert got["gthulhu_node_engine_hook_failures_total"][()] == 1 + 4  # hooks + ticks
     assert got["gthulhu_node_intent_applied_tasks"][(("intent", "local/vllm"),)] == 2
     assert got["gthulhu_node_scheduler_events_total"][(("counter", "boosted_dispatches"),)] == 17
     assert got["gthulhu_node_reaction_latency_seconds_bucket"][(("le", "0.002"),)] == 1
@@ -337,7 +342,8 @@ NOT_EXPORTED: dict[str, set[str]] = {
     "agent": {"store", "local_files", "api", "rest", "cgroup_limits",  # their own collectors read them
               "matched_tasks"},  # the reconciler's matched_tasks_all is the same figure
     "store": {"applies_unchanged", "loaded_intents", "persist_writes"},
-    "engine": {"submitted", "gave_up_reason"},  # gave_up_reason: status and sched_ext_given_up
+    "engine": {"submitted"},
+    "supervisor": {"gave_up_reason"},  # status and sched_ext_given_up
     "reconciler": {"policy_updates", "scan_duration_last_s", "tasks_vanished"},
 }
 
@@ -352,14 +358,17 @@ def test_each_collector_reads_every_field_of_its_component_stats() -> None:
     assert unread(RestStats(), RestCollector(lambda: None).families) == set()
     assert unread(LogStats(), LogCollector(lambda: None).families) == set()
     assert unread(CgroupLimitsStats(), CgroupLimitsCollector(lambda: None).families) == set()
-    engine, reconciler = Recorder(EngineStats()), Recorder(ReconcilerStats())
+    supervisor = Recorder(SupervisorStats())
+    engine = Recorder(EngineStats(backend=supervisor))  # type: ignore[arg-type]
+    reconciler = Recorder(ReconcilerStats())
     backend = Recorder(BackendView("dry-run", "given", 8, "", ""))
     snap = EngineSnapshot(engine, reconciler, {}, None, {}, {}, backend)  # type: ignore[arg-type]
     list(EngineCollector(lambda: None).families(snap))
     fields = {name: {f.name for f in dataclasses.fields(cls)}
               for name, cls in (("engine", EngineStats), ("reconciler", ReconcilerStats),
-                                ("backend", BackendView))}
+                                ("backend", BackendView), ("supervisor", SupervisorStats))}
     assert fields["engine"] - engine.read == NOT_EXPORTED["engine"]
+    assert fields["supervisor"] - supervisor.read == NOT_EXPORTED["supervisor"]
     assert fields["reconciler"] - reconciler.read == NOT_EXPORTED["reconciler"]
     assert fields["backend"] - backend.read == set()
 
