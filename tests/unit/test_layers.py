@@ -76,6 +76,7 @@ LAYER_OF: dict[str, int] = {
     # the read side of the running agent, served by api/ and rest/: they run the reconciler's code
     "gthulhu_node.explain": 6, "gthulhu_node.preview": 6,
     "gthulhu_node.backends.select": 7, "gthulhu_node.agent": 7, "gthulhu_node.policy_builder": 7,
+    "gthulhu_node.agent_status": 7, "gthulhu_node.status_rows": 7,
     "gthulhu_node.metrics": 7, "gthulhu_node.service": 7, "gthulhu_node.cli": 7, "gthulhu_node.commands": 7,
     "gthulhu_node.__main__": 7, "gthulhu_node.logs": 7, "gthulhu_node.preflight": 7,
     "gthulhu_node.privileges": 7,

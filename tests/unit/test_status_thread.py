@@ -1,4 +1,4 @@
-"""The agent's status thread: when it rebuilds status after the engine publishes a frame."""
+"""The agent's status thread (gthulhu_node/agent_status.py): when it rebuilds status after a frame."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from gthulhu_node import agent as agent_module
-from gthulhu_node.agent import Agent
+from gthulhu_node import agent_status as agent_module
+from gthulhu_node.agent_status import AgentStatus
 from gthulhu_node.workers import Flag, WorkerThread
 
 
 class StatusThread:
-    """The status loop and wake-ups of a real Agent, over a refresh that records when it ran."""
+    """The status loop and wake-ups of a real AgentStatus, over a refresh that records when it ran."""
 
     def __init__(self) -> None:
         self._stopped = Flag()
@@ -23,13 +23,13 @@ class StatusThread:
         self.refreshes: list[float] = []
         self.refreshed = threading.Event()
 
-    def refresh_status(self) -> None:
+    def refresh(self) -> None:
         self._refreshed_at = time.monotonic()
         self.refreshes.append(self._refreshed_at)
         self.refreshed.set()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(Agent, name).__get__(self)
+        return getattr(AgentStatus, name).__get__(self)
 
 
 @pytest.mark.timeout(60)
@@ -42,7 +42,7 @@ def test_a_frame_soon_after_a_refresh_is_shown_once_the_rate_allows(monkeypatch:
     loop = WorkerThread("test-status", st._run_status)
     loop.start()
     try:
-        st._wake_now()  # a policy in effect: a refresh at once
+        st.wake_now()  # a policy in effect: a refresh at once
         assert st.refreshed.wait(30)
         st.refreshed.clear()
         st._on_frame(None)  # a frame right after it
@@ -60,7 +60,7 @@ def test_frames_in_a_burst_are_shown_at_the_rate_not_each(monkeypatch: pytest.Mo
     loop = WorkerThread("test-status", st._run_status)
     loop.start()
     try:
-        st._wake_now()
+        st.wake_now()
         assert st.refreshed.wait(30)
         end = time.monotonic() + 1.0
         while time.monotonic() < end:  # ten frames a second, as the engine publishes at most
