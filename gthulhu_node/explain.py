@@ -29,8 +29,9 @@ from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.errors import InvalidInput, NotFound, Unavailable
 from gthulhu_node.intents.model import Intent, Scope, compile_pattern, intent_key
+from gthulhu_node.intents.source_set import SourceSet
 from gthulhu_node.intents.status import IntentState, IntentStatus, MatchRow, StatusBoard
-from gthulhu_node.intents.store import IntentStore, SourceSet
+from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.procfs import Task, read_task, snapshot

@@ -18,7 +18,8 @@ import structlog
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
 from gthulhu_node.intents.model import Intent, intent_key
-from gthulhu_node.intents.store import IntentStore, SourceSet
+from gthulhu_node.intents.source_set import SourceSet
+from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.matching import PolicySet
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.workers import Flag, WorkerThread, WorkQueue

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from gthulhu_node.backends.base import BackendState
 from gthulhu_node.intents.model import Intent, SenderEntry, intent_key, pattern_warnings
+from gthulhu_node.intents.source_set import SourceSet
 from gthulhu_node.intents.status import (
     MAP_FULL_WARNING,
     NO_MATCH_WARNING,
@@ -20,7 +21,6 @@ from gthulhu_node.intents.status import (
     IntentState,
     IntentStatus,
 )
-from gthulhu_node.intents.store import SourceSet
 from gthulhu_node.matching import resolve_users
 from gthulhu_node.outbox import FailureReason
 from gthulhu_node.policy_builder import Effect

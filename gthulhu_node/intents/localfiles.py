@@ -53,7 +53,8 @@ from gthulhu_node.errors import InvalidInput, Unavailable
 from gthulhu_node.intents.documents import DocumentError, load_json, load_yaml
 from gthulhu_node.intents.model import Intent, RecordValue, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
-from gthulhu_node.intents.store import IntentStore, StoreError
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.intents.store_errors import StoreError
 from gthulhu_node.intents.trust import UntrustedError, open_policy_directory, open_policy_file
 from gthulhu_node.lifecycle import Health
 from gthulhu_node.workers import Flag, WorkerThread, WorkQueue

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gthulhu_node.intents.model import intent_key
-from gthulhu_node.intents.store import SourceSet
+from gthulhu_node.intents.source_set import SourceSet
 from gthulhu_node.rest.translate import pod_record_of
 
 LABELS = ["pod_name", "pod_uid", "namespace", "node_name"]

@@ -32,7 +32,7 @@ import structlog
 
 from gthulhu_node.intents.documents import STATE_LIMITS, load_json
 from gthulhu_node.intents.model import SLICE_MAX_NS, SLICE_MIN_NS
-from gthulhu_node.intents.store import atomic_write
+from gthulhu_node.intents.state_file import atomic_write
 from gthulhu_node.rest.translate import BodyError
 
 log = structlog.get_logger(__name__)

@@ -30,7 +30,9 @@ from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.dryrun import DryRunBackend
 from gthulhu_node.intents.model import RE2_MAX_MEM, Intent
 from gthulhu_node.intents.parse import intent_to_doc, parse_intent
-from gthulhu_node.intents.store import STATE_FORMAT, IntentStore, SourceSet, atomic_write
+from gthulhu_node.intents.source_set import SourceSet
+from gthulhu_node.intents.state_file import STATE_FORMAT, atomic_write
+from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.matching import CommMatch, CompiledIntent, PolicySet, precedence_rank
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.rest.translate import node_policies

@@ -13,7 +13,7 @@ import pytest
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.intents.journal import JOURNAL_FILE
 from gthulhu_node.intents.localfiles import SCALE_MARKER
-from gthulhu_node.intents.store import STATE_FILE
+from gthulhu_node.intents.state_file import STATE_FILE
 from tests.host.agent_support import (
     NamedThread,
     agent_process,

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
-from gthulhu_node.intents.store import STATE_FILE
+from gthulhu_node.intents.state_file import STATE_FILE
 from tests.fakecgroup import tree
 from tests.host.agent_support import REPO, NamedThread, agent_process, client, intent, short_dir, wait_for
 from tests.prom_support import RULE_TESTS, RULES, Prometheus, dashboard_queries, free_port, rules, selectors

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from gthulhu_node.intents import store as store_module
+from gthulhu_node.intents import state_file as state_file_module
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import parse_intent
 from gthulhu_node.intents.store import IntentStore
@@ -71,7 +71,7 @@ def expected_states(count: int) -> list[Content]:
 def writer(state: Path) -> None:
     # stdout carries the acknowledgements only: the store's log lines go to stderr
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    store_module.COMPACT_MIN_BYTES = 16 << 10  # compactions every few changes
+    state_file_module.COMPACT_MIN_BYTES = 16 << 10  # compactions every few changes
     store = IntentStore(state)
     rng = random.Random(SEED)
     print("ready", flush=True)

@@ -16,7 +16,7 @@ from gthulhu_node.api.server import grpc_status
 from gthulhu_node.backends.base import BackendUnavailable, MapFullError, SchedulerRefused
 from gthulhu_node.cli import exit_code
 from gthulhu_node.errors import EDGES, GthulhuError, kind_of
-from gthulhu_node.intents.store import (
+from gthulhu_node.intents.store_errors import (
     IntentNotFoundError,
     LimitError,
     StaleGenerationError,

@@ -11,8 +11,8 @@ import pytest
 from gthulhu_node import explain
 from gthulhu_node.explain import Listed, explain_task, listed_intents, read_subject
 from gthulhu_node.intents.model import Intent, SenderEntry
+from gthulhu_node.intents.source_set import SourceSet
 from gthulhu_node.intents.status import IntentState, IntentStatus
-from gthulhu_node.intents.store import SourceSet
 from gthulhu_node.matching import PolicySet
 from tests.unit.fakeproc import FakeProc
 

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from gthulhu_node.intents import store as store_module
+from gthulhu_node.intents import state_file as state_file_module
 from gthulhu_node.intents.journal import JOURNAL_FILE
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import parse_intent
-from gthulhu_node.intents.store import STATE_FILE, STATE_VERSION, IntentStore, NewerStateError, SourceSet
+from gthulhu_node.intents.source_set import SourceSet
+from gthulhu_node.intents.state_file import STATE_FILE, STATE_VERSION
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.intents.store_errors import NewerStateError
 
 RELEASE_0_1_0 = Path(__file__).resolve().parents[1] / "fixtures" / "state" / "intents-0.1.0.json"
 
@@ -62,7 +65,7 @@ def test_a_one_intent_change_after_a_large_push_costs_its_own_size(tmp_path: Pat
 def test_random_changes_read_back_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replaced, dropped, reordered and added intents and entries (repeated keys too), across
     compactions: every reload equals what the store held."""
-    monkeypatch.setattr(store_module, "COMPACT_MIN_BYTES", 4096)
+    monkeypatch.setattr(state_file_module, "COMPACT_MIN_BYTES", 4096)
     rng = random.Random(17)
     store = IntentStore(tmp_path)
     for step in range(120):
@@ -114,7 +117,7 @@ def test_a_journal_left_by_a_compaction_cut_short_is_ignored(
     store.apply("a", 0, [intent("x"), intent("y")])
     old_journal = (tmp_path / JOURNAL_FILE).read_bytes()
     store.apply("a", 0, [intent("y"), intent("x"), intent("z", priority=1)])
-    monkeypatch.setattr(store_module, "COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr(state_file_module, "COMPACT_MIN_BYTES", 0)
     store.apply("b", 0, [intent("q") for _ in range(1)])  # outgrows the snapshot: a compaction
     assert not (tmp_path / JOURNAL_FILE).exists()
     (tmp_path / JOURNAL_FILE).write_bytes(old_journal)
@@ -142,7 +145,7 @@ def test_a_journal_of_a_newer_version_is_refused_and_left_in_place(tmp_path: Pat
     header, rest = journal.read_bytes().split(b"\n", 1)
     body = json.loads(header.split(b" ", 1)[1])
     body["version"] = 99
-    line = store_module.encode_line(body)
+    line = state_file_module.encode_line(body)
     journal.write_bytes(line + rest)
     with pytest.raises(NewerStateError, match="journal version 99"):
         IntentStore(tmp_path).load()

@@ -8,16 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from gthulhu_node.intents import store as store_module
+from gthulhu_node.intents import state_file as state_file_module
 from gthulhu_node.intents.journal import JOURNAL_FILE
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import IntentValidationError, parse_intent
-from gthulhu_node.intents.store import (
-    STATE_FILE,
+from gthulhu_node.intents.state_file import STATE_FILE
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.intents.store_errors import (
     IntentNotFoundError,
-    IntentStore,
     LimitError,
     StaleGenerationError,
+    UnencodableError,
 )
 
 
@@ -246,7 +247,7 @@ def test_unencodable_set_is_refused_before_it_replaces_the_stored_one(tmp_path: 
     before = store.snapshot()
     store.subscribe(heard.append)
     bad = SenderEntry(record={"policyID": "y\ud800"}, key="#1", failed="no pattern")
-    with pytest.raises(store_module.UnencodableError, match=r"sources\.m\.entries\[[01]\]\.record\.policyID"):
+    with pytest.raises(UnencodableError, match=r"sources\.m\.entries\[[01]\]\.record\.policyID"):
         store.apply("m", 0, [intent("x")], entries=[*(before["m"].entries if before else ()), bad])
     with pytest.raises(IntentValidationError, match=r"intents\[0\]\.commandRegex: not valid Unicode"):
         store.apply("m", 0, [Intent.model_construct(id="z", command_regex="\udfff", priority=1)])
@@ -320,7 +321,7 @@ def test_a_source_at_the_largest_generation_can_still_be_changed(tmp_path: Path)
 def test_state_file_larger_than_the_limit_is_moved_aside_unread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "STATE_MAX_BYTES", 1000)
+    monkeypatch.setattr(state_file_module, "STATE_MAX_BYTES", 1000)
     (tmp_path / STATE_FILE).write_bytes(b" " * 1001)
     store = IntentStore(tmp_path)
     assert store.load() == 0 and store.stats().corrupt_state_files == 1
@@ -332,7 +333,7 @@ def test_push_that_would_outgrow_the_state_limit_is_refused_and_nothing_changes(
 ) -> None:
     store = IntentStore(tmp_path)
     store.apply("a", 0, [intent("x")])
-    monkeypatch.setattr(store_module, "STATE_MAX_BYTES", 2000)
+    monkeypatch.setattr(state_file_module, "STATE_MAX_BYTES", 2000)
     with pytest.raises(LimitError, match="bytes of state, at most 2000"):
         store.apply("b", 0, [intent(f"i{n}") for n in range(50)])
     assert set(store.snapshot()) == {"a"}

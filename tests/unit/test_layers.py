@@ -71,6 +71,8 @@ LAYER_OF: dict[str, int] = {
     "gthulhu_node.outbox": 5, "gthulhu_node.feed": 5,
     "gthulhu_node.engine": 5,
     "gthulhu_node.intents.store": 6, "gthulhu_node.intents.journal": 6, "gthulhu_node.intents.localfiles": 6,
+    "gthulhu_node.intents.state_file": 6, "gthulhu_node.intents.source_set": 6,
+    "gthulhu_node.intents.store_errors": 6,
     "gthulhu_node.intents.status": 6, "gthulhu_node.api": 6, "gthulhu_node.rest": 6, "gthulhu_node.probe": 6,
     "gthulhu_node.metrics_server": 6, "gthulhu_node.config": 6,
     # the read side of the running agent, served by api/ and rest/: they run the reconciler's code

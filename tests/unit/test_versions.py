@@ -22,7 +22,10 @@ import pytest
 from gthulhu_node import config as configuration
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.parse import parse_intent
-from gthulhu_node.intents.store import STATE_FILE, STATE_VERSION, IntentStore, NewerStateError, SourceSet
+from gthulhu_node.intents.source_set import SourceSet
+from gthulhu_node.intents.state_file import STATE_FILE, STATE_VERSION
+from gthulhu_node.intents.store import IntentStore
+from gthulhu_node.intents.store_errors import NewerStateError
 from gthulhu_node.rest.merkle import records_root
 from gthulhu_node.rest.translate import node_record_of
 
