@@ -37,7 +37,7 @@ from gthulhu_node.backends.select import fallback_after_ejections, fallback_afte
 from gthulhu_node.backends.supervisor import Choice, SupervisedBackend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
-from gthulhu_node.explain import Report, explain_in_agent
+from gthulhu_node.explain import ProbeView, Report, explain_in_agent
 from gthulhu_node.feed import EngineFrame
 from gthulhu_node.intents.localfiles import SOURCE as LOCAL_SOURCE
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
@@ -146,6 +146,7 @@ class Agent:
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: RestServer | None = None  # when rest.enabled
+        self.probe: ProbeView | None = None  # set by the service when it runs the run-queue probe (explain's)
         self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
         self._ready = Flag()
         self._stopped = Flag()
