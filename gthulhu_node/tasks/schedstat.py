@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gthulhu_node.errors import Unavailable
 from gthulhu_node.tasks.procfs import Task, read_task
 
 # How far apart the two reads are: long enough for a thread woken every few ms to show its waits, short
@@ -49,8 +50,9 @@ class Lately:
     note: str = ""
 
 
-class Unreadable(Exception):
-    """Why a thread's schedstat cannot be read, in words that follow "not available: "."""
+class Unreadable(Unavailable):
+    """Why a thread's schedstat cannot be read, in words that follow "not available: " (caught inside
+    this module: an answer says it, never raises it)."""
 
 
 def read_schedstat(task: Task, proc_root: Path = Path("/proc")) -> tuple[int, int, int]:
