@@ -66,7 +66,8 @@ def exit_status(threads: Iterable[pb.ThreadExplanation]) -> int:
 
 
 def _ms(ns: float) -> str:
-    return f"{ns / 1e6:,.2f} ms"
+    """A duration in ms, or in us below a millisecond (a run-queue wait of 3 us is not "0.00 ms")."""
+    return f"{ns / 1e6:,.2f} ms" if ns >= 1e6 or ns == 0 else f"{ns / 1e3:,.1f} us"
 
 
 def _age(seconds: float) -> str:

@@ -182,7 +182,7 @@ def test_the_probes_figures_are_of_the_governing_intent(world: Any) -> None:
         agent.probe = None
     assert (eng.probe_intent, eng.probe_waits, eng.probe_mean_ns) == ("ex/eng", 3, 400_000)
     assert "no per-thread figures" in eng.probe_note
-    assert "run-queue probe, ex/eng: 3 waits, mean 0.40 ms" in text
+    assert "run-queue probe, ex/eng: 3 waits, mean 400.0 us" in text
     assert idle.probe_waits == 0 and "none for this one" in idle.probe_note
 
 

@@ -313,3 +313,10 @@ def test_the_probe_figures_are_the_winning_intents_or_say_why_not() -> None:
     assert "none for this one" in explain.probe_waits(Probe(), "").note
     empty = explain.probe_waits(Probe(), "t/eng")
     assert empty.waits == 0 and "no wait of t/eng's threads measured yet" in empty.note
+
+
+def test_short_waits_are_shown_in_microseconds_not_as_zero_ms() -> None:
+    from gthulhu_node.commands.explain import _ms
+
+    assert (_ms(0), _ms(3_400), _ms(999_999), _ms(1_500_000)) == (
+        "0.00 ms", "3.4 us", "1,000.0 us", "1.50 ms")
