@@ -36,7 +36,7 @@ from gthulhu_node.backends.select import fallback_after_ejections, fallback_afte
 from gthulhu_node.backends.supervisor import Choice, SupervisedBackend
 from gthulhu_node.config import AgentConfig
 from gthulhu_node.engine import Engine
-from gthulhu_node.explain import Report, explain_in_agent
+from gthulhu_node.explain import ProbeView, Report, explain_in_agent
 from gthulhu_node.intents.localfiles import LocalFilesStats, LocalPolicies
 from gthulhu_node.intents.model import Intent
 from gthulhu_node.intents.status import (
@@ -112,6 +112,7 @@ class Agent:
         self.engine: Engine | None = None
         self.api: ApiServer | None = None
         self.rest: RestServer | None = None  # when rest.enabled
+        self.probe: ProbeView | None = None  # set by the service when it runs the run-queue probe (explain's)
         self._supervisor: Supervisor | None = None  # when started by `start` (not by the service)
         # the policy-builder thread: woken by store changes, coalesced; `sync` waits for its hand-off
         self.policies = PolicyBuilder(self.store, lambda: self.config, lambda: self.engine,

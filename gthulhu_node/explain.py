@@ -33,8 +33,19 @@ from gthulhu_node.intents.source_set import SourceSet
 from gthulhu_node.intents.status import IntentState, IntentStatus, MatchRow, StatusBoard
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.matching import CompiledIntent, Owner, PolicySet, best, read_owner, read_pod_uid
+from gthulhu_node.probe.histogram import WaitHistogram
 from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.tasks.procfs import Task, read_task, snapshot
+from gthulhu_node.tasks.schedstat import Lately, first_reads, lately
+
+
+class ProbeView(Protocol):
+    """What `explain` reads of the agent's run-queue probe (probe/continuous.py's ContinuousProbe)."""
+
+    state: str
+    reason: str
+
+    def histograms(self) -> dict[str, WaitHistogram]: ...
 
 
 class AgentView(Protocol):
@@ -44,6 +55,7 @@ class AgentView(Protocol):
     engine: Engine | None
     store: IntentStore
     board: StatusBoard
+    probe: ProbeView | None  # the run-queue probe, when the service runs one (probe.enabled)
 
     def matches(self, intent: str = "") -> list[MatchRow]: ...
 
@@ -146,6 +158,8 @@ class Held:
     task_stats_note: str = ""
     #: what the backend cannot express of the winner's strategy (eevdf: a slice outside the kernel's range)
     backend_note: str = ""
+    #: the process the backend boosts by itself, without an entry (the agent's own; 0 when none)
+    boosted_tgid: int = 0
 
 
 # ---- the subject -----------------------------------------------------------------------------------
@@ -364,12 +378,12 @@ def explain_task(
 # ---- what the agent holds (on the engine thread) ----------------------------------------------------
 
 
-def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int]]) -> list[Held]:
-    """What the reconciler wrote for each (tid, tgid)'s TID and TGID keys and what its backend reads back
-    (one read-back for all). Run on the engine thread (`Engine.call`): the reconciler and the backend are
-    that thread's."""
+def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int, int]]) -> list[Held]:
+    """What the reconciler wrote for each (tid, tgid, start_time)'s TID and TGID keys and what its backend
+    reads back (one read-back for all). Run on the engine thread (`Engine.call`): the reconciler and the
+    backend are that thread's."""
     backend = reconciler.backend
-    views = [reconciler.explain_view(tid, tgid) for tid, tgid in threads]
+    views = [reconciler.explain_view(tid, tgid) for tid, tgid, _ in threads]
     health = backend.health()
     read_note = ""
     back: dict[EntryKey, Entry] = {}
@@ -382,30 +396,77 @@ def held_for(reconciler: Reconciler, threads: Sequence[tuple[int, int]]) -> list
         except Exception as exc:  # the backend's own words, not an empty answer
             read_note = f"not read back: {exc}"
     stats = _task_stats(backend, threads, health)
+    boosted = backend.boosted_tgid if health.state is BackendState.RUNNING else 0
     out: list[Held] = []
-    for (tid, _), (view, agent_winner) in zip(threads, views, strict=True):
+    for (tid, _, _), (view, agent_winner) in zip(threads, views, strict=True):
         entries = tuple(
             HeldEntry(str(k), owner, desired, applied, back.get(k), failure)
             for k, (desired, owner, applied, failure) in view.items()
             if desired is not None or applied is not None or k in back
         )
         counted = stats.get(tid, "not available: the backend did not answer for this thread")
-        if isinstance(counted, str):
-            out.append(Held(backend.name, entries, read_note, {}, agent_winner, {}, counted))
-        else:
-            out.append(Held(backend.name, entries, read_note, {}, agent_winner, counted))
+        stats_or_none, note = ({}, counted) if isinstance(counted, str) else (counted, "")
+        out.append(Held(backend.name, entries, read_note, {}, agent_winner, stats_or_none, note,
+                        boosted_tgid=boosted))
     return out
 
 
-def _task_stats(backend: Backend, threads: Sequence[tuple[int, int]], health: BackendHealth
+def _task_stats(backend: Backend, threads: Sequence[tuple[int, int, int]], health: BackendHealth
                 ) -> dict[int, dict[str, int] | str]:
     """The backend's per-task counters for the threads, or for each why not (never an empty answer)."""
     if health.state is not BackendState.RUNNING:
-        return {tid: f"not available: the backend is {health.state.value}" for tid, _ in threads}
+        return {t[0]: f"not available: the backend is {health.state.value}" for t in threads}
     try:
         return backend.task_stats(threads)
     except Exception as exc:  # the backend's own words
-        return {tid: f"not available: {exc}" for tid, _ in threads}
+        return {t[0]: f"not available: {exc}" for t in threads}
+
+
+def agent_boost(subject: Subject, held: Held) -> str:
+    """Why an agent thread is boosted without an intent, "" when it is not: the scheduler gives the
+    agent's own process AGENT_RANK (above every intent) in lookup_strategy, but only when neither map
+    holds an entry for the thread (an entry, from an intent that matches the agent, comes first)."""
+    if not held.boosted_tgid or subject.tgid != held.boosted_tgid:
+        return ""
+    if any(e.read_back is not None for e in held.entries):
+        return ""  # the intent's entry is what the scheduler takes
+    boost = (f"the agent's own thread: the {held.backend} scheduler boosts the agent's process "
+             f"{subject.tgid} by itself, above every intent (its agent protection, not an intent), so "
+             "that the agent is never starved")
+    if held.read_back:
+        boost += f" (unless an entry is held for it: {held.read_back})"
+    return boost
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeWaits:
+    """What the agent's run-queue probe says of the thread: its figures, or why none (`note`)."""
+
+    intent: str = ""  # whose histogram the figures are (the probe keeps one per intent, none per thread)
+    waits: int = 0
+    mean_ns: int = 0
+    p99_ns: int = 0
+    note: str = ""
+
+
+def probe_waits(probe: ProbeView | None, winner: str) -> ProbeWaits:
+    """The probe keeps no per-thread figures in the agent (probe/continuous.py: per-thread histograms
+    would outlive exited threads in the kernel), so the thread's own waits are schedstat's; the probe's
+    are those of the intent governing it, the thread among them."""
+    if probe is None:
+        return ProbeWaits(note="not running: probe.enabled is false")
+    if probe.state != "running":
+        return ProbeWaits(note=f"not running ({probe.state}{': ' + probe.reason if probe.reason else ''})")
+    if not winner:
+        return ProbeWaits(note="it measures only the threads intents govern, per intent: none for this one")
+    try:
+        hist = probe.histograms().get(winner)
+    except Exception as exc:  # the probe's own words, never "no waits"
+        return ProbeWaits(winner, note=f"not read: {exc}")
+    if hist is None or hist.count == 0:
+        return ProbeWaits(winner, note=f"no per-thread figures; no wait of {winner}'s threads measured yet")
+    return ProbeWaits(winner, hist.count, hist.sum_ns // hist.count, int(hist.percentile_ns(0.99)),
+                      f"no per-thread figures: these are all of {winner}'s threads, since the probe started")
 
 
 def kernel_attrs(tid: int) -> dict[str, str]:
@@ -440,10 +501,20 @@ def eevdf_limits(ex: Explanation) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """One thread's explanation and what the agent holds for it."""
+    """One thread's explanation, what the agent holds for it, and what the scheduler did with it lately
+    (the kernel's schedstat, and the agent's probe)."""
 
     explanation: Explanation
     held: Held
+    lately: Lately = field(default_factory=Lately)
+    probe: ProbeWaits = field(default_factory=ProbeWaits)
+    #: why the scheduler boosts it without an intent (an agent thread), "" when not
+    agent_boost: str = ""
+
+    @property
+    def governed(self) -> bool:
+        """Given a strategy: by an intent, or by the agent's own boost (exit status 0 either way)."""
+        return self.explanation.governed or bool(self.agent_boost)
 
 
 def select_threads(tid: int, pid: int, comm_regex: str, proc_root: Path = Path("/proc")) -> list[Task]:
@@ -491,11 +562,13 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
     engine = agent.engine
     if engine is None or not engine.running:
         raise Unavailable("the agent's engine is not running: nothing to explain against")
-    pairs = [(t.tid, t.tgid) for t in tasks]
+    first = first_reads(tasks, proc_root)  # the schedstat window starts here, and ends after the engine's
+    refs = [(t.tid, t.tgid, t.start_time) for t in tasks]
     try:
-        policy, held = engine.call(lambda r: (r.policy, held_for(r, pairs)), timeout=ENGINE_WAIT_S)
+        policy, held = engine.call(lambda r: (r.policy, held_for(r, refs)), timeout=ENGINE_WAIT_S)
     except concurrent.futures.TimeoutError:
         raise Unavailable(f"the engine did not answer within {ENGINE_WAIT_S:g} s; ask again") from None
+    recent = lately(tasks, first, proc_root)
     node = agent.config.node
     out: list[Report] = []
     for task, h in zip(tasks, held, strict=True):
@@ -508,5 +581,6 @@ def explain_in_agent(agent: AgentView, *, tid: int = 0, pid: int = 0, comm_regex
         ex = explain_task(subject, policy, listed, node_name=node.name, node_labels=node.labels)
         if h.backend == "eevdf":
             h = replace(h, kernel=kernel_attrs(task.tid), backend_note=eevdf_limits(ex))
-        out.append(Report(ex, h))
+        out.append(Report(ex, h, recent[task.tid], probe_waits(agent.probe, ex.winner),
+                          agent_boost(subject, h)))
     return out

@@ -42,6 +42,7 @@ from gthulhu_node.systemd import Notifier
 from gthulhu_node.workers import Flag, spawn
 
 if TYPE_CHECKING:
+    from gthulhu_node.explain import ProbeView
     from gthulhu_node.privileges import Released
     from gthulhu_node.probe.continuous import ContinuousProbe
 
@@ -66,6 +67,7 @@ class ServedAgent(MetricsSource, Protocol):
     error here rather than an AttributeError at 3 a.m."""
 
     capabilities: str  # set by the service: what was dropped at start (privileges.Released.describe)
+    probe: ProbeView | None  # set by the service when it runs the probe: explain reads its figures
 
     def components(self) -> list[Component]:
         """The agent's parts in start order; the service's supervisor runs them (lifecycle.py)."""
@@ -210,6 +212,7 @@ class Service:
             from gthulhu_node.probe.continuous import ContinuousProbe
 
             self.probe = ContinuousProbe(self.agent.matches, self.config.probe.poll_interval_s)
+            self.agent.probe = self.probe  # explain reads its figures
             parts.append(self.probe)
         return parts
 

@@ -22,6 +22,7 @@ from gthulhu_node.intents.status import (
     StatusSnapshot,
 )
 from gthulhu_node.preview import Displaced, Preview
+from gthulhu_node.tasks.schedstat import SchedStat
 
 STATE_TO_PB = {
     IntentState.PENDING: pb.INTENT_STATE_PENDING,
@@ -200,7 +201,23 @@ def report_to_pb(r: Report) -> pb.ThreadExplanation:
         task_stats=dict(held.task_stats),
         task_stats_note=held.task_stats_note,
         backend_note=held.backend_note,
+        recent=_schedstat(r.lately.recent),
+        since_start=_schedstat(r.lately.since_start),
+        schedstat_note=r.lately.note,
+        probe_intent=r.probe.intent,
+        probe_waits=r.probe.waits,
+        probe_mean_ns=r.probe.mean_ns,
+        probe_p99_ns=r.probe.p99_ns,
+        probe_note=r.probe.note,
+        agent_boost=r.agent_boost,
     )
+
+
+def _schedstat(s: SchedStat | None) -> pb.SchedStat | None:
+    if s is None:
+        return None
+    return pb.SchedStat(seconds=s.seconds, run_ns=s.run_ns, wait_ns=s.wait_ns, timeslices=s.timeslices,
+                        cpu_share=s.cpu_share)
 
 
 def preview_to_pb(result: Preview, displaced: Sequence[Displaced]) -> pb.PreviewResponse:

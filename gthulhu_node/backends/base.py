@@ -131,11 +131,18 @@ class Backend(abc.ABC):
         wanted = set(keys)
         return {k: v for k, v in self.read_back().items() if k in wanted}
 
-    def task_stats(self, threads: Iterable[tuple[int, int]]) -> dict[int, dict[str, int] | str]:
-        """What the scheduler did with each (tid, tgid) lately, by TID: its per-task counters, or why they
-        cannot be read (a string, never zeros). Only the sched_ext scheduler keeps such counters."""
-        return {tid: f"not available: the {self.name} backend keeps no per-task counters"
-                for tid, _ in threads}
+    def task_stats(self, threads: Iterable[tuple[int, int, int]]) -> dict[int, dict[str, int] | str]:
+        """What the scheduler did with each (tid, tgid, start_time) lately, by TID: its per-task counters,
+        or why they cannot be read (a string, never zeros). Only the sched_ext scheduler keeps such
+        counters. The start time (stat field 22, as the caller read it) names the thread: a TID the kernel
+        reused since is another thread, whose counters are not the caller's."""
+        return {t[0]: f"not available: the {self.name} backend keeps no per-task counters" for t in threads}
+
+    @property
+    def boosted_tgid(self) -> int:
+        """The process the backend boosts by itself, without an entry (the sched_ext scheduler's agent
+        protection: the agent's own process, docs/scheduler.md); 0 when none."""
+        return 0
 
     @property
     def capacity(self) -> int | None:

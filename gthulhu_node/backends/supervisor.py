@@ -182,10 +182,14 @@ class SupervisedBackend(Backend):
     def read_keys(self, keys: Iterable[EntryKey]) -> dict[EntryKey, Entry]:
         return {} if self._standing_in else self._running().read_keys(keys)
 
-    def task_stats(self, threads: Iterable[tuple[int, int]]) -> dict[int, dict[str, int] | str]:
+    def task_stats(self, threads: Iterable[tuple[int, int, int]]) -> dict[int, dict[str, int] | str]:
         if self._standing_in:
-            return {tid: f"not available: {self._standing_in}" for tid, _ in threads}
+            return {t[0]: f"not available: {self._standing_in}" for t in threads}
         return self._running().task_stats(threads)
+
+    @property
+    def boosted_tgid(self) -> int:
+        return 0 if self._standing_in or self._backend is None else self._backend.boosted_tgid
 
     def health(self) -> BackendHealth:
         if self._standing_in:

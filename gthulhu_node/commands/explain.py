@@ -1,13 +1,15 @@
 """`gthulhu-node explain PID|TID|--comm REGEX`: why threads are (not) governed, as the agent answers it
 (the Explain RPC; gthulhu_node/explain.py computes it inside the agent).
 
-Exit codes, for scripts: 0 every thread explained is governed by an intent; 1 at least one is not; 2 an
-error (the agent cannot be reached, no such task, a bad pattern).
+Exit codes, for scripts: 0 every thread explained is governed (by an intent, or, for the agent's own
+threads on the sched_ext backend, by the agent's own boost: the scheduler gives them a strategy all the
+same); 1 at least one is not; 2 an error (the agent cannot be reached, no such task, a bad pattern).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
@@ -55,7 +57,48 @@ def cmd_explain(args: argparse.Namespace) -> int:
         _dump(_to_dict(resp))
     else:
         print("\n\n".join(describe(t) for t in resp.threads))
-    return EXIT_GOVERNED if all(t.winner for t in resp.threads) else EXIT_NOT_GOVERNED
+    return exit_status(resp.threads)
+
+
+def exit_status(threads: Iterable[pb.ThreadExplanation]) -> int:
+    """0 when every thread has a strategy: an intent's, or the agent's own boost (`agent_boost`)."""
+    return EXIT_GOVERNED if all(t.winner or t.agent_boost for t in threads) else EXIT_NOT_GOVERNED
+
+
+def _ms(ns: float) -> str:
+    """A duration in ms, or in us below a millisecond (a run-queue wait of 3 us is not "0.00 ms")."""
+    return f"{ns / 1e6:,.2f} ms" if ns >= 1e6 or ns == 0 else f"{ns / 1e3:,.1f} us"
+
+
+def _age(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+
+def _window(s: pb.SchedStat) -> str:
+    per = f", {_ms(s.wait_ns / s.timeslices)} each" if s.timeslices else ""
+    return (f"{s.cpu_share:.1%} of a CPU, run-queue waits {_ms(s.wait_ns)} over {s.timeslices:,} "
+            f"timeslices{per}")
+
+
+def lately(t: pb.ThreadExplanation) -> list[str]:
+    """What the scheduler did with the thread lately: the kernel's schedstat and the agent's probe."""
+    if t.HasField("recent"):
+        out = [f"  kernel schedstat, last {t.recent.seconds:.2f} s: {_window(t.recent)}"]
+        if t.HasField("since_start"):
+            out.append(f"  kernel schedstat, since it started {_age(t.since_start.seconds)} ago: "
+                       f"{_window(t.since_start)}")
+        elif t.schedstat_note:
+            out.append(f"  kernel schedstat, {t.schedstat_note}")
+    else:
+        out = [f"  kernel schedstat: {t.schedstat_note or 'not available'}"]
+    if t.probe_waits:
+        out.append(f"  run-queue probe, {t.probe_intent}: {t.probe_waits:,} waits, "
+                   f"mean {_ms(t.probe_mean_ns)}, p99 {_ms(t.probe_p99_ns)} ({t.probe_note})")
+    else:
+        out.append(f"  run-queue probe: {t.probe_note or 'not available'}")
+    return out
 
 
 def _entry(e: pb.SchedEntry, present: bool) -> str:
@@ -72,6 +115,8 @@ def describe(t: pb.ThreadExplanation) -> str:
         out.append(f"governed by {t.winner}: priority {t.priority}, slice {_slice(t.slice_ns)}, "
                    f"scope {t.scope}")
         out.extend(f"  {w}" for w in t.why)
+    elif t.agent_boost:
+        out.append(f"governed by the agent's own boost, not an intent: {t.agent_boost}")
     else:
         out.append("not governed: no intent matches it (reasons below)")
     if t.agent_winner != t.winner:
@@ -98,6 +143,7 @@ def describe(t: pb.ThreadExplanation) -> str:
             f"{n} {STAT_LABELS.get(name, name)}" for name, n in sorted(t.task_stats.items())))
     else:
         out.append(f"  scheduler since load: {t.task_stats_note or 'not available'}")
+    out.extend(lately(t))
     if t.kernel:
         out.append("  kernel now: " + ", ".join(f"{k} {v}" for k, v in sorted(t.kernel.items())))
     if t.backend_note:

@@ -218,10 +218,16 @@ class SchedExtBackend(Backend):
                 out[key] = Entry(value.priority, value.slice_ns, value.start_time)
         return out
 
-    def task_stats(self, threads: Iterable[tuple[int, int]]) -> dict[int, dict[str, int] | str]:
+    def task_stats(self, threads: Iterable[tuple[int, int, int]]) -> dict[int, dict[str, int] | str]:
         """Each thread's counters from its task_ctx (task storage, looked up with a pidfd as the key)."""
         sched = self._loaded()
-        return {tid: _task_stats(sched, tid, tgid) for tid, tgid in threads}
+        return {tid: _task_stats(sched, tid, tgid, start, self._proc) for tid, tgid, start in threads}
+
+    @property
+    def boosted_tgid(self) -> int:
+        """The agent's own process while the scheduler protects it (`protect_agent`): lookup_strategy
+        gives its threads AGENT_RANK when neither map holds an entry for them."""
+        return self._settings.agent_tgid
 
     def health(self) -> BackendHealth:
         if self._sched is None:
@@ -261,9 +267,13 @@ class SchedExtBackend(Backend):
         return {name: int(getattr(gauges, name)) for name in STAT_GAUGES}
 
 
-def _task_stats(sched: LoadedScheduler, tid: int, tgid: int) -> dict[str, int] | str:
+def _task_stats(sched: LoadedScheduler, tid: int, tgid: int, start_time: int, proc: Path = Path("/proc")
+                ) -> dict[str, int] | str:
     """One thread's counters, or why they cannot be read: a pidfd names a thread that leads no process
-    only with PIDFD_THREAD, which older kernels refuse (EINVAL)."""
+    only with PIDFD_THREAD, which older kernels refuse (EINVAL). The pidfd is opened by TID, so the
+    thread's start time is checked once it is open: if the caller's thread exited and the kernel gave its
+    TID to another one before pidfd_open, the pidfd names that other thread, and its start time shows it
+    (after the check the pidfd holds the thread it names, whatever happens to the TID)."""
     flags = 0 if tid == tgid else PIDFD_THREAD
     try:
         pidfd = os.pidfd_open(tid, flags)
@@ -275,6 +285,8 @@ def _task_stats(sched: LoadedScheduler, tid: int, tgid: int) -> dict[str, int] |
             return "not available: the thread exited"
         return f"not available: pidfd_open({tid}): {exc.strerror}"
     try:
+        if task_start_time(tid, proc) != start_time:
+            return "not available: the thread exited"
         stats = sched.task_stats(pidfd)
     except OSError as exc:
         return f"not available: task_ctxs lookup: {exc}"

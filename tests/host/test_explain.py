@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+from gthulhu_node.probe.histogram import WaitHistogram
 from tests.host.agent_support import NamedThread, intent, run_cli, running_agent, stub_of, wait_for
 
 # One worker runs them all: their --comm and --pid questions see every gn-ex-* thread of the host, so two
@@ -138,11 +139,17 @@ def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
     assert "governed by ex/eng: priority 2, slice 2ms, scope thread" in eng.stdout
     assert "precedence rule 1" in eng.stdout and "READ BACK" in eng.stdout
     assert "scheduler since load: not available: the dry-run backend keeps no per-task counters" in eng.stdout
+    assert "  kernel schedstat, last " in eng.stdout and " of a CPU, run-queue waits " in eng.stdout
+    assert "  kernel schedstat, since it started " in eng.stdout
+    assert "  run-queue probe: not running: probe.enabled is false" in eng.stdout
     idle = run_cli("explain", str(threads["idle"].tid), *sock)
     assert idle.returncode == 1 and "not governed" in idle.stdout
     doc = json.loads(run_cli("explain", "--comm", "^gn-ex-", "-o", "json", *sock).stdout)
     assert {t["taskStatsNote"] for t in doc["threads"]} == {
         "not available: the dry-run backend keeps no per-task counters"}
+    for t in doc["threads"]:  # the kernel's schedstat, for every backend: figures, not zeros
+        assert t["schedstatNote"] == "" and int(t["sinceStart"]["timeslices"]) > 0
+        assert float(t["recent"]["seconds"]) >= 0.5 and "cpuShare" in t["recent"]
     assert {t["comm"]: t["winner"] for t in doc["threads"]} == {
         "gn-ex-eng": "ex/eng", "gn-ex-aux": "ex/both", "gn-ex-idle": ""}
     whole = run_cli("explain", str(os.getpid()), *sock)  # the main thread is governed by nothing
@@ -152,6 +159,31 @@ def test_cli_tables_json_and_exit_statuses(world: Any) -> None:
     nowhere = run_cli("explain", "1", "--socket", "/nonexistent/api.sock")
     assert nowhere.returncode == 2 and "not running" in nowhere.stderr
     assert run_cli("explain", *sock).returncode == 2
+
+
+class RunningProbe:
+    """The agent's run-queue probe as explain reads it (ContinuousProbe's state and histograms): the
+    real one needs BCC and root, and its figures are the lab's (tests/vm/test_probe*.py)."""
+
+    state, reason = "running", ""
+
+    def histograms(self) -> dict[str, WaitHistogram]:
+        return {"ex/eng": WaitHistogram.from_values([200_000, 400_000, 600_000])}
+
+
+def test_the_probes_figures_are_of_the_governing_intent(world: Any) -> None:
+    agent, threads = world
+    agent.probe = RunningProbe()
+    try:
+        (eng,) = explain(agent, tid=threads["eng"].tid)
+        (idle,) = explain(agent, tid=threads["idle"].tid)
+        text = run_cli("explain", str(threads["eng"].tid), "--socket", str(agent.config.api.socket)).stdout
+    finally:
+        agent.probe = None
+    assert (eng.probe_intent, eng.probe_waits, eng.probe_mean_ns) == ("ex/eng", 3, 400_000)
+    assert "no per-thread figures" in eng.probe_note
+    assert "run-queue probe, ex/eng: 3 waits, mean 400.0 us" in text
+    assert idle.probe_waits == 0 and "none for this one" in idle.probe_note
 
 
 def test_eevdf_backend_read_back_and_kernel_view() -> None:

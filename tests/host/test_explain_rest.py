@@ -31,6 +31,10 @@ def test_explain_over_mtls() -> None:
         assert thread["exe"] == os.readlink(f"/proc/{os.getpid()}/exe") and thread["cgroup"]
         assert thread["uid"] == os.getuid() and thread["ownerKnown"]  # uid 0 shown, not left out
         assert thread["winner"].startswith("manager/") and thread["agentWinner"] == thread["winner"]
+        # what the kernel did with it lately (schedstat), and the probe's absence, in words
+        assert thread["schedstatNote"] == "" and thread["recent"]["seconds"] >= 0.5
+        assert int(thread["sinceStart"]["timeslices"]) > 0
+        assert thread["probeNote"] == "not running: probe.enabled is false" and thread["agentBoost"] == ""
         by_key = {i["intent"]: i for i in thread["intents"]}
         assert by_key["local/local-engine"]["field"] == "commandRegex"
         by_comm = manager("GET", "/api/v1/explain?comm=^gn-rx-")

@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 
 from gthulhu_node import explain
+from gthulhu_node.backends.base import Entry
 from gthulhu_node.explain import Listed, explain_task, listed_intents, read_subject
 from gthulhu_node.intents.model import Intent, SenderEntry
 from gthulhu_node.intents.source_set import SourceSet
 from gthulhu_node.intents.status import IntentState, IntentStatus
 from gthulhu_node.matching import PolicySet
+from gthulhu_node.probe.histogram import WaitHistogram
 from tests.unit.fakeproc import FakeProc
 
 NODE = "node-a"
@@ -207,15 +209,15 @@ def test_held_for_reads_the_reconcilers_entries_and_the_backends(proc: FakeProc)
     policy = PolicySet.build([("t/eng", intent("eng", slice_ns=2_000_000))])
     r = Reconciler(backend, policy=policy, proc_root=proc.root)
     r.apply_snapshot(snapshot(proc.root))
-    (held,) = explain.held_for(r, [(101, 100)])
+    (held,) = explain.held_for(r, [(101, 100, 1)])
     assert held.backend == "dry-run" and held.agent_winner == "t/eng" and held.read_back == ""
     (tid_entry,) = held.entries
     want = Entry(10, 2_000_000, 100)
     assert (tid_entry.key, tid_entry.owner) == ("tid:101", "t/eng")
     assert tid_entry.desired == tid_entry.applied == tid_entry.read_back == want
     del backend.table[next(iter(backend.table))]  # someone else's change: the read-back says so
-    assert explain.held_for(r, [(101, 100)])[0].entries[0].read_back is None
-    assert explain.held_for(r, [(100, 100)])[0].entries == ()  # the leader is not governed
+    assert explain.held_for(r, [(101, 100, 1)])[0].entries[0].read_back is None
+    assert explain.held_for(r, [(100, 100, 1)])[0].entries == ()  # the leader is not governed
     backend.stop()
 
 
@@ -242,7 +244,7 @@ def test_held_for_says_when_the_backend_cannot_be_read(proc: FakeProc) -> None:
     r = Reconciler(backend, policy=PolicySet.build([("t/eng", intent("eng"))]), proc_root=proc.root)
     r.apply_snapshot(snapshot(proc.root))
     backend.eject("watchdog timeout")
-    (held,) = explain.held_for(r, [(101, 100)])
+    (held,) = explain.held_for(r, [(101, 100, 1)])
     assert held.read_back == "not read back: the backend is ejected (watchdog timeout)"
     assert held.entries[0].read_back is None and held.entries[0].applied is not None
 
@@ -255,3 +257,66 @@ def test_what_eevdf_cannot_express(proc: FakeProc) -> None:
     assert "it runs with 100000000 ns" in note and "priority 10 is a nice level" in note
     assert explain.eevdf_limits(run(proc, [intent("eng", slice_ns=2_000_000, priority=0)])) == ""
     assert explain.eevdf_limits(run(proc, [intent("eng", regex="^nothing$")])) == ""
+
+
+# ---- the agent's own threads, and the run-queue probe ------------------------------------------------
+
+
+def held(boosted_tgid: int, *entries: explain.HeldEntry, backend: str = "sched_ext",
+         read_back: str = "") -> explain.Held:
+    return explain.Held(backend, entries, read_back, boosted_tgid=boosted_tgid)
+
+
+def test_the_agents_own_threads_are_boosted_by_the_scheduler_not_an_intent(proc: FakeProc) -> None:
+    """lookup_strategy gives the agent's process AGENT_RANK when neither map holds an entry for it: its
+    threads have a strategy without an intent, and only while no entry is held for them."""
+    subject = read_subject(101, proc.root, tgid=100)
+    boost = explain.agent_boost(subject, held(100))
+    assert "the agent's own thread" in boost and "not an intent" in boost and "process 100" in boost
+    assert explain.agent_boost(subject, held(0)) == ""  # eevdf, dry-run, or the agent not protected
+    assert explain.agent_boost(subject, held(999)) == ""  # another process than the agent's
+    entry = explain.HeldEntry("tgid:100", "t/python", None, None, Entry(3, 0, 100))
+    assert explain.agent_boost(subject, held(100, entry)) == ""  # an intent's entry comes first
+    unread = explain.agent_boost(subject, held(100, read_back="not read back: the backend is ejected"))
+    assert unread.endswith("(unless an entry is held for it: not read back: the backend is ejected)")
+
+
+def test_an_agent_thread_counts_as_governed_for_the_exit_status() -> None:
+    from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
+    from gthulhu_node.commands.explain import EXIT_GOVERNED, EXIT_NOT_GOVERNED, describe, exit_status
+
+    mine = pb.ThreadExplanation(tid=5, tgid=5, comm="gthulhu-node", agent_boost="the agent's own thread: x")
+    other = pb.ThreadExplanation(tid=6, tgid=6, comm="idle")
+    assert exit_status([mine]) == EXIT_GOVERNED
+    assert exit_status([mine, other]) == EXIT_NOT_GOVERNED
+    assert "governed by the agent's own boost, not an intent: the agent's own thread: x" in describe(mine)
+    assert "not governed" in describe(other)
+
+
+class Probe:
+    def __init__(self, state: str = "running", reason: str = "",
+                 hists: dict[str, WaitHistogram] | None = None) -> None:
+        self.state, self.reason, self.hists = state, reason, hists or {}
+
+    def histograms(self) -> dict[str, WaitHistogram]:
+        return self.hists
+
+
+def test_the_probe_figures_are_the_winning_intents_or_say_why_not() -> None:
+    hist = WaitHistogram.from_values([1_000_000, 3_000_000])
+    got = explain.probe_waits(Probe(hists={"t/eng": hist}), "t/eng")
+    assert (got.intent, got.waits, got.mean_ns) == ("t/eng", 2, 2_000_000) and got.p99_ns > 0
+    assert "no per-thread figures" in got.note
+    assert explain.probe_waits(None, "t/eng").note == "not running: probe.enabled is false"
+    assert explain.probe_waits(Probe("unavailable", "no BCC"), "t/eng").note == \
+        "not running (unavailable: no BCC)"
+    assert "none for this one" in explain.probe_waits(Probe(), "").note
+    empty = explain.probe_waits(Probe(), "t/eng")
+    assert empty.waits == 0 and "no wait of t/eng's threads measured yet" in empty.note
+
+
+def test_short_waits_are_shown_in_microseconds_not_as_zero_ms() -> None:
+    from gthulhu_node.commands.explain import _ms
+
+    assert (_ms(0), _ms(3_400), _ms(999_999), _ms(1_500_000)) == (
+        "0.00 ms", "3.4 us", "1,000.0 us", "1.50 ms")

@@ -55,8 +55,16 @@ def other_thread() -> Iterator[int]:
     t.join()
 
 
-def stats_of(sched: Any, tid: int, tgid: int) -> dict[str, int] | str:
-    return sched_backend._task_stats(sched, tid, tgid)
+def start_of(tid: int) -> int:
+    """The thread's start time as explain reads it (stat field 22)."""
+    start = sched_backend.task_start_time(tid)
+    assert start is not None
+    return start
+
+
+def stats_of(sched: Any, tid: int, tgid: int, start_time: int | None = None) -> dict[str, int] | str:
+    start = start_of(tid) if start_time is None else start_time
+    return sched_backend._task_stats(sched, tid, tgid, start)
 
 
 def test_the_leader_and_another_thread_are_each_read_by_their_own_pidfd(other_thread: int) -> None:
@@ -70,7 +78,17 @@ def test_no_context_and_a_gone_thread_are_not_available() -> None:
     me = os.getpid()
     assert stats_of(MapByPidfd(without=(me,)), me, me) == \
         "not available: the scheduler holds no context for this thread"
-    assert stats_of(MapByPidfd(), 0x3FFFFF, me) == "not available: the thread exited"
+    assert stats_of(MapByPidfd(), 0x3FFFFF, me, 1) == "not available: the thread exited"
+
+
+def test_a_reused_tid_is_not_read_as_the_thread_explained(other_thread: int) -> None:
+    """The TID now names a thread that started at another time than the one explain read (the thread
+    explained exited and the kernel gave its TID to a new one before the pidfd was opened): the pidfd
+    names the new thread, so its counters are not the answer; the thread explained has exited."""
+    me = os.getpid()
+    for tid in (me, other_thread):
+        assert stats_of(MapByPidfd(), tid, me, start_of(tid) - 1) == "not available: the thread exited"
+        assert stats_of(MapByPidfd(), tid, me, start_of(tid)) == {"boosted_runs": tid, "demotions": 7}
 
 
 def test_a_kernel_without_pidfd_thread_says_so(monkeypatch: pytest.MonkeyPatch, other_thread: int) -> None:
@@ -98,5 +116,5 @@ def test_a_lookup_error_is_not_available_with_its_words() -> None:
 
 
 def test_backends_without_counters_say_so() -> None:
-    assert DryRunBackend().task_stats([(5, 5)]) == {5: "not available: the dry-run backend keeps no per-task "
-                                                        "counters"}
+    assert DryRunBackend().task_stats([(5, 5, 1)]) == {
+        5: "not available: the dry-run backend keeps no per-task counters"}

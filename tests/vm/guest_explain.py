@@ -8,6 +8,9 @@ Runs as root in the lab VM. First an agent with the sched_ext backend and `sched
   scope): two TID entries fit in the map, two are refused (map full);
 - `gn-sel`, a thread of the same process, under `owner`, which names user 4242 (the selector turns it
   away), and `elsewhere`, for another node; `cmdline` is written against the command line (no comm has it);
+- `gn-head`, a thread of a process of its own (waking every 20 ms), under `head` (priority 15, process
+  scope: the head-start tier, 10-20), whose runs the per-task counters count as boosted runs;
+- the agent's own main thread, which no intent matches: the scheduler boosts it by itself;
 then bpftool's dump of tid_map and tgid_map beside explain's read-back, and a Preview before and after
 which the agent's state is compared. Then an agent with the eevdf backend on the same kernel, with an
 intent whose slice EEVDF cannot hold. Prints the answers as the CLI renders them (for docs/intents.md)
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -30,7 +34,7 @@ from google.protobuf.json_format import MessageToDict
 
 from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
-from gthulhu_node.commands.explain import EXIT_GOVERNED, EXIT_NOT_GOVERNED, describe
+from gthulhu_node.commands.explain import describe, exit_status
 from tests.host.agent_support import NamedThread, intent, running_agent, stub_of, wait_for
 
 # A busy process named gn-spin (prctl on its only thread names the process).
@@ -61,6 +65,8 @@ SCHED_EXT_INTENTS = [
     # the seed's two questions: an intent for another node, and one written against the command line
     intent("elsewhere", "^gn-sel$", priority=4, node_names=["gpu-node-7"]),
     intent("cmdline", "python3 -c", priority=4),
+    # the head-start tier (10-20): no preemption, a share of each run's charge forgiven
+    intent("head", "^gn-head$", priority=15, scope="process"),
 ]
 # 200 ms: a valid executionTime that EEVDF clamps to its 100 ms maximum
 EEVDF_INTENTS = [intent("long", "^gn-sel$", priority=5, execution_time=200_000_000)]
@@ -97,7 +103,7 @@ def as_cli(agent: Agent, shown: str, **request: Any) -> str:
     rule), rendered here: starting the CLI itself costs ~25 s of TCG, and the host tests run it."""
     with stub_of(agent) as stub:
         threads = stub.Explain(pb.ExplainRequest(**request)).threads
-    status = EXIT_GOVERNED if all(t.winner for t in threads) else EXIT_NOT_GOVERNED
+    status = exit_status(threads)
     text = "\n\n".join(describe(t) for t in threads)
     return f"$ gthulhu-node explain {shown}; echo \"exit $?\"\n{text}\nexit {status}\n"
 
@@ -115,6 +121,11 @@ def sched_ext_phase(out: dict[str, Any]) -> None:
         stack.callback(workers.kill)
         assert workers.stdout is not None
         tids: dict[str, int] = json.loads(workers.stdout.readline())
+        head = subprocess.Popen([sys.executable, "-c", WORKERS, "gn-head"], stdout=subprocess.PIPE, text=True)
+        stack.callback(head.wait)
+        stack.callback(head.kill)
+        assert head.stdout is not None
+        tids.update(json.loads(head.stdout.readline()))
         agent = stack.enter_context(running_agent(backend_kind="sched_ext", scheduler={"map_capacity": 2}))
         with stub_of(agent) as stub:
             stub.ApplyIntents(pb.ApplyIntentsRequest(source="ex", intents=SCHED_EXT_INTENTS))
@@ -137,6 +148,15 @@ def sched_ext_phase(out: dict[str, Any]) -> None:
 
         out["full"] = wait_for(full_settled, timeout=30, what="two gn-full threads written, two refused")
         (out["sel"],) = explain(agent, tid=tids["gn-sel"])
+
+        def head_boosted() -> dict[str, Any] | None:  # a liveness wait: its entry written, then its runs
+            (t,) = explain(agent, tid=tids["gn-head"])
+            return t if int(t["taskStats"].get("boosted_runs", 0)) > 0 else None
+
+        out["head"] = wait_for(head_boosted, timeout=30, what="a boosted run of gn-head (priority 15)")
+        out["head_pid"] = head.pid
+        (out["agent"],) = explain(agent, tid=os.getpid())  # the agent's own main thread
+        out["cli_agent"] = as_cli(agent, str(os.getpid()), tid=os.getpid())
         out["tid_map"] = bpftool_dump("tid_map")
         out["tgid_map"] = bpftool_dump("tgid_map")
         out["spin_pid"] = spin.pid
@@ -167,6 +187,7 @@ def eevdf_phase(out: dict[str, Any]) -> None:
             return t if t["entries"] and "readBack" in t["entries"][0] else None
 
         out["eevdf"] = wait_for(read_back, timeout=30, what="the eevdf entry read back")
+        (out["eevdf_agent"],) = explain(agent, tid=os.getpid())
         out["cli_eevdf"] = as_cli(agent, str(sel.tid), tid=sel.tid)
         out["eevdf_s"] = round(time.monotonic() - started, 1)
 
@@ -176,7 +197,7 @@ def main() -> int:
     out: dict[str, Any] = {"kernel": platform.release()}
     sched_ext_phase(out)
     eevdf_phase(out)
-    for key in ("cli", "cli_eevdf"):
+    for key in ("cli", "cli_agent", "cli_eevdf"):
         print(out[key])
     print(json.dumps(out, default=str))
     return 0

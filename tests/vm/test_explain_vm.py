@@ -77,12 +77,14 @@ def test_read_back_is_what_bpftool_dumps(run: dict[str, Any]) -> None:
     """explain's read-back of every written key equals the kernel map's entry as bpftool reads it."""
     tid_map = {int(k): v for k, v in run["tid_map"].items()}
     tgid_map = {int(k): v for k, v in run["tgid_map"].items()}
-    assert set(tgid_map) == {run["spin_pid"]}
-    spin_entry = next(e for e in run["spin"]["entries"] if e["key"] == f"tgid:{run['spin_pid']}")
-    seen = [(tgid_map, run["spin_pid"], spin_entry["readBack"])]
+    assert set(tgid_map) == {run["spin_pid"], run["head_pid"]}
+    seen = []
+    for name, pid in (("spin", run["spin_pid"]), ("head", run["head_pid"])):
+        entry = next(e for e in run[name]["entries"] if e["key"] == f"tgid:{pid}")
+        seen.append((tgid_map, pid, entry["readBack"]))
     for t in run["full"]:
         seen += [(tid_map, t["tid"], e["readBack"]) for e in t["entries"] if "readBack" in e]
-    assert len(tid_map) == 2 and len(seen) == 3
+    assert len(tid_map) == 2 and len(seen) == 4
     for kernel_map, key, back in seen:
         assert kernel_map[key]["priority"] == int(back["priority"])
         assert kernel_map[key]["slice_ns"] == int(back.get("sliceNs", 0))
@@ -103,3 +105,36 @@ def test_eevdf_says_what_it_cannot_express(run: dict[str, Any]) -> None:
     assert "it runs with 100000000 ns" in t["backendNote"]
     assert t["taskStats"] == {} and t["taskStatsNote"].startswith("not available: the eevdf backend")
     assert "eevdf cannot express: executionTime 200000000 ns" in run["cli_eevdf"]
+
+
+def test_the_head_start_tier_counts_boosted_runs(run: dict[str, Any]) -> None:
+    """Priority 15 (the head-start tier, 10-20: no preemption, part of each run's charge forgiven): the
+    scheduler counts its runs as boosted runs in the thread's own counters, read back by explain."""
+    head = run["head"]
+    assert head["winner"] == "ex/head" and head["priority"] == "15" and head["taskStatsNote"] == ""
+    assert stats(head)["boosted_runs"] > 0
+
+
+def test_the_kernel_schedstat_shows_the_threads_share_and_waits(run: dict[str, Any]) -> None:
+    """The kernel's own accounting of each thread (schedstat, read twice): the busy gn-spin takes a
+    large share of a CPU in the window, gn-sel (asleep but for a moment every 20 ms) a small one; both
+    have figures since they started; on the eevdf backend too."""
+    spin, sel, eevdf = run["spin"], run["sel"], run["eevdf"]
+    for t in (spin, sel, eevdf):
+        assert t["schedstatNote"] == "" and float(t["recent"]["seconds"]) >= 0.5
+        assert int(t["sinceStart"]["timeslices"]) >= int(t["recent"]["timeslices"]) > 0
+    assert float(spin["recent"]["cpuShare"]) > 0.1 > float(sel["recent"]["cpuShare"])
+    assert "kernel schedstat, last " in run["cli"] and "of a CPU, run-queue waits" in run["cli"]
+    assert "run-queue probe: not running: probe.enabled is false" in run["cli"]
+
+
+def test_the_agents_own_thread_is_governed_by_its_own_boost(run: dict[str, Any]) -> None:
+    """No intent matches the agent's main thread, yet the sched_ext scheduler boosts it (the agent's
+    protection, without an entry): explain says so and counts it governed (exit 0); the eevdf backend has
+    no such boost, so there it is not governed."""
+    me = run["agent"]
+    assert me["winner"] == "" and me["entries"] == []
+    assert "the agent's own thread" in me["agentBoost"] and "not an intent" in me["agentBoost"]
+    assert me["taskStatsNote"] == "" and stats(me)["boosted_runs"] > 0  # the boost is the scheduler's
+    assert "governed by the agent's own boost" in run["cli_agent"] and "exit 0" in run["cli_agent"]
+    assert run["eevdf_agent"]["agentBoost"] == "" and run["eevdf_agent"]["winner"] == ""
