@@ -52,12 +52,12 @@ from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats, CpuMaxWatch
 from gthulhu_node.workers import Flag
 
 if TYPE_CHECKING:  # imported only when REST is enabled (aiohttp and the token machinery)
-    from gthulhu_node.rest.app import RestStats
     from gthulhu_node.rest.server import RestServer
+    from gthulhu_node.rest.stats import RestStats
 
 log = structlog.get_logger(__name__)
 
-MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.app.POD_SOURCE)
+MANAGER_PODS = "manager-pods"  # the REST pod-intent source (gthulhu_node.rest.intent_routes.POD_SOURCE)
 SYNC_TIMEOUT_S = 5.0
 
 

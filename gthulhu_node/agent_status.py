@@ -59,7 +59,7 @@ INSECURE_REST_WARNING = (
     "(rest.insecure_allow_plain_http): anyone who can reach it and has the public key can change this "
     "node's scheduling"
 )
-MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.app.NODE_SOURCE)
+MANAGER = "manager"  # the REST node-policy source (gthulhu_node.rest.intent_routes.NODE_SOURCE)
 SCHED_EXT = "sched_ext"  # the backend that takes cpu.max away from the kernel (docs/scheduler.md)
 
 

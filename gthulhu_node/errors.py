@@ -2,7 +2,7 @@
 
 Every exception the package raises derives from `GthulhuError` through exactly one of the kinds below
 (`tests/unit/test_errors.py` checks every class). The edges — the gRPC server (`api/server.py`), the REST
-app (`rest/app.py`) and the command line (`commands/`) — do not list our exception classes one by one:
+envelope (`rest/access.py`) and the command line (`commands/`) — do not list our exception classes one by one:
 each asks `edge_of(exc)` and uses its own column of `EDGES`. A new exception class picks its kind and is
 then answered the same way everywhere; a new kind is one new row here.
 

@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # the agent imports much (and REST aiohttp); metrics only nee
     from gthulhu_node.intents.store import StoreStats
     from gthulhu_node.logs import LogStats
     from gthulhu_node.probe.continuous import ContinuousProbe
-    from gthulhu_node.rest.app import RestStats
+    from gthulhu_node.rest.stats import RestStats
     from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 
 log = structlog.get_logger(__name__)

@@ -26,10 +26,13 @@ from gthulhu_node.config import RestConfig
 from gthulhu_node.errors import InvalidInput
 from gthulhu_node.intents.store import IntentStore
 from gthulhu_node.lifecycle import Health
-from gthulhu_node.rest.app import DecisionMakerApi, ExplainFn, PreviewFn, RestStats, StatusFn
+from gthulhu_node.rest.app import DecisionMakerApi
 from gthulhu_node.rest.auth import KeyFileError, TokenAuthority
+from gthulhu_node.rest.intent_routes import StatusFn
 from gthulhu_node.rest.listener import BoundedListener, ListenerStats
+from gthulhu_node.rest.private_views import ExplainFn, PreviewFn
 from gthulhu_node.rest.runtime_config import RuntimeConfig
+from gthulhu_node.rest.stats import RestStats
 from gthulhu_node.rest.tls import server_context
 from gthulhu_node.workers import Flag, Spawned, spawn
 

@@ -16,8 +16,9 @@ import pytest
 from gthulhu_node.agent import Agent
 from gthulhu_node.api.gen.gthulhu.node.v1 import agent_pb2 as pb
 from gthulhu_node.backends.base import EntryKey, KeyKind
-from gthulhu_node.backends.eevdf import ENGINE_SLICE_NS, EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf import ENGINE_SLICE_NS, EevdfBackend
 from gthulhu_node.backends.eevdf_journal import read_journal
+from gthulhu_node.backends.eevdf_policy import nice_for_priority
 from gthulhu_node.config import AgentConfig
 from tests.host.agent_support import (
     NamedThread,

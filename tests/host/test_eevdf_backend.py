@@ -22,13 +22,9 @@ from gthulhu_node.backends.base import (
     KeyKind,
     TaskGoneError,
 )
-from gthulhu_node.backends.eevdf import (
-    ENGINE_SLICE_NS,
-    EevdfBackend,
-    ForeignChangeError,
-    PolicyNotManagedError,
-    nice_for_priority,
-)
+from gthulhu_node.backends.eevdf import ENGINE_SLICE_NS, EevdfBackend
+from gthulhu_node.backends.eevdf_policy import nice_for_priority
+from gthulhu_node.backends.eevdf_threads import ForeignChangeError, PolicyNotManagedError
 from gthulhu_node.backends.sched_attr import (
     SCHED_BATCH,
     SCHED_OTHER,

@@ -189,7 +189,8 @@ def test_the_probes_figures_are_of_the_governing_intent(world: Any) -> None:
 def test_eevdf_backend_read_back_and_kernel_view() -> None:
     """With the eevdf backend the answer carries its read-back (sched_getattr of every covered thread) and
     what the kernel shows for the thread now: the nice, slice and policy it set."""
-    from gthulhu_node.backends.eevdf import EevdfBackend, nice_for_priority
+    from gthulhu_node.backends.eevdf import EevdfBackend
+    from gthulhu_node.backends.eevdf_policy import nice_for_priority
     from tests.host.agent_support import short_dir
 
     base = short_dir()

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from gthulhu_node.rest.app import PRIVATE_VIEW_REFUSAL
+from gthulhu_node.rest.private_views import PRIVATE_VIEW_REFUSAL
 from tests.host.agent_support import NamedThread, running_agent, short_dir, wait_for
 from tests.host.test_rest_agent import agent_with_rest
 from tests.unit.rest_support import call, public_pem, write_rsa_key

@@ -23,8 +23,9 @@ from gthulhu_node.backends.base import (
     InvalidEntryError,
     KeyKind,
 )
-from gthulhu_node.backends.eevdf import JOURNAL_NAME, LEGACY_JOURNAL_NAME, EevdfBackend, nice_for_priority
+from gthulhu_node.backends.eevdf import JOURNAL_NAME, LEGACY_JOURNAL_NAME, EevdfBackend
 from gthulhu_node.backends.eevdf_journal import boot_id, read_journal
+from gthulhu_node.backends.eevdf_policy import nice_for_priority
 from gthulhu_node.backends.sched_attr import (
     KERNEL_SLICE_MAX_NS,
     KERNEL_SLICE_MIN_NS,

@@ -23,7 +23,7 @@ from gthulhu_node.intents.store_errors import (
     StateTooLargeError,
     StoreError,
 )
-from gthulhu_node.rest.app import http_status
+from gthulhu_node.rest.envelope import http_status
 
 
 def package_exceptions() -> list[type[BaseException]]:

@@ -41,7 +41,7 @@ from gthulhu_node.metrics import (
     parse_listen,
 )
 from gthulhu_node.reconciler import ReconcilerStats
-from gthulhu_node.rest.app import RestStats
+from gthulhu_node.rest.stats import RestStats
 from gthulhu_node.status_projection import IntentStats
 from gthulhu_node.tasks.cgroup_limits import CgroupLimitsStats
 from tests.fakecgroup import tree

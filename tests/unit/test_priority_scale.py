@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from gthulhu_node.backends.eevdf import nice_for_priority
+from gthulhu_node.backends.eevdf_policy import nice_for_priority
 from gthulhu_node.intents.parse import parse_intent
 from gthulhu_node.limits import (
     PREEMPT_TIER_LAST,

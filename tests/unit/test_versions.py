@@ -98,7 +98,7 @@ def test_reads_the_state_file_release_0_1_0_wrote(tmp_path: Path) -> None:
 
 
 def _manager_root(snap: dict[str, SourceSet]) -> str:
-    """The node-policy root the agent serves the Manager (rest/app.py `_node_root`)."""
+    """The node-policy root the agent serves the Manager (rest/intent_routes.py `_node_root`)."""
     return records_root(node_record_of(e) for e in snap["manager"].entries)
 
 
