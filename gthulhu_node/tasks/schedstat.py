@@ -76,7 +76,8 @@ def read_schedstat(task: Task, proc_root: Path = Path("/proc")) -> tuple[int, in
     except ValueError:
         raise Unreadable(f"schedstat is not three numbers: {b' '.join(fields)[:64]!r}") from None
     if (run, wait, slices) == (0, 0, 0):
-        raise Unreadable("the kernel keeps no schedstat accounting (it shows 0 0 0: CONFIG_SCHED_INFO off)")
+        raise Unreadable("schedstat shows 0 0 0: the thread has not run yet, or the kernel keeps no such "
+                         "accounting (CONFIG_SCHED_INFO off)")
     return run, wait, slices
 
 

@@ -97,8 +97,8 @@ def test_figures_and_window_from_a_proc_tree(tmp_path: Path) -> None:
     ("reused", "not available: the thread exited"),
     ("no schedstat", "not available: this kernel has no /proc/<pid>/task/<tid>/schedstat "
                      "(CONFIG_SCHED_INFO off)"),
-    ("zeros", "not available: the kernel keeps no schedstat accounting (it shows 0 0 0: "
-              "CONFIG_SCHED_INFO off)"),
+    ("zeros", "not available: schedstat shows 0 0 0: the thread has not run yet, or the kernel keeps no "
+              "such accounting (CONFIG_SCHED_INFO off)"),
     ("garbage", "not available: schedstat is not three numbers: b'x y z'"),
 ])
 def test_never_zeros_for_unknown(tmp_path: Path, case: str, note: str) -> None:
