@@ -32,12 +32,15 @@ pytestmark = pytest.mark.bench
 SECONDS = float(os.environ.get("GTHULHU_BENCH_SECONDS", "15"))
 ROUNDS = int(os.environ.get("GTHULHU_BENCH_ROUNDS", "5"))
 EARLIER = os.environ.get("GTHULHU_BENCH_EARLIER", "")
+# GTHULHU_BENCH_TRACE=1: trace the sleeper wake-ups of each run (tests/vm/wake_trace.py has the stages)
+TRACE = os.environ.get("GTHULHU_BENCH_TRACE", "") == "1"
 CASES = [c for c in os.environ.get("GTHULHU_BENCH_CASES", "").split(",") if c] or [
     "EEVDF", "ours no policy", "EEVDF engine", "ours engine boosted", "EEVDF engine session",
-    "ours engine boosted session"]
+    "ours engine boosted session", "EEVDF hogs in session", "ours hogs in session"]
 # ours' case -> the EEVDF case it is measured against
 AGAINST = {"ours no policy": "EEVDF", "ours earlier no policy": "EEVDF",
-           "ours engine boosted": "EEVDF engine", "ours engine boosted session": "EEVDF engine session"}
+           "ours engine boosted": "EEVDF engine", "ours engine boosted session": "EEVDF engine session",
+           "ours hogs in session": "EEVDF hogs in session"}
 GOAL = 1.10
 # a run took up to 150 s beside its 10 s under TCG on a host at load 6-11 (2026-12-05)
 BUDGET_S = ROUNDS * (len(CASES) + 1) * (SECONDS + 180) + 300
@@ -89,16 +92,30 @@ def print_table(data: dict[str, Any]) -> None:
           " hogs reported)")
 
 
+def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Per case, the median over runs of each traced stage's median (us): where a wake-up's time goes."""
+    print("\nsleeper wake-ups traced, per case: median over runs of each stage's median (us)")
+    for case, rs in runs.items():
+        traced = [r["trace"] for r in rs if isinstance(r.get("trace"), dict)]
+        stages = sorted({k for t in traced for k, v in t.items() if isinstance(v, dict) and "p50" in v})
+        cells = ", ".join(f"{k} {statistics.median(t[k]['p50'] for t in traced if k in t):,.0f}"
+                          for k in stages)
+        print(f"  {case:28} {cells}")
+
+
 @pytest.mark.parametrize("bench_lab", matrix.BOTH_KERNELS, indirect=True)
 @pytest.mark.timeout(BUDGET_S * (benchlab.DEATHS_ALLOWED + 1))
 def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
     cases = CASES + (["ours earlier no policy"] if EARLIER else [])
     data = benchlab.run_interleaved(bench_lab, "tests/vm/sleeper_bench.py", "sleeper_progress.jsonl",
                                     BUDGET_S, "--cases", ",".join(cases), "--overhead",
+                                    *(["--trace"] if TRACE else []),
                                     *(["--earlier", EARLIER] if EARLIER else []),
                                     seconds=SECONDS, rounds=ROUNDS)
     print(json.dumps(data["runs"]))
     print_table(data)
+    if TRACE:
+        print_trace(data["runs"])
     for case, rs in data["runs"].items():
         assert len(rs) == ROUNDS, (case, len(rs))
         assert all(r["samples"] > 0 for r in rs), case

@@ -44,6 +44,9 @@ CASES: dict[str, dict[str, Any]] = {
     # the seed's policy shape: only the engine boosted, at the seed's priority 1
     "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1}},
     # the sleeper in the engine's session (autogroup) instead of one of its own: a helper thread of the app
+    # the hogs in the sleeper's session (autogroup): the sleeper competes with them inside one group
+    "EEVDF hogs in session": {"hogs": True, "own_session": False, "hogs_session": False},
+    "ours hogs in session": {"hogs": True, "sched": True, "own_session": False, "hogs_session": False},
     "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
     "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1},
                                     "own_session": False},
@@ -248,7 +251,7 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any) -
     """The sleeper beside the case's hogs (and engine), under the scheduler `sched` (None: EEVDF)."""
     out: dict[str, Any] = {}
     with (
-        esb.hogs(case["hogs"], seconds) as hog,
+        esb.hogs(case["hogs"], seconds, own_session=case.get("hogs_session", True)) as hog,
         engine(case.get("engine", False), seconds + 1) as eng,
     ):
         if eng is not None and sched is not None and case.get("intent"):
