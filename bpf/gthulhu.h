@@ -70,6 +70,8 @@ struct gthulhu_counters {
 	u64 domain_pulls;       /* unboosted tasks a CPU took from a more crowded node's fair queue */
 	u64 domain_steals;      /* unboosted tasks a CPU took from another node's queue, its own being empty */
 	u64 victim_scans;       /* boosted wakers that found no unboosted CPU and scanned for a lesser boost */
+	u64 fair_wakeups_queued; /* unboosted wake-ups that preempted nothing (the wake-up rule held nowhere) */
+	u64 fair_wakeups_held;  /* unboosted wake-ups that would have preempted but boosted tasks were waiting */
 };
 
 /* Current sizes (.bss), refreshed by the count_entries program and on each tick of CPU 0. */
