@@ -841,7 +841,10 @@ void OP(gthulhu_runnable, struct task_struct *p, u64 enq_flags)
 	s64 zero = 0, *sum;
 	u64 key;
 
-	if (!tctx || tctx->group)
+	if (!tctx)
+		return;
+	tctx->woke = 1;
+	if (tctx->group)
 		return;
 	tctx->group_weight = fair_weight(p);
 	if (tctx->cgid) {
@@ -1009,11 +1012,14 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	bw_charge(tctx, now);
 	tctx->bw_mark = 0;
 	/*
-	 * Cut short by a boosted waker: placed by the wake-up rule when queued again. Not every preempted run:
-	 * a hog preempted by a sleeper, re-placed so, displaced the other CPU's hog at most wake-ups (6.12:
-	 * the hogs' throughput fell and the sleeper's run-queue wait rose, 2-5x EEVDF's).
+	 * Cut short by a boosted waker in the first run after it woke: placed by the wake-up rule when queued
+	 * again. Not every preempted run: a hog preempted by a sleeper, re-placed so, displaced the other CPU's
+	 * hog at most wake-ups (6.12: the hogs' throughput fell and the sleeper's run-queue wait rose, 2-5x
+	 * EEVDF's); nor a hog cut by a boosted waker, which then preempted the other CPU's hog at each of the
+	 * engine's wake-ups and, until that CPU rescheduled, left a waking sleeper no CPU to go to.
 	 */
-	tctx->cut_short = runnable && used < tctx->slice && c && c->boost_waker;
+	tctx->cut_short = runnable && tctx->woke && used < tctx->slice && c && c->boost_waker;
+	tctx->woke = 0;
 	if (c)
 		c->boost_waker = 0;
 	weight = effective_weight(p, tctx);
