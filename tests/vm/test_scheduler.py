@@ -160,16 +160,16 @@ def test_an_unboosted_sleeper_wakes_as_fast_as_under_eevdf(lab: Any) -> None:
     running task's slice to end does and one that preempts does not, counted in ticks so the emulator's
     stalls do not blur it. cyclictest's own average is printed, not asserted: in this single-threaded
     guest it also holds when the emulator delivers the timer interrupt (docs/benchmarks.md)."""
-    r = lab.python("tests/vm/sleeper_bench.py", "--paired", "--rounds", "5", "--seconds", "1.5", timeout=600)
+    r = lab.python("tests/vm/sleeper_bench.py", "--paired", "--rounds", "5", "--seconds", "1", timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     eevdf, ours = out["runs"]["EEVDF"], out["runs"]["ours no policy"]
     print("unboosted sleeper, EEVDF / ours:", json.dumps(out))
     assert len(eevdf) == len(ours) == 5, out
     assert all(run["health_ok"] == 1.0 for run in ours), out
-    # enough wake-ups to mean something: 300 per 1.5 s at 5 ms; 24-168 per 2 s seen in a guest on a host
-    # at load 11 (2026-12-05), which measures the emulator, not a scheduler
-    assert min(run["wakeups_traced"] for run in eevdf + ours) >= 75, f"the guest ran too slowly: {out}"
+    # enough wake-ups to mean something: 200 per 1 s at 5 ms; 24-168 per 2 s seen in a guest on a host at
+    # load 11 (2026-12-05), which measures the emulator, not a scheduler
+    assert min(run["wakeups_traced"] for run in eevdf + ours) >= 50, f"the guest ran too slowly: {out}"
     # the least each measure counts as, so that a median of 0 does not make any ratio infinite
     floors = {"runq_wait_us": 1.0, "waited_a_tick": 0.01}
     for key, floor in floors.items():
