@@ -243,20 +243,24 @@ static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 fr
  * rule, on the CPU find_preemptible picks, since its own CPU now runs its preemptor: back in the fair
  * queue it waited for a slice to end somewhere.
  */
-static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags)
+static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags, bool boosted)
 {
 	s32 cpu = scx_bpf_task_cpu(p);
+	bool cut = tctx->cut_short;
 
-	if (!(enq_flags & ENQ_WAKEUP) && tctx->cut_short && p->nr_cpus_allowed > 1 && !migration_disabled(p))
+	tctx->cut_short = 0; /* one re-placement per cut: a later enqueue (setaffinity, nice) is not one */
+	if (!(enq_flags & ENQ_WAKEUP) && cut && p->nr_cpus_allowed > 1 && !migration_disabled(p))
 		cpu = find_preemptible(p, tctx, cpu);
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
 	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) || !wakeup_preempts(tctx, cpu, twin_vtime(tctx))) {
-		count(fair_wakeups_queued);
+		if (!boosted)
+			count(fair_wakeups_queued);
 		return false;
 	}
 	if (scx_bpf_dsq_nr_queued(BOOST_DSQ)) {
-		count(fair_wakeups_held);
+		if (!boosted)
+			count(fair_wakeups_held);
 		return false;
 	}
 	dsq_insert(p, DSQ_LOCAL_ON | cpu, slice, enq_flags | ENQ_PREEMPT);
@@ -401,7 +405,7 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 	 * does not (a CPU whose boost share is spent), it preempts by that rule, and this run is unboosted.
 	 */
 	tctx->prio = 0;
-	if ((enq_flags & ENQ_WAKEUP) && wakeup_preempt(p, tctx, s->slice, enq_flags))
+	if ((enq_flags & ENQ_WAKEUP) && wakeup_preempt(p, tctx, s->slice, enq_flags, true))
 		return;
 	tctx->prio = prio;
 	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
@@ -456,7 +460,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	}
 
 	count(fair_dispatches);
-	if (wakeup_preempt(p, tctx, s.slice, enq_flags))
+	if (wakeup_preempt(p, tctx, s.slice, enq_flags, false))
 		return;
 	dsq_insert_vtime(p, fair_dsq(domain_of(scx_bpf_task_cpu(p))), s.slice, fair_vtime(tctx), enq_flags);
 	kick_idle(p);
