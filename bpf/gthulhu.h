@@ -53,7 +53,7 @@ struct gthulhu_counters {
 	u64 fair_dispatches;    /* unboosted tasks queued to run */
 	u64 direct_dispatches;  /* waking tasks that found an idle CPU */
 	u64 preemptions;        /* a waking boosted task preempted an unboosted one */
-	u64 fair_preemptions;   /* a waking unboosted task preempted one far ahead of it in vtime */
+	u64 fair_preemptions;   /* wake-ups (and cut runs) that preempted by the unboosted wake-up rule */
 	u64 demotions;          /* a boosted task exceeded its share and runs unboosted until the window ends */
 	u64 throttled_windows;  /* a CPU's boosted run time exceeded its share: it serves the reserve first */
 	u64 exit_deleted_tid;   /* TID entries removed because their task exited */
@@ -70,6 +70,8 @@ struct gthulhu_counters {
 	u64 domain_pulls;       /* unboosted tasks a CPU took from a more crowded node's fair queue */
 	u64 domain_steals;      /* unboosted tasks a CPU took from another node's queue, its own being empty */
 	u64 victim_scans;       /* boosted wakers that found no unboosted CPU and scanned for a lesser boost */
+	u64 fair_wakeups_queued; /* unboosted wake-ups (and cut runs) the wake-up rule found no CPU for */
+	u64 fair_wakeups_held;  /* those that found one while boosted tasks waited in BOOST_DSQ (they go first) */
 };
 
 /* Current sizes (.bss), refreshed by the count_entries program and on each tick of CPU 0. */

@@ -107,6 +107,9 @@ struct task_ctx {
 	u64 parked_at;    /* when it was last parked in THROTTLED_DSQ */
 	u32 prio;         /* rank of the current/queued run after the guard (strength_of): 0 fair */
 	u32 group_is_cgroup;
+	u64 slice_vtime;  /* what a whole slice costs it at its weight, charged in full (last run); 0 before one */
+	u32 cut_short;    /* its last run was preempted by a boosted waker before its slice ended */
+	u32 woke;         /* its current or next run is its first since it became runnable (ops.runnable) */
 	struct gthulhu_task_stats stats; /* explain's per-task counters: the agent finds them by BTF */
 };
 
@@ -172,6 +175,7 @@ struct {
 struct cpu_ctx {
 	u64 last_reserve; /* when this CPU last gave the reserve a turn */
 	u64 vtime;        /* vtime of the unboosted task it runs */
+	u64 deadline;     /* and its virtual deadline: its full-charge vtime + what its slice costs it */
 	u64 window_start; /* this CPU's boost accounting window */
 	u64 boost_used;   /* boosted run time on this CPU inside it */
 	u32 prio;         /* rank of what it runs now: 0 unboosted (head-start tier included) or idle */
@@ -179,6 +183,7 @@ struct cpu_ctx {
 	u32 bw_run;        /* bumped at every running and stopping here: which run is on */
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
 	u32 offline;       /* between cpu_offline and cpu_online (or offline at init): prio stays ~0 */
+	u32 boost_waker;   /* a boosted waker was inserted to preempt the current run (cut_short) */
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */

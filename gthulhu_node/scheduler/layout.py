@@ -62,6 +62,8 @@ STAT_COUNTERS = (
     "domain_pulls",
     "domain_steals",
     "victim_scans",
+    "fair_wakeups_queued",
+    "fair_wakeups_held",
 )
 #: current sizes, not events: they go down as well as up (.bss, exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

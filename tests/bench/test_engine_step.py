@@ -277,9 +277,10 @@ PIPELINE_CASES = os.environ.get("GTHULHU_BENCH_PIPELINE_CASES", "")
 PIPELINE_BASE = "no contention"
 PIPELINE_ROLES = "ours role policy"
 PIPELINE_CGROUP = "EEVDF weight 10000"
-# 10: len(tests.vm.pipeline_bench.CASES), which is imported only when the test runs (the guest-side module
+# 12: len(tests.vm.pipeline_bench.CASES), which is imported only when the test runs (the guest-side module
 # configures structlog for its process on import; `make test` collects this file)
-N_PIPELINE = len([c for c in PIPELINE_CASES.split(",") if c]) or 10
+N_PIPELINE = len([c for c in PIPELINE_CASES.split(",") if c]) or 12
+PIPELINE_POLICIES = ("ours seed policy 1", "ours seed policy 10", PIPELINE_ROLES)
 PIPELINE_BUDGET_S = ROUNDS * N_PIPELINE * (SECONDS + 240) + 300
 
 
@@ -313,6 +314,7 @@ def print_pipeline_table(data: dict[str, Any]) -> None:
             f" {_med(bogo, '.0f'):>16} {med(case, 'p99_ms') / med(PIPELINE_BASE, 'p99_ms'):8.2f}"
         )
     print(f"guest deaths resumed after: {len(data.get('guest_deaths', []))}")
+    print_policy_goals(runs)
     if PIPELINE_ROLES not in runs:
         return
     ours = [x["p99_ms"] for x in runs[PIPELINE_ROLES]]
@@ -334,6 +336,31 @@ def print_pipeline_table(data: dict[str, Any]) -> None:
     for case in runs:
         if case not in (PIPELINE_ROLES, PIPELINE_CGROUP) and not case.startswith(PIPELINE_BASE):
             print(f"  against {case}: {against(case)}")
+
+
+def policy_goals(runs: dict[str, list[dict[str, float]]], case: str) -> dict[str, float]:
+    """Issue 40 item 2 for one policy case: its median request p99 over the whole-process weight-10000
+    cgroup's median (goal <= 1.05) and over EEVDF's (goal <= 1), and its worst round over EEVDF's worst
+    round (goal <= 1)."""
+    ours = [x["p99_ms"] for x in runs[case]]
+    cgroup = [x["p99_ms"] for x in runs[PIPELINE_CGROUP]]
+    eevdf = [x["p99_ms"] for x in runs["EEVDF"]]
+    return {"vs_cgroup": statistics.median(ours) / statistics.median(cgroup),
+            "vs_eevdf": statistics.median(ours) / statistics.median(eevdf),
+            "worst_vs_eevdf_worst": max(ours) / max(eevdf), "max_ms": max(ours)}
+
+
+def print_policy_goals(runs: dict[str, list[dict[str, float]]]) -> None:
+    if PIPELINE_CGROUP not in runs or "EEVDF" not in runs:
+        return
+    print("issue 40 item 2 (request p99): median / weight-10000 cgroup's <= 1.05, median / EEVDF's <= 1,"
+          " worst round / EEVDF's worst <= 1")
+    for case in (c for c in PIPELINE_POLICIES if c in runs):
+        g = policy_goals(runs, case)
+        ok = g["vs_cgroup"] <= 1.05 and g["vs_eevdf"] <= 1 and g["worst_vs_eevdf_worst"] <= 1
+        print(f"  {case:22} {g['vs_cgroup']:.2f}x cgroup, {g['vs_eevdf']:.2f}x EEVDF, worst round"
+              f" {g['worst_vs_eevdf_worst']:.2f}x EEVDF's worst (max {g['max_ms']:.1f} ms):"
+              f" {'ok' if ok else 'NO'}")
 
 
 @pytest.mark.timeout(PIPELINE_BUDGET_S + 120)

@@ -139,7 +139,8 @@ def autogroup(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = ()) -> Iterator[dict[str, float]]:
+def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = (),
+         own_session: bool = True) -> Iterator[dict[str, float]]:
     result: dict[str, float] = {}
     if not active:
         yield result
@@ -149,7 +150,9 @@ def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = ()) -> Iterator
         proc = subprocess.Popen(
             [*prefix, "stress-ng", "--cpu", str(HOGS), "--timeout", f"{int(seconds + 120)}s",
              "--metrics-brief", "--yaml", str(report)],
-            cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=own_session,
+            # killed as a group below: its own session's, or a group of its own in the caller's session
+            process_group=None if own_session else 0,
         )
         try:
             time.sleep(1.0)

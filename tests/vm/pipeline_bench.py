@@ -9,7 +9,8 @@ Request latency is end to end, from when the request was due to its last token d
 
 Beside it `stress-ng --cpu 8`, as in the engine-step cases (tests/vm/engine_step_bench.py, whose hogs,
 scheduler, peers and cgroup are reused here). `ours role policy` goes through the agent's path: intents
-by role (engine priority 1, tokenizer 5, the rest unboosted), a PolicySet, the reconciler's full /proc
+by role (engine priority 1, tokenizer 5, the rest unboosted; the `seed policy` cases: the seed's policy,
+only `^EngineCore(_DP[0-9]+)?$`, at priority 1 and at 10), a PolicySet, the reconciler's full /proc
 scan and diff, SchedExtBackend's map write. `EEVDF weight 10000` is what an operator tries first: the
 whole process in a cgroup of cpu.weight 10000, its background pool boosted with its engine.
 Cases run interleaved, round by round. Prints one JSON object with every run.
@@ -41,6 +42,15 @@ ROLES: dict[str, tuple[str, int]] = {
     "tokenizer": ("^tokenizer-[0-9]+$", 5),
 }
 
+# The seed's documented policy: only the engine threads, everything else unboosted (issue 40, item 2), at
+# the seed's priority 1 and at 10, the Manager UI's default.
+SEED_REGEX = "^EngineCore(_DP[0-9]+)?$"
+
+
+def seed(priority: int) -> dict[str, tuple[str, int]]:
+    return {"engine": (SEED_REGEX, priority)}
+
+
 # (names hold no comma: --cases is a comma-separated list)
 CASES: dict[str, dict[str, Any]] = {
     # the app alone: its own background pool is its only contention; the goal's "uncontended" run
@@ -48,7 +58,9 @@ CASES: dict[str, dict[str, Any]] = {
     "no contention (no bg pool)": {"hogs": False, "bg": 0},
     "EEVDF": {"hogs": True},
     "ours no policy": {"hogs": True, "sched": True},
-    "ours role policy": {"hogs": True, "sched": True, "roles": True},
+    "ours role policy": {"hogs": True, "sched": True, "roles": ROLES},
+    "ours seed policy 1": {"hogs": True, "sched": True, "roles": seed(1)},
+    "ours seed policy 10": {"hogs": True, "sched": True, "roles": seed(10)},
     "nice -n -20": {"hogs": True, "prefix": ["nice", "-n", "-20"]},
     # every thread FIFO, the background pool too: its 1 ms pauses are what lets the rest run
     "chrt -f 50": {"hogs": True, "prefix": ["chrt", "-f", "50"]},
@@ -78,11 +90,11 @@ def threads_by_role(pid: int) -> dict[str, list[int]]:
     return out
 
 
-def apply_roles(backend: SchedExtBackend) -> None:
+def apply_roles(backend: SchedExtBackend, roles: dict[str, tuple[str, int]]) -> None:
     """The agent's path: one intent per role -> PolicySet -> reconciler full scan + diff -> backend.apply."""
     intents = [
         (f"bench/{role}", Intent.model_validate({"id": role, "commandRegex": regex, "priority": prio}))
-        for role, (regex, prio) in ROLES.items()
+        for role, (regex, prio) in roles.items()
     ]
     Reconciler(backend, policy=PolicySet.build(intents)).rescan()
 
@@ -106,13 +118,14 @@ def run_case(name: str, seconds: float, binary: Path) -> dict[str, Any]:
             counters_before: dict[str, int] = {}
             if sched is not None:
                 if case.get("roles"):
-                    apply_roles(sched)
+                    policy: dict[str, tuple[str, int]] = case["roles"]
+                    apply_roles(sched, policy)
                     held = {k.id: e.priority for k, e in sched.read_back().items()}
                     roles = threads_by_role(proc.pid)
-                    want = {tid: ROLES[role][1] for role in ROLES for tid in roles[role]}
+                    want = {tid: policy[role][1] for role in policy for tid in roles[role]}
                     got = {t: held.get(t) for t in want}
                     assert got == want, f"the roles are not all held: {held} {roles}"
-                    unboosted = [t for r, tids in roles.items() if r in ("api", "detok", "bg") for t in tids]
+                    unboosted = [t for r, tids in roles.items() if r not in policy for t in tids]
                     assert not set(unboosted) & set(held), f"an unboosted role is held: {held} {roles}"
                 counters_before = sched.counters()
             _in = esb._in(proc)

@@ -41,10 +41,14 @@ CASES: dict[str, dict[str, Any]] = {
     "engine alone": {"hogs": False, "engine": True},
     "EEVDF engine": {"hogs": True, "engine": True},
     "ours engine no policy": {"hogs": True, "sched": True, "engine": True},
-    "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 5}},
+    # the seed's policy shape: only the engine boosted, at the seed's priority 1
+    "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1}},
     # the sleeper in the engine's session (autogroup) instead of one of its own: a helper thread of the app
+    # the hogs in the sleeper's session (autogroup): the sleeper competes with them inside one group
+    "EEVDF hogs in session": {"hogs": True, "own_session": False, "hogs_session": False},
+    "ours hogs in session": {"hogs": True, "sched": True, "own_session": False, "hogs_session": False},
     "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
-    "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 5},
+    "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1},
                                     "own_session": False},
 }
 # with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy
@@ -225,13 +229,29 @@ def earlier(folder: str | None) -> Iterator[None]:
         yield
 
 
-def run_case(name: str, seconds: float, trace: bool) -> dict[str, Any]:
+# What unboosted work pays beside the sleeper (--overhead): these two of sched_overhead_bench's workloads,
+# run once each after the sleeper's run, the hogs and the engine gone, the case's scheduler still loaded
+OVERHEAD = {"hackbench_s": "hackbench -p -g 2 -l 200", "pipe_s": "perf sched pipe -l 20000"}
+
+
+def run_case(name: str, seconds: float, trace: bool, overhead: bool = False) -> dict[str, Any]:
     case = CASES[name]
     out: dict[str, Any] = {}
+    with earlier(case.get("earlier")), esb.scheduler(case.get("sched", False), None) as sched:
+        out.update(sleeper_run(case, seconds, trace, sched))
+        if overhead:
+            for key, workload in OVERHEAD.items():
+                out[key] = sched_overhead_bench.timed(workload)
+            if sched is not None:
+                out["health_ok"] = float(sched.health().state.value == "running")
+    return out
+
+
+def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any) -> dict[str, Any]:
+    """The sleeper beside the case's hogs (and engine), under the scheduler `sched` (None: EEVDF)."""
+    out: dict[str, Any] = {}
     with (
-        esb.hogs(case["hogs"], seconds) as hog,
-        earlier(case.get("earlier")),
-        esb.scheduler(case.get("sched", False), None) as sched,
+        esb.hogs(case["hogs"], seconds, own_session=case.get("hogs_session", True)) as hog,
         engine(case.get("engine", False), seconds + 1) as eng,
     ):
         if eng is not None and sched is not None and case.get("intent"):
@@ -257,7 +277,7 @@ def run_case(name: str, seconds: float, trace: bool) -> dict[str, Any]:
         if sched is not None:
             after = sched.counters()
             for key in ("fair_preemptions", "fair_dispatches", "direct_dispatches", "preemptions",
-                        "demotions"):
+                        "demotions", "fair_wakeups_queued", "fair_wakeups_held"):
                 out[key] = after.get(key, 0) - counters.get(key, 0)
             out["health_ok"] = float(sched.health().state.value == "running")
     out.update(hog)
@@ -324,6 +344,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", default="EEVDF,ours no policy,EEVDF engine,ours engine boosted")
     parser.add_argument("--trace", action="store_true", help="trace the sleeper's wake-ups in every run")
+    parser.add_argument("--overhead", action="store_true",
+                        help=f"also time {', '.join(OVERHEAD.values())} after each run (OVERHEAD)")
     parser.add_argument("--progress", type=Path, default=None,
                         help="append each case's result there as a JSON line as soon as it ends")
     parser.add_argument("--earlier", type=Path, default=None,
@@ -340,8 +362,8 @@ def main() -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
-    esb.interleave(names, args.rounds, lambda name: run_case(name, args.seconds, args.trace), args.progress,
-                   args.seconds, args.skip)
+    esb.interleave(names, args.rounds, lambda name: run_case(name, args.seconds, args.trace, args.overhead),
+                   args.progress, args.seconds, args.skip)
     return 0
 
 
