@@ -193,24 +193,6 @@ static __always_inline bool local_free(s32 cpu)
 	return !scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | cpu);
 }
 
-/*
- * The vtime the wake-up rule judges a waker by: its full-charge vtime (twin_vtime's) with a sleeper's credit
- * of one slice of its own (slice_vtime), at least the default slice, as EEVDF bounds an entity's lag by its
- * weight. The queue's key keeps the default slice's credit (fair_vtime); only the decision to preempt
- * takes this one. With the default slice's credit, a sleeper sharing its session with eight hogs (a
- * slice costs each of them nine default slices of vtime) was judged behind the hog running at most
- * wake-ups and waited for its slice to end: 2.1x EEVDF's average latency (7.3, 5 rounds).
- */
-static __always_inline u64 wake_vtime(struct task_ctx *tctx)
-{
-	u64 credit = slice_vtime(tctx), vtime = tctx->vtime + tctx->forgiven, floor;
-
-	if (credit < settings.default_slice_ns)
-		credit = settings.default_slice_ns;
-	floor = vtime_now - credit;
-	return before(vtime, floor) ? floor : vtime;
-}
-
 static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 vtime)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
@@ -229,7 +211,7 @@ static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 
  */
 static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 from)
 {
-	u64 vtime = wake_vtime(tctx), latest = 0;
+	u64 vtime = twin_vtime(tctx), latest = 0;
 	u32 n = settings.nr_cpus, node = domain_of(from);
 	struct bpf_iter_num it;
 	struct cpu_ctx *c;
@@ -271,7 +253,7 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 		cpu = find_preemptible(p, tctx, cpu);
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
-	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) || !wakeup_preempts(tctx, cpu, wake_vtime(tctx))) {
+	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) || !wakeup_preempts(tctx, cpu, twin_vtime(tctx))) {
 		if (!boosted)
 			count(fair_wakeups_queued);
 		return false;
