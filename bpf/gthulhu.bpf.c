@@ -240,8 +240,11 @@ static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 fr
  * A waking unboosted run preempts its CPU's task by the wake-up rule (wakeup_preempts): into that CPU's
  * local DSQ with ENQ_PREEMPT. Not while boosted tasks wait: they go first. A run that a boosted waker
  * preempted before its slice ended (typically a sleeper in its 50 us, cut_short) is placed by the same
- * rule, on the CPU find_preemptible picks, since its own CPU now runs its preemptor: back in the fair
- * queue it waited for a slice to end somewhere.
+ * rule on the CPU find_preemptible picks, since its own CPU now runs its preemptor: back in the fair queue
+ * it waited for a slice to end somewhere. That one is the task being switched out, whose migration-disabled
+ * count a kernel without PREEMPT_RCU (6.18+) reports without the BPF entry's share: moved straight to
+ * another CPU's local DSQ, a truly pinned one would have us ejected. So it is queued at its (least) key and
+ * that CPU is kicked to preempt: its dispatch takes it from the fair queue, where the kernel checks.
  */
 static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags, bool boosted)
 {
@@ -249,7 +252,7 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 	bool cut = tctx->cut_short;
 
 	tctx->cut_short = 0; /* one re-placement per cut: a later enqueue (setaffinity, nice) is not one */
-	if (!(enq_flags & ENQ_WAKEUP) && cut && p->nr_cpus_allowed > 1 && !migration_disabled(p))
+	if (!(enq_flags & ENQ_WAKEUP) && cut && p->nr_cpus_allowed > 1)
 		cpu = find_preemptible(p, tctx, cpu);
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
@@ -263,8 +266,13 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 			count(fair_wakeups_held);
 		return false;
 	}
-	dsq_insert(p, DSQ_LOCAL_ON | cpu, slice, enq_flags | ENQ_PREEMPT);
 	count(fair_preemptions);
+	if (!(enq_flags & ENQ_WAKEUP)) {
+		dsq_insert_vtime(p, fair_dsq(domain_of(cpu)), slice, fair_vtime(tctx), enq_flags);
+		scx_bpf_kick_cpu(cpu, KICK_PREEMPT);
+		return true;
+	}
+	dsq_insert(p, DSQ_LOCAL_ON | cpu, slice, enq_flags | ENQ_PREEMPT);
 	return true;
 }
 

@@ -224,8 +224,10 @@ static __always_inline bool seeks_capacity(struct task_struct *p, u32 prio)
 
 /*
  * The BPF program that runs holds migration disabled for the current task: that one is not the task's.
- * (Kernels that stopped doing so, 6.18+ without PREEMPT_RCU, make a migration-disabled current task read
- * as movable; the kernel then queues it on the global DSQ instead of the remote CPU, which is safe.)
+ * Kernels that stopped doing so (6.18+ without PREEMPT_RCU) make a truly migration-disabled current task
+ * read as movable, and a remote local-DSQ insert of it is refused with an error that ejects us: the
+ * unboosted wake-up rule never moves the current task that way (wakeup_preempt kicks instead);
+ * move_to_capable (big.LITTLE) still trusts this on such kernels.
  */
 static __always_inline bool migration_disabled(struct task_struct *p)
 {
