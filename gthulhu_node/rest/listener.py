@@ -148,18 +148,32 @@ class BoundedListener:
             conn.task.add_done_callback(functools.partial(self._admitted, conn))
             self._admitting.add(conn)
 
+    def _registered(self, conn: _Conn) -> Callable[[], asyncio.BaseProtocol]:
+        """The protocol factory for `conn`: known by its protocol from its creation, before the handshake
+        ends. Registered after `connect_accepted_socket` returned, a request head parsed first (the
+        handler's task ran before this coroutine resumed) found no connection, so it stayed under the head
+        deadline and was closed mid-request once its connect was that old (a 10,001-policy push under load
+        got no answer)."""
+
+        def make() -> asyncio.BaseProtocol:
+            protocol = self._factory()
+            self._by_protocol[protocol] = conn
+            return protocol
+
+        return make
+
     async def _admit(self, conn: _Conn) -> None:
         loop = asyncio.get_running_loop()
         try:
             if self._ssl is None:
-                transport, protocol = await loop.connect_accepted_socket(self._factory, conn.sock)
+                transport, _ = await loop.connect_accepted_socket(self._registered(conn), conn.sock)
             else:
                 started = loop.time()
                 if await self._answered_plain_http(conn.sock):
                     self._forget(conn)
                     return
-                transport, protocol = await loop.connect_accepted_socket(
-                    self._factory,
+                transport, _ = await loop.connect_accepted_socket(
+                    self._registered(conn),
                     conn.sock,
                     ssl=self._ssl,
                     # the peek's wait counts: one timeout in all for a peer to start and finish TLS
@@ -172,7 +186,6 @@ class BoundedListener:
             log.info("rest_handshake_failed", error=str(exc) or type(exc).__name__)
             return
         conn.transport = transport
-        self._by_protocol[protocol] = conn
 
     async def _answered_plain_http(self, conn: socket.socket) -> bool:
         """Whether the peer spoke plain HTTP (and was answered); raises TimeoutError if it said nothing
