@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,13 @@ BENCH_TCG_THREAD = os.environ.get("GTHULHU_BENCH_TCG_THREAD", "multi")
 # the scheduler with qemu 7.2) struck the request pipeline twice in 20 runs (about 8 enables of a sched_ext
 # scheduler) on 2026-12-04; each costs a boot and the run it killed.
 DEATHS_ALLOWED = int(os.environ.get("GTHULHU_BENCH_DEATHS_ALLOWED", "10"))
+
+
+def median_range(values: list[float], fmt: str = ".1f") -> str:
+    """`median [min-max]` of a figure over runs, as every benchmark table prints it; "-" with no run."""
+    if not values:
+        return "-"
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
 def _progress_rows(progress: Path) -> list[dict[str, Any]]:

@@ -41,13 +41,9 @@ CEILING = "busy-CPU ceiling"
 # without policy, ours against EEVDF in the same grouping (issue 17's goal: rate and run-queue wait p99)
 NO_POLICY_PAIRS = (("ours no policy", "EEVDF"), ("ours no autogroup", "EEVDF no autogroup"))
 # what the boosted engine is compared with, each at its strongest setting for the engine
+_med = benchlab.median_range
+
 PEERS = ("EEVDF", "nice -n -20", "EEVDF weight 10000", "scx_simple nice -20", "scx_flatcg weight 10000")
-
-
-def _med(values: list[float], fmt: str = ".1f") -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
 
 
 def base_of(case: str) -> str:

@@ -46,14 +46,7 @@ GOAL = 1.10
 BUDGET_S = ROUNDS * (len(CASES) + 1) * (SECONDS + 180) + 300
 
 
-def med(values: list[float]) -> str:
-    return f"{statistics.median(values):,.0f} [{min(values):,.0f}-{max(values):,.0f}]"
-
-
-def fmed(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+fig = benchlab.median_range
 
 
 def column(runs: list[dict[str, Any]], key: str) -> list[float]:
@@ -84,9 +77,9 @@ def print_table(data: dict[str, Any]) -> None:
         # the hogs' throughput: ours / EEVDF, where more is better (reported, not a goal)
         if base and hogs and column(base, "bogo_ops_per_s"):
             cells += f"{statistics.median(hogs) / statistics.median(column(base, 'bogo_ops_per_s')):>13.2f}x"
-        print(f"{case:28}{med(column(rs, 'avg_us')):>22}{med(column(rs, 'p99_us')):>26}"
-              f"{med(column(rs, 'max_us')):>26}{fmed(column(rs, 'hackbench_s')):>22}"
-              f"{fmed(column(rs, 'pipe_s')):>22}{med(hogs) if hogs else '-':>16}"
+        print(f"{case:28}{fig(column(rs, 'avg_us'), ',.0f'):>22}{fig(column(rs, 'p99_us'), ',.0f'):>26}"
+              f"{fig(column(rs, 'max_us'), ',.0f'):>26}{fig(column(rs, 'hackbench_s'), '.3f'):>22}"
+              f"{fig(column(rs, 'pipe_s'), '.3f'):>22}{fig(hogs, ',.0f'):>16}"
               f"{f'{statistics.median(steps):.1f}' if steps else '-':>16}{cells}")
     print(f"goal: ours / EEVDF of the medians <= {GOAL:.2f} for avg, p99, hackbench and pipe (max and the"
           " hogs reported)")
