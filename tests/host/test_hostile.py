@@ -83,6 +83,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 @dataclass
 class Agent:
     proc: subprocess.Popen[bytes]
@@ -185,8 +193,10 @@ def agent() -> Iterator[Agent]:
         )
     a = Agent(proc, base, log, metrics_port, rest_port, pki, jwt_key)
     try:
-        wait_for(lambda: a.socket.exists() and a.states().get("local/engine") == pb.INTENT_STATE_APPLIED,
-                 timeout=60, what="the agent applying its local policy")
+        # the REST and metrics listeners start after the API socket: a test's first call must not race them
+        wait_for(lambda: a.socket.exists() and a.states().get("local/engine") == pb.INTENT_STATE_APPLIED
+                 and listening(rest_port) and listening(metrics_port),
+                 timeout=60, what="the agent applying its local policy, its listeners up")
         yield a
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -304,7 +314,6 @@ def token_again(agent: Agent) -> bool:
 def test_rest_port_flood_without_handshakes_as_nobody(agent: Agent) -> None:
     """1,100 plain TCP connects to the mutual-TLS port, never a handshake. Before the fix each held an fd
     and ~300 KB (93 -> 369 MB, never given back) and the agent reached its fd limit."""
-    # the fixture waits for the gRPC socket; on a loaded host the REST listener may come a moment later
     wait_for(lambda: token_again(agent), what="the Manager getting a token")
     samples = survive_flood(agent, agent.rest_port, 2, 550, "gn-hostile-r")
     wait_for(lambda: token_again(agent), what="the Manager getting a token again")
