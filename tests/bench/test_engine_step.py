@@ -173,6 +173,9 @@ def test_sixteen_engines_at_8_vcpus(bench_lab: Lab) -> None:
 # default), the same engine program on both sides (scripts/bench-earlier-scheduler copies it in), in one
 # boot, rounds interleaved and the order of the two sides swapped every round.
 EARLIER = os.environ.get("GTHULHU_BENCH_EARLIER", "")
+# GTHULHU_BENCH_LATER (a folder from the same script): another revision in place of this one, to weigh one
+# change between two revisions (issue 42: the per-task counters alone, 9cef50c against its parent)
+LATER = os.environ.get("GTHULHU_BENCH_LATER", "")
 BOTH_SIDES = ("ours boosted (agent)", "4 engines ours boosted")
 # The kernel's own cases, for scale: GTHULHU_BENCH_EARLIER_BASELINES=none leaves them out when only the
 # ratio of the two revisions is wanted (they take half of each round).
@@ -187,10 +190,12 @@ def test_engine_step_against_an_earlier_scheduler(lab: Lab) -> None:
     if not EARLIER:
         pytest.skip("GTHULHU_BENCH_EARLIER unset: `GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler)`")
     earlier_script = f"{EARLIER}/tests/vm/engine_step_bench.py"
+    this_script = f"{LATER}/tests/vm/engine_step_bench.py" if LATER else "tests/vm/engine_step_bench.py"
+    print(f"\n'this revision' is {LATER or 'this checkout'}; 'earlier' is {EARLIER}", flush=True)
     runs: dict[str, list[dict[str, float]]] = {}
     kernel = cpus = ""
     for rnd in range(ROUNDS):
-        sides = [("", "tests/vm/engine_step_bench.py", (*BASELINES, *BOTH_SIDES)),
+        sides = [("", this_script, (*BASELINES, *BOTH_SIDES)),
                  ("earlier: ", earlier_script, BOTH_SIDES)]
         for label, script, cases in sides if rnd % 2 == 0 else reversed(sides):
             # both through env, so both start as fresh interpreters: the guest's warm Python
@@ -359,6 +364,8 @@ def print_policy_goals(runs: dict[str, list[dict[str, float]]]) -> None:
               f" {'ok' if ok else 'NO'}")
 
 
+# both lab kernels: the seed policy's goals (issue 40, item 2) are asked of 6.12 and 7.3
+@pytest.mark.parametrize("bench_lab", matrix.BOTH_KERNELS, indirect=True)
 @pytest.mark.timeout(PIPELINE_BUDGET_S + 120)
 def test_request_pipeline_under_gthulhu(bench_lab: Lab) -> None:
     from tests.vm import pipeline_bench

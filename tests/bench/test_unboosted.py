@@ -96,7 +96,8 @@ def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:
         print(f"  {case:28} {cells}")
 
 
-@pytest.mark.parametrize("bench_lab", matrix.BOTH_KERNELS, indirect=True)
+# the two kernels at 2 vCPUs, and 8 vCPUs over two NUMA nodes for figures (`-k 8cpu`)
+@pytest.mark.parametrize("bench_lab", [*matrix.BOTH_KERNELS, *matrix.WIDE], indirect=True)
 @pytest.mark.timeout(BUDGET_S * (benchlab.DEATHS_ALLOWED + 1))
 def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
     cases = CASES + (["ours earlier no policy"] if EARLIER else [])
