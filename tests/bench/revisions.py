@@ -8,6 +8,10 @@ the rounds and after/before ratios of the medians (goal: at most 1.10).
 The earlier checkout is a `git worktree` (it needs no build: these roles import only pure-Python parts):
   git worktree add --detach /tmp/gthulhu-earlier d9f7f60
   .venv/bin/python -m tests.bench.revisions --earlier=/tmp/gthulhu-earlier --rounds=5
+Copy both trees alike (this one as a worktree beside the earlier, run from it): one in the work tree and one
+in /tmp read 1.18-1.34 for the same eevdf reaction that reads 0.95-1.02 alike. The blocking figures fall in
+clusters a few ms apart (the engine thread waiting to run, not working), so a median of 15 rounds can land
+in either: give them 40 (about 2 minutes per backend; docs/benchmarks.md has a 1.81 and a 0.98 of one pair).
 """
 
 from __future__ import annotations
