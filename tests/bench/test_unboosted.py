@@ -6,7 +6,8 @@ alone, against scx_simple, at 8 vCPUs too).
 The sleeper is `cyclictest -t1 -i 5000 --policy=other` in a session of its own beside `stress-ng --cpu 8`
 in another; cases: EEVDF and ours with no policy; then with the engine-step engine running in the bench's
 session, unboosted under EEVDF and boosted under ours (the seed policy's shape: only the engine, priority
-10, through the agent's path). Prints, per case, the sleeper's avg / p99 / max latency, the hogs'
+1, through the agent's path); the sleeper in the engine's session; the hogs in the sleeper's session; and,
+when GTHULHU_BENCH_CASES names it, `scx_simple` (the kernel's reference scheduler, weighted vtime). Prints, per case, the sleeper's avg / p99 / max latency, the hogs'
 bogo-ops/s and the engine's steps/s as median [min-max] over the rounds, and the ratios ours / EEVDF of
 the medians beside the goal (at most 1.10 for avg and p99). GTHULHU_BENCH_SECONDS (default 15) and
 GTHULHU_BENCH_ROUNDS (default 5) size it, GTHULHU_BENCH_CASES (comma-separated) picks cases of
@@ -19,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.bench import benchlab
-from tests.vm import matrix
+from tests.vm import matrix, peers
 from tests.vm.lab import Lab
 
 pytestmark = pytest.mark.bench
@@ -40,7 +42,7 @@ CASES = [c for c in os.environ.get("GTHULHU_BENCH_CASES", "").split(",") if c] o
 # ours' case -> the EEVDF case it is measured against
 AGAINST = {"ours no policy": "EEVDF", "ours earlier no policy": "EEVDF",
            "ours engine boosted": "EEVDF engine", "ours engine boosted session": "EEVDF engine session",
-           "ours hogs in session": "EEVDF hogs in session"}
+           "ours hogs in session": "EEVDF hogs in session", "scx_simple": "EEVDF"}
 GOAL = 1.10
 # a run took up to 150 s beside its 10 s under TCG on a host at load 6-11 (2026-12-05)
 BUDGET_S = ROUNDS * (len(CASES) + 1) * (SECONDS + 180) + 300
@@ -97,6 +99,13 @@ def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:
 
 
 # the issue's two kernels at 2 vCPUs, and 8 vCPUs over two NUMA nodes for figures (`-k 8cpu`)
+def stage_peers(lab: Lab, cases: list[str]) -> Callable[[], list[str]] | None:
+    """The peer's binary into each boot's scratch folder, when a peer case runs (GTHULHU_BENCH_CASES)."""
+    if "scx_simple" not in cases:
+        return None
+    return lambda: ["--peers-dir", str(peers.stage(lab.scratch_host, lab.scratch_guest))]
+
+
 @pytest.mark.parametrize("bench_lab", [*matrix.BOTH_KERNELS, *matrix.WIDE], indirect=True)
 @pytest.mark.timeout(BUDGET_S * (benchlab.DEATHS_ALLOWED + 1))
 def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
@@ -105,7 +114,7 @@ def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
                                     BUDGET_S, "--cases", ",".join(cases), "--overhead",
                                     *(["--trace"] if TRACE else []),
                                     *(["--earlier", EARLIER] if EARLIER else []),
-                                    seconds=SECONDS, rounds=ROUNDS)
+                                    seconds=SECONDS, rounds=ROUNDS, stage=stage_peers(bench_lab, cases))
     print(json.dumps(data["runs"]))
     print_table(data)
     if TRACE:

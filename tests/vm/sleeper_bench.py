@@ -50,6 +50,9 @@ CASES: dict[str, dict[str, Any]] = {
     "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
     "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1},
                                     "own_session": False},
+    # the kernel's reference scheduler (tests/vm/peers.py) in its default mode, weighted vtime: what a
+    # minimal vtime scheduler makes of the same wake-ups, hackbench and pipe (issue 40, item 3)
+    "scx_simple": {"hogs": True, "peer": "scx_simple"},
 }
 # with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy
 EARLIER = "ours earlier no policy"
@@ -237,7 +240,8 @@ OVERHEAD = {"hackbench_s": "hackbench -p -g 2 -l 200", "pipe_s": "perf sched pip
 def run_case(name: str, seconds: float, trace: bool, overhead: bool = False) -> dict[str, Any]:
     case = CASES[name]
     out: dict[str, Any] = {}
-    with earlier(case.get("earlier")), esb.scheduler(case.get("sched", False), None) as sched:
+    with earlier(case.get("earlier")), esb.peer(case.get("peer")), \
+            esb.scheduler(case.get("sched", False), None) as sched:
         out.update(sleeper_run(case, seconds, trace, sched))
         if overhead:
             for key, workload in OVERHEAD.items():
@@ -361,8 +365,11 @@ def main() -> int:
     parser.add_argument("--earlier", type=Path, default=None,
                         help=f"an earlier revision's folder (scripts/bench-earlier-scheduler): {EARLIER!r}")
     parser.add_argument("--paired", action="store_true", help="the lab test's run: see paired()")
+    parser.add_argument("--peers-dir", type=Path, default=None, help="where scx_simple is (a peer case)")
     esb.add_skip(parser)
     args = parser.parse_args()
+    if args.peers_dir is not None:
+        esb.PEERS_DIR = args.peers_dir
     if args.paired:
         print(json.dumps(paired(args.rounds, args.seconds)))
         return 0
