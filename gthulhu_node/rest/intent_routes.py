@@ -4,7 +4,9 @@
 policies it stopped checking.
 
 Every store call runs in a worker thread (`asyncio.to_thread`): a push of thousands of intents compiles
-their patterns and fsyncs the state file, and `/health` must keep answering meanwhile.
+their patterns and fsyncs the state file, and `/health` must keep answering meanwhile. Nothing on the event
+loop's thread waits for a lock a push holds: pushes queue on `_push_lock` in their worker threads, and the
+Manager's contact times have a lock of their own, held for a few assignments.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class IntentRoutes:
         self._node_name = node_name
         self._stats = stats
         self._status = status
-        self._lock = threading.Lock()  # one push/delete at a time; guards _silent_since
+        self._push_lock = threading.Lock()  # one push/delete at a time, taken in a worker thread only
+        self._contact_lock = threading.Lock()  # guards _silent_since; taken on the event loop, held briefly
         self._node_silence_s = node_silence_s
         # monotonic time of the first pod-intent check since the Manager last looked at node policies
         self._silent_since: float | None = None
@@ -102,7 +105,7 @@ class IntentRoutes:
 
     async def node_merkle(self, request: web.Request) -> web.Response:
         self._node_contact()
-        return success({"rootHash": self._node_root()})
+        return success({"rootHash": await asyncio.to_thread(self._node_root)})
 
     def _node_root(self) -> str:
         current = self._store.get(NODE_SOURCE)
@@ -114,7 +117,7 @@ class IntentRoutes:
 
     async def list_node_policies(self, request: web.Request) -> web.Response:
         """Not upstream's: every entry the Manager pushed, and what became of it."""
-        current = self._store.get(NODE_SOURCE)
+        current, root = await asyncio.to_thread(lambda: (self._store.get(NODE_SOURCE), self._node_root()))
         entries = current.entries if current is not None else ()
         if current is not None and not entries:  # state written before entries were kept
             entries = tuple(SenderEntry(record=legacy_node_record(i).as_doc(), key=i.id, intent_id=i.id)
@@ -122,13 +125,13 @@ class IntentRoutes:
         rows = await self._entry_rows(NODE_SOURCE, entries)
         return success({
             "generation": current.generation if current is not None else 0,
-            "rootHash": self._node_root(),
+            "rootHash": root,
             "policies": rows,
         })
 
     def _node_contact(self) -> None:
         """The Manager looked at node policies: it has node intents somewhere (see _pod_contact)."""
-        with self._lock:
+        with self._contact_lock:
             self._silent_since = None
 
     # -- pod intents (source `manager-pods`) -----------------------------------------------------
@@ -152,7 +155,7 @@ class IntentRoutes:
         )
 
     async def pod_merkle(self, request: web.Request) -> web.Response:
-        root = self._pod_root()
+        root = await asyncio.to_thread(self._pod_root)
         await self._pod_contact(request)
         return success({"rootHash": root})
 
@@ -162,11 +165,11 @@ class IntentRoutes:
 
     async def list_pod_intents(self, request: web.Request) -> web.Response:
         """Not upstream's: every pod intent entry the Manager pushed, and what became of it."""
-        current = self._store.get(POD_SOURCE)
+        current, root = await asyncio.to_thread(lambda: (self._store.get(POD_SOURCE), self._pod_root()))
         rows = await self._entry_rows(POD_SOURCE, current.entries if current is not None else ())
         return success({
             "generation": current.generation if current is not None else 0,
-            "rootHash": self._pod_root(),
+            "rootHash": root,
             "intents": rows,
         })
 
@@ -178,11 +181,11 @@ class IntentRoutes:
         none: node policies we still hold (persisted, a DELETE missed while we were down) are stale, and
         it would never tell us. They are dropped."""
         now = time.monotonic()
-        with self._lock:
+        with self._contact_lock:
             if self._silent_since is None:
                 self._silent_since = now
             stale = self._node_silence_s > 0 and now - self._silent_since >= self._node_silence_s
-        current = self._store.get(NODE_SOURCE)
+        current = await asyncio.to_thread(self._store.get, NODE_SOURCE) if stale else None
         if not stale or current is None or not (current.intents or current.entries):
             return
         log.warning(
@@ -242,7 +245,7 @@ class IntentRoutes:
         """
 
         def work() -> tuple[Push, int, bool]:
-            with self._lock:
+            with self._push_lock:
                 push = new_set()
                 outcome = self._store.apply(
                     source, 0, push.intents, allow_reserved=True, entries=push.entries

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import re
 import ssl
+import threading
 import time
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -403,6 +405,49 @@ def test_manager_push_never_drops_other_sources(plain: Env) -> None:
     for method, path, body in steps:
         assert plain.call(method, path, body, token).status == 200
         assert {k: v for k, v in store.snapshot().items() if k != "manager"} == others
+
+
+class HeldStore(IntentStore):
+    """An IntentStore whose `manager` applies wait until `release` is set: a push in progress (compiling
+    thousands of patterns, fsyncing the state file) for as long as the test needs."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def apply(self, source: str, generation: int, intents: Sequence[Intent], **kw: Any) -> Any:
+        if source == "manager":
+            self.entered.set()
+            self.release.wait(60)
+        return super().apply(source, generation, intents, **kw)
+
+
+def test_a_push_in_progress_stalls_no_other_request(tmp_path: Path) -> None:
+    """The Manager's merkle check and /health answer while a push is being applied. Before, the node
+    routes took the push's lock on the event loop's thread to note the Manager's contact: a check that
+    came during a push stopped every request of the listener until the push ended (seconds at 10,000
+    intents)."""
+    store = HeldStore(tmp_path / "state")
+    env = start(tmp_path, insecure=True, store=store)
+    try:
+        token = env.token()
+        with ThreadPoolExecutor(2) as pool:
+            push = pool.submit(env.call, "POST", "/api/v1/node-intents", {"policies": [policy("a" * 24)]},
+                               token)
+            assert store.entered.wait(30), "the push did not reach the store"
+            merkle = pool.submit(env.call, "GET", "/api/v1/node-intents/merkle", None, token)
+            try:
+                # the push is held for up to 60 s: an answer before that is an answer during the push
+                assert merkle.result(timeout=30).status == 200
+                assert env.call("GET", "/health").status == 200
+                assert not push.done()
+            finally:
+                store.release.set()
+            assert push.result(timeout=30).status == 200
+    finally:
+        store.release.set()
+        env.server.stop()
 
 
 def test_push_is_persisted(tmp_path: Path) -> None:
