@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,25 @@ def task_of(tid: int) -> Task:
     t = read_task(os.getpid(), tid)
     assert t is not None
     return t
+
+
+def asleep(tid: int) -> None:
+    """Until the thread sleeps and has not run for 0.2 s: past the barrier it still has its way into
+    `stop.wait()` to go, and on a loaded host (make test's lanes) that took it two timeslices inside the
+    test's window."""
+    task = Path(f"/proc/self/task/{tid}")
+    last, still_since = "", 0.0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        slices = (task / "schedstat").read_text().split()[2]
+        now = time.monotonic()
+        if state != "S" or slices != last:
+            last, still_since = slices, now
+        elif now - still_since >= 0.2:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"thread {tid} never settled asleep")
 
 
 @pytest.fixture()
@@ -44,6 +64,7 @@ def busy_and_idle() -> Iterator[tuple[Task, Task]]:
     for t in threads:
         t.start()
     ready.wait()
+    asleep(tids["idle"])
     try:
         yield task_of(tids["busy"]), task_of(tids["idle"])
     finally:
