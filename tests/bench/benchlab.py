@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.vm import peers
 from tests.vm.lab import Lab, LabBootError, LabDied
 
 # Scheduling benchmarks run under multi-threaded TCG, each vCPU on a host thread of its own, as CPUs are
@@ -104,3 +105,9 @@ def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, 
     data["tcg_thread"] = lab.tcg_thread
     data["guest_deaths"] = deaths
     return data
+
+
+def peers_args(lab: Lab) -> Callable[[], list[str]]:
+    """A `stage` for run_interleaved: the kernel's reference schedulers (tests/vm/peers.py) into each boot's
+    scratch folder, named to the guest script by --peers-dir."""
+    return lambda: ["--peers-dir", str(peers.stage(lab.scratch_host, lab.scratch_guest))]

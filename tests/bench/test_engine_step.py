@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.bench import benchlab
-from tests.vm import matrix, peers
+from tests.vm import matrix
 from tests.vm.lab import Lab
 
 pytestmark = pytest.mark.bench
@@ -40,9 +40,9 @@ FIFO = "chrt -f 50"
 CEILING = "busy-CPU ceiling"
 # without policy, ours against EEVDF in the same grouping (issue 17's goal: rate and run-queue wait p99)
 NO_POLICY_PAIRS = (("ours no policy", "EEVDF"), ("ours no autogroup", "EEVDF no autogroup"))
-# what the boosted engine is compared with, each at its strongest setting for the engine
 _med = benchlab.median_range
 
+# what the boosted engine is compared with, each at its strongest setting for the engine
 PEERS = ("EEVDF", "nice -n -20", "EEVDF weight 10000", "scx_simple nice -20", "scx_flatcg weight 10000")
 
 
@@ -134,15 +134,11 @@ def run_interleaved(lab: Lab, script: str, progress_name: str, budget_s: float, 
                                     rounds=ROUNDS, stage=stage)
 
 
-def _peers_args(lab: Lab) -> Callable[[], list[str]]:
-    return lambda: ["--peers-dir", str(peers.stage(lab.scratch_host, lab.scratch_guest))]
-
-
 @pytest.mark.timeout(BUDGET_S + 120)
 def test_engine_step_under_gthulhu(bench_lab: Lab) -> None:
     lab = bench_lab
     data = run_interleaved(lab, "tests/vm/engine_step_bench.py", "engine_step_progress.jsonl", BUDGET_S,
-                           *(["--cases", CASES] if CASES else []), stage=_peers_args(lab))
+                           *(["--cases", CASES] if CASES else []), stage=benchlab.peers_args(lab))
     print_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     # the scheduler stayed loaded through every run of ours
@@ -162,7 +158,7 @@ def test_sixteen_engines_at_8_vcpus(bench_lab: Lab) -> None:
     lab = bench_lab
     data = run_interleaved(lab, "tests/vm/engine_step_bench.py", "engine_step_16_progress.jsonl",
                            ROUNDS * len(SIXTEEN) * (SECONDS + 400) + 600,
-                           "--cases", CASES or ",".join(SIXTEEN), stage=_peers_args(lab))
+                           "--cases", CASES or ",".join(SIXTEEN), stage=benchlab.peers_args(lab))
     print_table(data)
     runs: dict[str, list[dict[str, float]]] = data["runs"]
     assert all(x.get("health_ok") == 1.0 for case in runs if "ours" in case for x in runs[case])
@@ -374,7 +370,7 @@ def test_request_pipeline_under_gthulhu(bench_lab: Lab) -> None:
 
     def stage() -> list[str]:
         pipeline_bench.build(lab.scratch_host)
-        return [*_peers_args(lab)(), "--binary", str(lab.scratch_guest / "gth-pipeline")]
+        return [*benchlab.peers_args(lab)(), "--binary", str(lab.scratch_guest / "gth-pipeline")]
 
     data = run_interleaved(lab, "tests/vm/pipeline_bench.py", "pipeline_progress.jsonl", PIPELINE_BUDGET_S,
                            *(["--cases", PIPELINE_CASES] if PIPELINE_CASES else []), stage=stage)

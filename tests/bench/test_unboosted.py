@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.bench import benchlab
-from tests.vm import matrix, peers
+from tests.vm import matrix
 from tests.vm.lab import Lab
 
 pytestmark = pytest.mark.bench
@@ -102,13 +101,6 @@ def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:
         print(f"  {case:28} {cells}")
 
 
-def stage_peers(lab: Lab, cases: list[str]) -> Callable[[], list[str]] | None:
-    """The peer's binary into each boot's scratch folder, when a peer case runs (GTHULHU_BENCH_CASES)."""
-    if "scx_simple" not in cases:
-        return None
-    return lambda: ["--peers-dir", str(peers.stage(lab.scratch_host, lab.scratch_guest))]
-
-
 # the issue's two kernels at 2 vCPUs, and 8 vCPUs over two NUMA nodes for figures (`-k 8cpu`)
 @pytest.mark.parametrize("bench_lab", [*matrix.BOTH_KERNELS, *matrix.WIDE], indirect=True)
 @pytest.mark.timeout(BUDGET_S * (benchlab.DEATHS_ALLOWED + 1))
@@ -118,7 +110,8 @@ def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
                                     BUDGET_S, "--cases", ",".join(cases), "--overhead",
                                     *(["--trace"] if TRACE else []),
                                     *(["--earlier", EARLIER] if EARLIER else []),
-                                    seconds=SECONDS, rounds=ROUNDS, stage=stage_peers(bench_lab, cases))
+                                    seconds=SECONDS, rounds=ROUNDS,
+                                    stage=benchlab.peers_args(bench_lab) if "scx_simple" in cases else None)
     print(json.dumps(data["runs"]))
     print_table(data)
     if TRACE:
