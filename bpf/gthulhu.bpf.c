@@ -267,6 +267,7 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 		return false;
 	}
 	count(fair_preemptions);
+	tctx->stats.preemptions++;
 	if (!(enq_flags & ENQ_WAKEUP)) {
 		dsq_insert_vtime(p, fair_dsq(domain_of(cpu)), slice, fair_vtime(tctx), enq_flags);
 		scx_bpf_kick_cpu(cpu, KICK_PREEMPT);
@@ -406,6 +407,7 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
 		c->boost_waker = 1;
 		count(preemptions);
+		tctx->stats.preemptions++;
 		return;
 	}
 	/*
@@ -1040,15 +1042,16 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	tctx->served += charge;
 	/*
 	 * The head-start tier: part of the charge forgiven (at most half, so at most twice the unboosted share;
-	 * the wake-up rule adds it back, twin_vtime), and its run time counted against the same per-task budget as a boosted task's, whose guard then
-	 * withdraws the head start until the window ends (effective_head_start). Not the CPU's boost share:
-	 * it is fair work, which the reserve already serves.
+	 * the wake-up rule adds it back, twin_vtime, up to a lead of two slices over the pool), and its run time
+	 * counted against the same per-task budget as a boosted task's, whose guard then withdraws the head
+	 * start until the window ends (effective_head_start). Not the CPU's boost share: it is fair work, which
+	 * the reserve already serves.
 	 */
 	if (tctx->head_start) {
 		forgive = charge * tctx->head_start / 100;
 		tctx->vtime += charge - forgive;
 		tctx->forgiven += forgive;
-		lead = vtime_now + settings.default_slice_ns;
+		lead = vtime_now + 2 * settings.default_slice_ns;
 		if (before(lead, tctx->vtime + tctx->forgiven))
 			tctx->forgiven = before(tctx->vtime, lead) ? lead - tctx->vtime : 0;
 		charge_boost(tctx, NULL, used, now);

@@ -26,7 +26,8 @@ from gthulhu_node.commands.client import (
 )
 
 EXIT_GOVERNED, EXIT_NOT_GOVERNED, EXIT_ERROR = 0, 1, 2
-STAT_LABELS = {"boosted_runs": "boosted runs", "demotions": "guard demotions"}
+STAT_LABELS = {
+    "boosted_runs": "boosted runs", "demotions": "guard demotions", "preemptions": "wake-up preemptions"}
 
 
 def register(subparsers: Any) -> None:

@@ -79,7 +79,7 @@ class GthulhuGauges(ctypes.Structure):
 
 #: what the scheduler did with one task (the `stats` member of its task_ctx in the task storage map
 #: `task_ctxs`; SchedExtBackend.task_stats() reads it back)
-TASK_STATS = ("boosted_runs", "demotions")
+TASK_STATS = ("boosted_runs", "demotions", "preemptions")
 
 
 class GthulhuTaskStats(ctypes.Structure):

@@ -23,6 +23,11 @@ from gthulhu_node.scheduler import backend as sched_backend
 from gthulhu_node.scheduler.layout import TASK_STATS, GthulhuTaskStats
 
 
+def counts(tid: int) -> dict[str, int]:
+    """What MapByPidfd answers for a TID: boosted_runs = the TID, fixed values for the rest."""
+    return {"boosted_runs": tid, "demotions": 7, "preemptions": 3}
+
+
 class MapByPidfd:
     """task_ctxs as the kernel would answer: the counters of the task the pidfd names (its `Pid:` in
     fdinfo), boosted_runs = that TID; None (no context) for the TIDs in `without`."""
@@ -33,7 +38,7 @@ class MapByPidfd:
     def task_stats(self, pidfd: int) -> GthulhuTaskStats | None:
         fdinfo = Path(f"/proc/self/fdinfo/{pidfd}").read_text()
         tid = int(next(ln.split()[1] for ln in fdinfo.splitlines() if ln.startswith("Pid:")))
-        return None if tid in self.without else GthulhuTaskStats(boosted_runs=tid, demotions=7)
+        return None if tid in self.without else GthulhuTaskStats(**counts(tid))
 
 
 @pytest.fixture()
@@ -69,9 +74,9 @@ def stats_of(sched: Any, tid: int, tgid: int, start_time: int | None = None) -> 
 
 def test_the_leader_and_another_thread_are_each_read_by_their_own_pidfd(other_thread: int) -> None:
     me = os.getpid()
-    assert stats_of(MapByPidfd(), me, me) == {"boosted_runs": me, "demotions": 7}
-    assert stats_of(MapByPidfd(), other_thread, me) == {"boosted_runs": other_thread, "demotions": 7}
-    assert tuple(GthulhuTaskStats._fields_[i][0] for i in range(2)) == TASK_STATS
+    assert stats_of(MapByPidfd(), me, me) == counts(me)
+    assert stats_of(MapByPidfd(), other_thread, me) == counts(other_thread)
+    assert tuple(GthulhuTaskStats._fields_[i][0] for i in range(len(TASK_STATS))) == TASK_STATS
 
 
 def test_no_context_and_a_gone_thread_are_not_available() -> None:
@@ -88,7 +93,7 @@ def test_a_reused_tid_is_not_read_as_the_thread_explained(other_thread: int) -> 
     me = os.getpid()
     for tid in (me, other_thread):
         assert stats_of(MapByPidfd(), tid, me, start_of(tid) - 1) == "not available: the thread exited"
-        assert stats_of(MapByPidfd(), tid, me, start_of(tid)) == {"boosted_runs": tid, "demotions": 7}
+        assert stats_of(MapByPidfd(), tid, me, start_of(tid)) == counts(tid)
 
 
 def test_a_kernel_without_pidfd_thread_says_so(monkeypatch: pytest.MonkeyPatch, other_thread: int) -> None:
@@ -103,7 +108,7 @@ def test_a_kernel_without_pidfd_thread_says_so(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(os, "pidfd_open", old_kernel)
     note = stats_of(MapByPidfd(), other_thread, os.getpid())
     assert isinstance(note, str) and note.startswith("not available:") and "Linux 6.9+" in note
-    assert stats_of(MapByPidfd(), os.getpid(), os.getpid()) == {"boosted_runs": os.getpid(), "demotions": 7}
+    assert stats_of(MapByPidfd(), os.getpid(), os.getpid()) == counts(os.getpid())
 
 
 def test_a_lookup_error_is_not_available_with_its_words() -> None:

@@ -452,6 +452,13 @@ def _voluntary(pid: int) -> int:
     raise ValueError(f"no voluntary_ctxt_switches for {pid}")
 
 
+def _own_preemptions(backend: SchedExtBackend, pid: int) -> int:
+    """The preemptions a single-threaded worker made (its task_ctx's count, read back as explain does)."""
+    stats = backend.task_stats([(pid, pid, key_for(KeyKind.TID, pid)[1])])[pid]
+    assert isinstance(stats, dict), stats
+    return stats["preemptions"]
+
+
 def scale(args: argparse.Namespace) -> dict[str, Any]:
     """The priority scale (issue 39, upstream's direction: 1 the strongest; 1-9 preempt, 10-20 a head start),
     from sched_switch traces in one boot, every task bound to one of two CPUs so the task it finds running
@@ -462,8 +469,10 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
     unboosted hog and one light periodic thread at each level 1-9: how often each took the CPU from it.
     B (`--seconds` each): on CPU a, a hog beside a level-10 thread, then beside its unboosted twin (3 ms
     busy / 2 ms asleep: more than its unboosted share, so its vtime is not a sleeper's): the wake-ups that
-    preempted (the scheduler's own counts: `preemptions` + `fair_preemptions`, only that thread wakes)
-    against its wake-ups (voluntary context switches). sched_switch cannot tell a wake-up preemption from
+    preempted (the thread's own count in its task_ctx, `preemptions`) against its wake-ups (voluntary
+    context switches), and its and the hog's CPU time. Not the CPU-wide counters: every other task waking on CPU a (kworkers, the guest's
+    daemons) counts there too, and they preempt the head-start task, whose run's deadline is set from its
+    full-charge vtime, more often than the twin. sched_switch cannot tell a wake-up preemption from
     the hog's slice ending with the thread first in line, which the head start makes more frequent.
     C (`arg` rounds of `--seconds` / 2): on CPU b, a hog beside two CPU-bound threads at levels 10 and 20:
     each one's mean wait per turn (schedstat) per round."""
@@ -512,11 +521,15 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.2)
                 boost(backend, {task: level})
                 time.sleep(0.3)
-                before_c, wakes = backend.counters(), _voluntary(task)
+                before_c, before_t = backend.counters(), _own_preemptions(backend, task)
+                wakes, ran = _voluntary(task), (schedstat(task), schedstat(hog_a))
                 time.sleep(args.seconds)
-                after_c, wakes = backend.counters(), _voluntary(task) - wakes
-                preempted = sum(after_c[k] - before_c[k] for k in ("preemptions", "fair_preemptions"))
-                out[f"{case}_over_hog"] = {"took": preempted, "runs": wakes}
+                after_c, after_t = backend.counters(), _own_preemptions(backend, task)
+                wakes = _voluntary(task) - wakes
+                out[f"{case}_cpu_s"] = [round((schedstat(t)[0] - r[0]) / 1e9, 3)
+                                        for t, r in zip((task, hog_a), ran, strict=True)]
+                everyone = sum(after_c[k] - before_c[k] for k in ("preemptions", "fair_preemptions"))
+                out[f"{case}_over_hog"] = {"took": after_t - before_t, "runs": wakes, "all": everyone}
         os.sched_setaffinity(0, set(cpus))
         with workers() as pids:
             hog_b = fork_worker(spin, "sc-hog-b", b)

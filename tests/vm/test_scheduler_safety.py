@@ -122,9 +122,12 @@ def test_priority_scale_from_sched_switch(lab: Any) -> None:
     for level, t in out["over_hog"].items():
         assert t["runs"] >= 50 and t["took"] >= 10, (level, out)
     head, twin = out["head_over_hog"], out["twin_over_hog"]
+    print(f"[scale] wake-ups that preempted the hog: head {head}, twin {twin}; CPU s (task, hog): head "
+          f"{out.get('head_cpu_s')}, twin {out.get('twin_cpu_s')}", flush=True)
     assert head["runs"] >= 50 and twin["runs"] >= 50, out
-    # "no more often": measured 0.80 against 0.80 (7.3); the room, a tenth of its wake-ups, is the noise
-    # between two phases of a few seconds (the twin read 0.80-0.98 over four runs)
+    # "no more often", each task's own count: 0.81 against 0.80 (7.3), 0.71 against 0.71 (6.12) since the
+    # lead of two slices (2026-12-06; with one, 0.85/0.80, 0.78/0.72, once 0.88/0.73: docs/scheduler.md).
+    # The room, a tenth of its wake-ups, is the noise between two phases of a few seconds
     assert _fraction(head) <= _fraction(twin) + 0.1, out
     ratios = [r["wait_ms"]["10"] / r["wait_ms"]["20"] for r in out["rounds"]]
     print(f"[scale] wait(10)/wait(20) per round: {[round(x, 2) for x in ratios]}", flush=True)
