@@ -470,10 +470,9 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
     B (`--seconds` each): on CPU a, a hog beside a level-10 thread, then beside its unboosted twin (3 ms
     busy / 2 ms asleep: more than its unboosted share, so its vtime is not a sleeper's): the wake-ups that
     preempted (the thread's own count in its task_ctx, `preemptions`) against its wake-ups (voluntary
-    context switches), and its and the hog's CPU time. Not the CPU-wide counters: every other task waking on CPU a (kworkers, the guest's
-    daemons) counts there too, and they preempt the head-start task, whose run's deadline is set from its
-    full-charge vtime, more often than the twin. sched_switch cannot tell a wake-up preemption from
-    the hog's slice ending with the thread first in line, which the head start makes more frequent.
+    context switches), and its and the hog's CPU time. Not the CPU-wide counters, which count every other
+    task waking on CPU a too (about 1 % more here). sched_switch cannot tell a wake-up preemption from the
+    hog's slice ending with the thread first in line, which the head start makes more frequent.
     C (`arg` rounds of `--seconds` / 2): on CPU b, a hog beside two CPU-bound threads at levels 10 and 20:
     each one's mean wait per turn (schedstat) per round."""
     cpus = sorted(os.sched_getaffinity(0))
