@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -191,12 +191,14 @@ def _sched_ext() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def peer(name: str | None) -> Iterator[None]:
-    """One of the kernel's reference schedulers, built by tests/vm/peers.py, loaded for the block."""
+def peer(name: str | None, args: Sequence[str] = ()) -> Iterator[None]:
+    """One of the kernel's reference schedulers, built by tests/vm/peers.py, loaded for the block with its
+    command-line `args` (scx_simple's `-f`: FIFO instead of weighted vtime)."""
     if name is None:
         yield
         return
-    proc = subprocess.Popen([str(peers_dir() / name)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(peers_dir() / name), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while _sched_ext() != ("enabled", name.removeprefix("scx_")):

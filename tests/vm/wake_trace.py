@@ -56,12 +56,14 @@ CASES = {
 
 
 @contextlib.contextmanager
-def tracing(buffer_kb: int = 16384) -> Iterator[None]:
+def tracing(buffer_kb: int = 16384, events: tuple[str, ...] = EVENTS) -> Iterator[None]:
+    """`events` (those this kernel has) traced for the block, on the monotonic clock; the text stays in
+    the trace buffer for the caller to read."""
     (TRACING / "tracing_on").write_text("0")
     (TRACING / "trace_clock").write_text("mono")
     (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
     (TRACING / "trace").write_text("")
-    for event in EVENTS:
+    for event in events:
         enable = TRACING / "events" / event / "enable"
         if enable.exists():
             enable.write_text("1")
@@ -70,7 +72,7 @@ def tracing(buffer_kb: int = 16384) -> Iterator[None]:
         yield
     finally:
         (TRACING / "tracing_on").write_text("0")
-        for event in EVENTS:
+        for event in events:
             enable = TRACING / "events" / event / "enable"
             if enable.exists():
                 enable.write_text("0")
