@@ -25,10 +25,11 @@ pytestmark = pytest.mark.bench
 
 ROUNDS = int(os.environ.get("GTHULHU_BENCH_ROUNDS", "5"))
 BUDGET_S = ROUNDS * 4 * 120 + 900
-STAGES = ("run_to_wake", "queue", "to_run", "to_run_same", "to_run_other")
+STAGES = ("run_to_wake", "queue", "to_run", "wake_to_run_same", "wake_to_run_other")
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float:
+    """The median of one figure over a case's runs."""
     return statistics.median(float(r[key]) for r in runs)
 
 
@@ -50,14 +51,14 @@ def print_tables(data: dict[str, Any]) -> None:
     for case, rs in runs.items():
         pipe, hack = [float(r["pipe_s"]) for r in rs], [float(r["hackbench_s"]) for r in rs]
         trip = statistics.median(pipe) / data["loops"] * 1e6
-        vs_pipe, vs_hack = median(rs, "pipe_s") / median(base, "pipe_s"), median(rs, "hackbench_s") / median(
-            base, "hackbench_s")
+        vs_pipe = median(rs, "pipe_s") / median(base, "pipe_s")
+        vs_hack = median(rs, "hackbench_s") / median(base, "hackbench_s")
         print(f"{case:18}{benchlab.median_range(pipe, '.3f'):>24}{trip:>15.1f}"
               f"{benchlab.median_range(hack, '.3f'):>24}{vs_pipe:>14.2f}x{vs_hack:>19.2f}x")
     print(f"\none traced pipe run per case ({data['traced_loops']} round trips): per round trip, us with "
           "neither, one or both of the pair on a CPU; per wake-up, each stage's mean (median) in us")
     print(f"{'case':18}{'traced trip':>12}{'neither':>9}{'one':>8}{'both':>8}"
-          + "".join(f"{s:>18}" for s in STAGES)
+          + "".join(f"{s:>19}" for s in STAGES)
           + f"{'other CPU':>10}{'idle target':>12}{'still on':>9}{'IPIs/wake':>10}{'BPF us/wake':>12}")
     for case, t in data["traces"].items():
         ns = sum(v[0] for v in data["callbacks"].get(case, {}).values())
@@ -65,7 +66,7 @@ def print_tables(data: dict[str, Any]) -> None:
         occ = t["per_round_trip_us"]
         print(f"{case:18}{t['traced_round_trip_us']:>12.1f}{occ.get('neither', 0):>9.1f}"
               f"{occ.get('one', 0):>8.1f}{occ.get('both', 0):>8.1f}"
-              + "".join(f"{stage_cell(t, s):>18}" for s in STAGES)
+              + "".join(f"{stage_cell(t, s):>19}" for s in STAGES)
               + f"{t['where'].get('other_cpu', 0):>10.0%}{t['where'].get('target_was_idle', 0):>12.0%}"
               f"{t['still_on_cpu']:>9.0%}{t['ipis_per_wakeup']:>10.2f}{bpf:>12.2f}")
     for case, cbs in data["callbacks"].items():
@@ -85,5 +86,5 @@ def test_where_a_pipe_round_trip_goes(bench_lab: Lab) -> None:
     for case, rs in data["runs"].items():
         assert len(rs) == ROUNDS, (case, len(rs))
     for case, t in data["traces"].items():
-        # every wake-up of the pair was seen whole: a round trip is two of them
+        # nearly every wake-up of the pair was seen whole (a round trip is two of them)
         assert t["wakeups"] >= 1.9 * data["traced_loops"], (case, t["wakeups"])

@@ -7,18 +7,25 @@ Each round runs every case once (interleaved): `perf bench sched pipe -l 20000` 
 tracefs (sched_waking, sched_wakeup, sched_switch, ipi_send_cpu; the monotonic clock) for a shorter pipe
 run, and with kernel.bpf_stats_enabled for the struct_ops callbacks' own run time (the statistics patch
 the kernel's code live: switched once for every case, as tests/vm/sched_overhead_bench.py does). A round
-trip of the two pipe tasks A and B is A runs until it wakes B, B's wake-up until B runs, B runs until it
+trip of the two pipe ends A and B is: A runs until it wakes B, B's wake-up until B runs, B runs until it
 wakes A, A's wake-up until A runs; so each wake-up is split into
 
-- `run_to_wake`: from the waker's switch-in to its `sched_waking` of the other (its syscalls: the write,
-  and the read that blocks comes after);
-- `queue`: `sched_waking` to `sched_wakeup` (select_cpu and enqueue for a sched_ext scheduler);
-- `to_run`: `sched_wakeup` to the switch onto the wakee: on the waker's CPU, the waker's way into its
-  blocking read and the switch; on the other CPU, the IPI, the way out of idle and the dispatch;
+- `run_to_wake`: from the waker's switch-in to its `sched_waking` of the other (the read it returned from,
+  the write);
+- `queue`: `sched_waking` to `sched_wakeup`; `to_run`: `sched_wakeup` to the switch onto the wakee. Where
+  the boundary falls differs by scheduler: under sched_ext the wake-up is never queued to the target CPU
+  (the kernel's ttwu_queue_cond refuses it for a sched_ext task), so `sched_wakeup` comes on the waker's
+  CPU after select_cpu and enqueue, and the IPI and the way out of idle are in `to_run`; EEVDF queues a
+  wake-up for an idle CPU, whose `sched_wakeup` comes on that CPU after them. So the cases are compared on
+  `wake_to_run_same` / `wake_to_run_other`: `sched_waking` to the switch onto the wakee, on the waker's
+  CPU or the other;
 
-and, per round trip, the time neither task was on a CPU (only getting a woken one there), one was, or both
-were (the waker on its way into its blocking read while the wakee already runs on the other CPU): these
-three add up to the traced round trip. Prints one JSON object.
+and, per round trip, the time neither end was on a CPU (only getting a woken one there), one was, or both
+were (the waker on its way into its blocking read while the wakee already runs on the other CPU): the
+three add up to the traced round trip, measured from the first wake-up between the ends to the last.
+Tracing slows each case by its own amount (every event is a write to the ring buffer, and sched_ext
+wake-ups have more of them), so the traced times say where each case's time goes, not which is faster.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from tests.vm import engine_step_bench as esb
 from tests.vm import sched_overhead_bench as overhead
 from tests.vm import wake_trace
 
-PIPE, HACKBENCH = "perf sched pipe -l 20000", "hackbench -p -g 2 -l 200"
+PIPE, HACKBENCH = "perf sched pipe -l 20000", "hackbench -p -g 2 -l 200"  # sched_overhead_bench's names
+LOOPS = int(PIPE.rsplit(" ", 1)[1])
 TRACED_LOOPS = 4000
 EVENTS = ("sched/sched_waking", "sched/sched_wakeup", "sched/sched_switch", "ipi/ipi_send_cpu")
 CASES: dict[str, dict[str, Any]] = {
@@ -63,36 +71,61 @@ def traced_pipe(loops: int) -> dict[str, Any]:
     tracing = wake_trace.TRACING
     text = (tracing / "trace").read_text()
     (tracing / "trace").write_text("")
-    return split(list(wake_trace.parse(text)), loops)
+    return split(list(wake_trace.parse(text)))
 
 
-def split(events: list[tuple[float, int, int, str, dict[str, str]]], loops: int) -> dict[str, Any]:
-    """The two tasks switched in most are the pipe's pair (whatever perf names them). Each wake-up of one
-    by the other, in stages (a wake-up of a task still on its CPU, which never switched out, is counted
-    apart); and the run's time by how many of the two were on a CPU: `neither` is the round trip's time
-    spent only in getting a woken task onto a CPU, which the stages of a single wake-up cannot sum up when
-    the two overlap (the waker runs on into its blocking read while the wakee is placed)."""
-    switched_in = collections.Counter(int(f["next_pid"]) for _, _, _, e, f in events
-                                      if e == "sched_switch" and f.get("next_pid", "0") != "0")
-    pair = {pid for pid, _ in switched_in.most_common(2)}
-    if len(pair) < 2:
-        raise RuntimeError(f"no pipe pair in the trace: {switched_in}")
-    on_cpu: dict[int, float] = {}  # task on a CPU now -> its switch-in
+Event = tuple[float, int, int, str, dict[str, str]]
+
+
+def pipe_pair(events: list[Event]) -> set[int]:
+    """The two tasks that woke each other most: the pipe's two ends, whatever perf names them (a kworker
+    may be switched in as often, but it is not woken by one of them and waking it back)."""
+    wakes = collections.Counter(frozenset((pid, int(f["pid"]))) for _, _, pid, e, f in events
+                                if e == "sched_waking" and pid and int(f.get("pid", pid)) != pid)
+    if not wakes:
+        raise RuntimeError("no wake-up between two tasks in the trace")
+    return set(wakes.most_common(1)[0][0])
+
+
+def occupancy(events: list[Event], pair: set[int], start: float, end: float) -> dict[str, float]:
+    """Time (ns) in [start, end] with neither, one or both of `pair` on a CPU, from sched_switch alone."""
+    on_cpu: set[int] = set()
+    spent: dict[str, float] = collections.defaultdict(float)
+    since = start
+    for ts, _, _, event, f in events:
+        if ts > start:
+            spent[("neither", "one", "both")[len(on_cpu)]] += min(ts, end) - since
+            since = min(ts, end)
+        if ts >= end:
+            break
+        if event == "sched_switch":
+            on_cpu.discard(int(f.get("prev_pid", -1)))
+            if int(f.get("next_pid", -1)) in pair:
+                on_cpu.add(int(f["next_pid"]))
+    return dict(spent)
+
+
+def split(events: list[Event]) -> dict[str, Any]:
+    """Each wake-up of one pipe end by the other, in stages, with where the wakee ran; a wake-up of a task
+    still on its CPU (it never switched out) is counted apart. Then, between the first such wake-up and the
+    last switch onto a woken end (perf's start-up and exit left out), the time with neither, one or both
+    ends on a CPU, per round trip (two wake-ups): `neither` is time spent only in getting a woken end onto
+    a CPU, which a single wake-up's stages cannot sum up when the two ends overlap."""
+    pair = pipe_pair(events)
+    on_cpu: dict[int, float] = {}  # end on a CPU now -> its switch-in
     waking: dict[int, tuple[float, int, float]] = {}  # wakee -> (waking ts, waker's cpu, waker's run so far)
     woken: dict[int, float] = {}  # wakee -> its sched_wakeup's time
     stages: dict[str, list[float]] = collections.defaultdict(list)
     where: collections.Counter[str] = collections.Counter()
-    occupancy: collections.Counter[str] = collections.Counter()
-    ipis, still, last, since = 0, 0, 0.0, 0.0
+    ipis, still = 0, 0
     first: float | None = None
+    last = 0.0
     for ts, cpu, pid, event, f in events:
-        if first is not None:
-            occupancy[("neither", "one", "both")[len(on_cpu)]] += ts - since
-        since = ts
-        if event == "ipi_send_cpu":
+        if event == "ipi_send_cpu" and first is not None:
             ipis += 1
         elif event == "sched_waking" and int(f.get("pid", -1)) in pair and pid in on_cpu:
             wakee = int(f["pid"])
+            first = ts if first is None else first
             if wakee in on_cpu:
                 still += 1
             else:
@@ -105,24 +138,28 @@ def split(events: list[tuple[float, int, int, str, dict[str, str]]], loops: int)
             if wakee not in pair:
                 continue
             on_cpu[wakee] = ts
-            first, last = ts if first is None else first, ts
             if wakee in waking and wakee in woken:
                 (t_waking, waker_cpu, run_to_wake), t_wakeup = waking.pop(wakee), woken.pop(wakee)
+                side = "same" if cpu == waker_cpu else "other"
                 stages["run_to_wake"].append(run_to_wake / 1e3)
                 stages["queue"].append((t_wakeup - t_waking) / 1e3)
                 stages["to_run"].append((ts - t_wakeup) / 1e3)
-                stages["to_run_same" if cpu == waker_cpu else "to_run_other"].append((ts - t_wakeup) / 1e3)
-                where["same_cpu" if cpu == waker_cpu else "other_cpu"] += 1
+                stages[f"wake_to_run_{side}"].append((ts - t_waking) / 1e3)
+                where[f"{side}_cpu"] += 1
                 where["target_was_idle" if f.get("prev_pid") == "0" else "target_was_busy"] += 1
+                last = ts
     wakeups = len(stages["queue"])
+    trips = wakeups / 2
     out: dict[str, Any] = {k: {"mean": statistics.fmean(v), "p50": statistics.median(v)}
                            for k, v in stages.items() if v}
     out["wakeups"] = wakeups
     out["where"] = {k: v / wakeups for k, v in where.items()} if wakeups else {}
     out["still_on_cpu"] = still / (wakeups + still) if wakeups + still else float("nan")
     out["ipis_per_wakeup"] = ipis / wakeups if wakeups else float("nan")
-    out["traced_round_trip_us"] = (last - (first or 0.0)) / 1e3 / loops
-    out["per_round_trip_us"] = {k: v / 1e3 / loops for k, v in occupancy.items()}
+    if first is None or not trips:
+        raise RuntimeError(f"no wake-up between the pipe's ends {sorted(pair)} in the trace")
+    out["traced_round_trip_us"] = (last - first) / 1e3 / trips
+    out["per_round_trip_us"] = {k: v / 1e3 / trips for k, v in occupancy(events, pair, first, last).items()}
     return out
 
 
@@ -167,7 +204,7 @@ def main() -> int:
     finally:
         overhead.BPF_STATS.write_text("0")
     print(json.dumps({"kernel": os.uname().release, "cpus": os.cpu_count(), "rounds": args.rounds,
-                      "runs": {}, "traces": traces, "callbacks": callbacks, "loops": 20000,
+                      "runs": {}, "traces": traces, "callbacks": callbacks, "loops": LOOPS,
                       "traced_loops": TRACED_LOOPS}))
     return 0
 
