@@ -81,6 +81,7 @@ u32 bpf_cpumask_any_and_distribute(const struct cpumask *src1, const struct cpum
 #define KICK_IDLE KENUM(scx_kick_flags, SCX_KICK_IDLE)
 #define KICK_PREEMPT KENUM(scx_kick_flags, SCX_KICK_PREEMPT)
 #define TASK_QUEUED KENUM(scx_ent_flags, SCX_TASK_QUEUED)
+#define WAKE_SYNC KENUM(scx_wake_flags, SCX_WAKE_SYNC)
 
 /*
  * The ops flags we set. They are data in the ops table, where CO-RE cannot relocate, so their values are

@@ -301,8 +301,15 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 		if (placed && capacity_of(cpu) > capacity_of(prev_cpu))
 			count(capacity_placements);
 	}
+	/*
+	 * The kernel's pick without the synchronous flag. With it, the pick returns the waker's own busy CPU
+	 * as if idle (6.12: whenever some CPU is idle and the waker's local DSQ is empty; 7.3: when prev_cpu
+	 * is not idle), and the direct insert below put the wakee behind the waker there, outside the boost
+	 * and vtime order, while another CPU idled: a pipe's two ends ran one after the other on one CPU
+	 * (docs/scheduler.md, "An idle CPU first"). Without it, an idle CPU or none.
+	 */
 	if (cpu < 0)
-		cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags, &idle);
+		cpu = scx_bpf_select_cpu_dfl(p, prev_cpu, wake_flags & ~WAKE_SYNC, &idle);
 	/* Over its cgroup's cpu.max: enqueue parks it; the idle CPU claimed for it is woken to idle again. */
 	if (idle && bw_held(tctx, now)) {
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
@@ -364,7 +371,8 @@ static __always_inline void insert_last(struct task_struct *p, u64 slice, u64 en
  * deadlines come first) and, for a busy target, while nothing waits in its local DSQ (a waker handed to
  * it is not overtaken).
  */
-static bool move_to_capable(struct task_struct *p, struct strategy *s, u32 prio, s32 cpu, u64 enq_flags)
+static bool move_to_capable(struct task_struct *p, struct task_ctx *tctx, struct strategy *s, u32 prio,
+			    s32 cpu, u64 enq_flags)
 {
 	bool idle = false;
 	s32 to;
@@ -380,6 +388,7 @@ static bool move_to_capable(struct task_struct *p, struct strategy *s, u32 prio,
 	} else if (!scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | to)) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
 		count(preemptions);
+		tctx->stats.preemptions++;
 	} else {
 		return false;
 	}
@@ -418,7 +427,7 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 	if ((enq_flags & ENQ_WAKEUP) && wakeup_preempt(p, tctx, s->slice, enq_flags, true))
 		return;
 	tctx->prio = prio;
-	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, s, prio, cpu, enq_flags))
+	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, tctx, s, prio, cpu, enq_flags))
 		return;
 	/* Earliest deadline first: rank buys a head start, waiting catches up with it. */
 	dsq_insert_vtime(p, BOOST_DSQ, s->slice, boost_deadline(prio, now), enq_flags);

@@ -95,7 +95,7 @@ struct gthulhu_exit_info {
 struct gthulhu_task_stats {
 	u64 boosted_runs; /* runs started boosted: preempt tier, or head start (ops.running) */
 	u64 demotions;    /* times the guard demoted it: over its share of a boost window */
-	u64 preemptions;  /* times it preempted a CPU's task on waking (either tier's rule), or when re-placed */
+	u64 preemptions;  /* times it was put on a busy CPU to preempt its task: waking, re-placed, moved */
 };
 
 /* The whole .bss: one variable, so its layout is this struct's. */

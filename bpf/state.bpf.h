@@ -100,7 +100,7 @@ struct task_ctx {
 	u32 cached_head_start;
 	u32 cached;       /* cached_* are valid (set by select_cpu, consumed by enqueue) */
 	u32 head_start;   /* percent of the current/queued run's fair charge forgiven (head-start tier), else 0 */
-	u64 forgiven;     /* head-start tier: vtime forgiven, kept while vtime + forgiven leads the pool by < 2 slices */
+	u64 forgiven;     /* head-start tier: vtime forgiven while vtime + forgiven leads the pool by < 2 slices */
 	u32 group_weight; /* what this task added to that group's sum */
 	u32 group_share;  /* an autogroup's weight (its nice), 100 for the default */
 	u64 bw_mark;      /* the current run is charged to the cgroups' cpu.max budgets up to here */
@@ -291,10 +291,8 @@ static __always_inline u64 fair_vtime(struct task_ctx *tctx)
  * full, which never lags its unboosted twin's (it ran at least as much), except that it leads the fair
  * pool by at most two default slices (gthulhu_stopping; after a long sleep both are floored alike). So its
  * discount buys it CPU share, never a preemption its twin would not make. A lead of one slice, as a boosted
- * task's, threw away part of the full charge at most runs of a task wanting more than its twin's share, and
- * its wake-ups preempted a hog more often than its twin's (lab, 3 s: 0.85 against 0.80 on 7.3, 0.78
- * against 0.72 on 6.12, 0.88 against 0.73 once in make test); with two, 0.81 against 0.80 and 0.71 against
- * 0.71, and both took the same CPU. With its own (discounted) vtime, or with the
+ * task's, threw away part of the full charge at most runs of a task wanting more than its twin's share, so
+ * it preempted more often than its twin (docs/scheduler.md). With its own (discounted) vtime, or with the
  * discount of its last runs added back up to a slice or a window, a task wanting 60 % of a CPU beside a
  * hog preempted it at every wake-up, its unboosted twin at 81-98 % (lab, 7.3): with twice the weight it
  * keeps up with its demand and its vtime falls behind the pool, where its twin's sits at it.

@@ -27,7 +27,7 @@ from gthulhu_node.commands.client import (
 
 EXIT_GOVERNED, EXIT_NOT_GOVERNED, EXIT_ERROR = 0, 1, 2
 STAT_LABELS = {
-    "boosted_runs": "boosted runs", "demotions": "guard demotions", "preemptions": "wake-up preemptions"}
+    "boosted_runs": "boosted runs", "demotions": "guard demotions", "preemptions": "preemptions it made"}
 
 
 def register(subparsers: Any) -> None:

@@ -134,7 +134,8 @@ def run_case(name: str, seconds: float, binary: Path) -> dict[str, Any]:
             out: dict[str, Any] = json.loads(esb._out(proc).readline())
             if sched is not None:
                 after = sched.counters()
-                for key in ("preemptions", "boosted_dispatches", "demotions"):
+                for key in ("preemptions", "boosted_dispatches", "demotions", "direct_dispatches",
+                            "fair_dispatches"):
                     out[key] = after[key] - counters_before[key]
                 out["health_ok"] = float(sched.health().state.value == "running")
             proc.wait(timeout=30)
