@@ -24,6 +24,8 @@
  *    runnable tasks. Unboosted tasks queue per NUMA node (one queue on a single-node host), all ordered
  *    by the one vtime clock: a CPU takes from its node's queue, from a more crowded node's when the queues
  *    drift apart by more than a task per CPU, and from any node's when its own is empty.
+ *  - a woken task takes an idle CPU when there is one (the kernel's pick, asked without the synchronous
+ *    flag, so never the waker's busy CPU); else the rules above and below place it.
  *  - an unboosted waker (the head-start tier judged as its unboosted twin) preempts the unboosted task of a
  *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF.
  *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
