@@ -77,11 +77,16 @@ def child(request: dict[str, object], fds: list[int]) -> None:
 
 
 def serve(path: str) -> None:
+    # Bound and listening under another name, then renamed into place: the agent waits for `path` to
+    # exist, and a connect between bind() and listen() is refused (it then ran the script cold; seen in
+    # make test under load).
+    staging = f"{path}.{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(staging)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(staging)
     listener.listen(16)
+    os.replace(staging, path)
     # SIGCHLD wakes the loop through this pipe; children are reaped there
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
