@@ -37,6 +37,7 @@ from tests.vm.sched_workloads import (
     fork_worker,
     key_for,
     load_intruder,
+    measure_stalls,
     node_cpus,
     numa_nodes,
     schedstat,
@@ -65,41 +66,6 @@ def boost(backend: SchedExtBackend, prios: dict[int, int]) -> None:
             key, start = key_for(KeyKind.TID, pid)
             upserts[key] = Entry(prio, 0, start)
     backend.apply(upserts, [])
-
-
-def measure_stalls(seconds: float) -> Callable[[], dict[str, float]]:
-    """Fork a SCHED_FIFO 99 process that sleeps 1 ms at a time for `seconds` and adds up every oversleep
-    past 20 ms. Nothing in the guest can delay it that long but the emulator itself: a TCG guest loses the
-    host CPU for tens of ms on a loaded machine, and a task's measured wait includes that time, which no
-    guest scheduler can help (the bound excludes it, as it excludes RT time). Shorter oversleeps are the
-    emulated timer's usual lateness (up to ~12 ms measured, about 2 s of it in 3 s), not stalls. Returns a
-    function that waits for the end and gives the total and the longest stall in ms."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
-            total = longest = 0.0
-            end = time.monotonic() + seconds
-            while (t := time.monotonic()) < end:
-                time.sleep(0.001)
-                late = time.monotonic() - t - 0.001
-                if late > 0.020:
-                    total += late
-                    longest = max(longest, late)
-            os.write(w, json.dumps({"total_ms": total * 1e3, "longest_ms": longest * 1e3}).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-
-    def result() -> dict[str, float]:
-        with os.fdopen(r) as f:
-            data = f.read()
-        os.waitpid(pid, 0)
-        return dict(json.loads(data))
-
-    return result
 
 
 def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float,

@@ -307,14 +307,18 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
     # 50 cgroups at 3 % each: none over its cap, all of them run, and together no more than the caps allow.
     # Not compared with EEVDF's total: under TCG it gives them less than their caps (1.01-1.38 of 1.5
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
-    # and up to 0.043 for one cgroup; with it 1.42 and 0.033.
-    assert ours["many_max"] <= 0.03 + CPU_MAX_TOLERANCE, ours
+    # and up to 0.043 for one cgroup; with it 1.42 and 0.033. The time the emulator stopped a vCPU is run
+    # time of the hog it ran, which no limit can hold back (measured by a SCHED_FIFO sleeper per CPU): a
+    # two-lane make test once read 0.085 for one cgroup (2026-12-06, 6.12), alone 0.031 in five runs.
+    stolen = ours["many_stalls_ms"] / 1e3 / CPU_MAX_SECONDS
+    print("50 cgroups: the most one got, the stalls' share of the window:", ours["many_max"], stolen)
+    assert ours["many_max"] <= 0.03 + CPU_MAX_TOLERANCE + stolen, ours
     assert ours["many_min"] > 0, ours
     # A window of W seconds holds at most ceil(W / period) + 1 periods' quota of each cgroup (it can open
     # just before one refill and close just after another): 50 x 3 ms x 21 over 2 s, 1.575 CPUs. Measured
     # 1.42 on a quiet machine and 1.539 once in a two-lane make test; 1.64-1.67 before the stop timer.
     periods = math.ceil(CPU_MAX_SECONDS / BW_PERIOD_S) + 1
-    assert ours["many_total"] <= 50 * 0.003 * periods / CPU_MAX_SECONDS, ours
+    assert ours["many_total"] <= 50 * 0.003 * periods / CPU_MAX_SECONDS + stolen, ours
     assert out["counters"]["bw_parked"] > 0 and out["counters"]["bw_released"] > 0, out["counters"]
     # the stop timer ended runs (its first version was cancelled in stopping, which on kernels before the
     # 7.x timer rework also dropped its callback: every start after the first failed)
