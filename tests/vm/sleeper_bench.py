@@ -142,26 +142,14 @@ TRACE_LINE = re.compile(r"^\s*.+?-\d+\s+(?:\(\s*[\d-]+\)\s+)?\[(\d+)\]\s+\S+\s+[
 def tick_trace() -> Iterator[list[str]]:
     """The timer ticks, and cyclictest's wake-ups and switches in, for the block; the trace text lands in
     the list. Filtered by its name, so a few thousand lines to read, not every switch of the hogs."""
-    tracing = wake_trace.TRACING
-    (tracing / "tracing_on").write_text("0")
-    (tracing / "buffer_size_kb").write_text("4096")
-    (tracing / "trace").write_text("")
-    (tracing / "events/sched/sched_wakeup/filter").write_text('comm == "cyclictest"')
-    (tracing / "events/sched/sched_switch/filter").write_text('next_comm == "cyclictest"')
-    for event in TICK_EVENTS:
-        (tracing / "events" / event / "enable").write_text("1")
-    (tracing / "tracing_on").write_text("1")
     text: list[str] = []
     try:
-        yield text
+        with wake_trace.tracing(4096, TICK_EVENTS, {"sched/sched_wakeup": 'comm == "cyclictest"',
+                                                    "sched/sched_switch": 'next_comm == "cyclictest"'}):
+            yield text
     finally:
-        (tracing / "tracing_on").write_text("0")
-        for event in TICK_EVENTS:
-            (tracing / "events" / event / "enable").write_text("0")
-        text.append((tracing / "trace").read_text())
-        (tracing / "trace").write_text("")
-        for event in ("sched_wakeup", "sched_switch"):
-            (tracing / "events/sched" / event / "filter").write_text("0")
+        text.append((wake_trace.TRACING / "trace").read_text())
+        (wake_trace.TRACING / "trace").write_text("")
 
 
 def waited_ticks(text: str, tid: int) -> dict[str, float]:

@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,16 @@ CASES = {
 
 
 @contextlib.contextmanager
-def tracing(buffer_kb: int = 16384, events: tuple[str, ...] = EVENTS) -> Iterator[None]:
-    """`events` (those this kernel has) traced for the block, on the monotonic clock; the text stays in
-    the trace buffer for the caller to read."""
+def tracing(buffer_kb: int = 16384, events: tuple[str, ...] = EVENTS,
+            filters: Mapping[str, str] | None = None) -> Iterator[None]:
+    """`events` (those this kernel has) traced for the block, on the monotonic clock, with `filters`
+    (event: filter, cleared after); the text stays in the trace buffer for the caller to read."""
     (TRACING / "tracing_on").write_text("0")
     (TRACING / "trace_clock").write_text("mono")
     (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
     (TRACING / "trace").write_text("")
+    for event, expr in (filters or {}).items():
+        (TRACING / "events" / event / "filter").write_text(expr)
     for event in events:
         enable = TRACING / "events" / event / "enable"
         if enable.exists():
@@ -76,6 +79,8 @@ def tracing(buffer_kb: int = 16384, events: tuple[str, ...] = EVENTS) -> Iterato
             enable = TRACING / "events" / event / "enable"
             if enable.exists():
                 enable.write_text("0")
+        for event in filters or {}:
+            (TRACING / "events" / event / "filter").write_text("0")
 
 
 def parse(text: str) -> Iterator[tuple[float, int, int, str, dict[str, str]]]:
