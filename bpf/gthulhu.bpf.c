@@ -27,7 +27,9 @@
  *  - a woken task takes an idle CPU when there is one (the kernel's pick, asked without the synchronous
  *    flag, so never the waker's busy CPU); else the rules above and below place it.
  *  - an unboosted waker (the head-start tier judged as its unboosted twin) preempts the unboosted task of a
- *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF.
+ *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF; one
+ *    that shares its group with other runnable tasks is judged with a slice at its own weight of credit,
+ *    against a run past its first millisecond (a sleeper in a crowded session, without hackbench's chains).
  *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
  *    pool by at most one default slice (so a demoted task waits little), and its `served` measure by at
  *    most one window past the later of the fair pool's clock and the reserve's own.
@@ -176,10 +178,12 @@ static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
  * is its vtime plus what a whole slice costs it at its weight (slice_vtime): a light sleeper alone in its
  * session pays one slice for it, each of eight hogs sharing another session eight. A waking task preempts
  * the unboosted task a CPU runs when it is eligible (its vtime not past the pool's, vtime_now: it has not
- * had more than its share) and its deadline comes first. The head-start tier is judged on its full-charge
- * vtime both as waker and as the running task (twin_vtime): its head start is CPU share, never a place
- * ahead at wake-up. The rule this replaced (half a slice behind the running task's vtime) held for a
- * sleeper floored one slice behind the pool only against the task that started last (docs/scheduler.md).
+ * had more than its share) and its deadline comes first, its vtime floored one default slice behind the
+ * pool, or one slice at its own weight against a run older than PROTECT_NS (wakeup_preempts). The
+ * head-start tier is judged on its full-charge vtime both as waker and as the running task (twin_vtime):
+ * its head start is CPU share, never a place ahead at wake-up. The rule this replaced (half a slice behind
+ * the running task's vtime) held for a sleeper floored one slice behind the pool only against the task
+ * that started last (docs/scheduler.md).
  */
 static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 {
@@ -195,12 +199,38 @@ static __always_inline bool local_free(s32 cpu)
 	return !scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | cpu);
 }
 
-static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 vtime)
+/*
+ * A run younger than this is safe from a waker that only its own slice's credit lets preempt: wakers of one
+ * crowded group (hackbench's 80 tasks) would otherwise preempt each other's short runs in chains.
+ */
+#define PROTECT_NS 1000000ULL
+
+/* Eligible (not past the pool), deadline before the running task's, its vtime floored `credit` behind. */
+static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 full, u64 credit)
+{
+	u64 floor = vtime_now - credit, vtime = before(full, floor) ? floor : full;
+
+	return !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline);
+}
+
+/*
+ * The rule, on the task's full-charge vtime: with a sleeper's usual credit (one default slice), or with one
+ * slice at its own weight against a run older than PROTECT_NS. A sleeper sharing its session with eight
+ * hogs pays nine default slices of vtime for a slice of its own: one default slice of credit left it judged
+ * behind the running hog at most wake-ups (4.4x EEVDF's latency). One slice at its own weight is the credit
+ * a lone sleeper has, in its group's terms, as EEVDF bounds a sleeper's lag by its own slice.
+ */
+static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 now)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
+	u64 full = tctx->vtime + tctx->forgiven;
 
-	return c && !c->prio && !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline) &&
-	       local_free(cpu);
+	if (!c || c->prio || !local_free(cpu))
+		return false;
+	if (beats(tctx, c, full, settings.default_slice_ns))
+		return true;
+	return slice_vtime(tctx) > settings.default_slice_ns && now - c->run_start >= PROTECT_NS &&
+	       beats(tctx, c, full, slice_vtime(tctx));
 }
 
 /* CPUs an unboosted waker looks at after its default pick, in its node, for one whose task it preempts. */
@@ -213,20 +243,20 @@ static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 
  */
 static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 from)
 {
-	u64 vtime = twin_vtime(tctx), latest = 0;
+	u64 now = bpf_ktime_get_ns(), latest = 0;
 	u32 n = settings.nr_cpus, node = domain_of(from);
 	struct bpf_iter_num it;
 	struct cpu_ctx *c;
 	s32 best = -1, cpu;
 	int *i;
 
-	if (wakeup_preempts(tctx, from, vtime))
+	if (wakeup_preempts(tctx, from, now))
 		return from;
 	bpf_iter_num_new(&it, 1, n <= WAKE_SCAN ? n : WAKE_SCAN + 1);
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
 		if (domain_of(cpu) != node || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-		    !wakeup_preempts(tctx, cpu, vtime))
+		    !wakeup_preempts(tctx, cpu, now))
 			continue;
 		c = cpu_ctx_of(cpu);
 		if (c && (best < 0 || before(latest, c->deadline))) {
@@ -258,7 +288,8 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 		cpu = find_preemptible(p, tctx, cpu);
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
-	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) || !wakeup_preempts(tctx, cpu, twin_vtime(tctx))) {
+	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
+	    !wakeup_preempts(tctx, cpu, bpf_ktime_get_ns())) {
 		if (!boosted)
 			count(fair_wakeups_queued);
 		return false;
@@ -781,6 +812,7 @@ void OP(gthulhu_running, struct task_struct *p)
 		set_cpu_prio(cpu, c, tctx->prio);
 		c->vtime = tctx->vtime;
 		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
+		c->run_start = tctx->started_at;
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
 		bw_limit_run(tctx, c, p->scx.slice, tctx->started_at);
 	}

@@ -186,6 +186,7 @@ struct cpu_ctx {
 	u32 boost_waker;   /* a boosted waker was inserted to preempt the current run (cut_short) */
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
+	u64 run_start;     /* when its current run started (running) */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
 };
 
