@@ -28,7 +28,7 @@
  *    flag, so never the waker's busy CPU); else the rules above and below place it.
  *  - an unboosted waker (the head-start tier judged as its unboosted twin) preempts the unboosted task of a
  *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF; one
- *    that shares its group with other runnable tasks is judged with a slice at its own weight of credit,
+ *    that shares its group with other runnable tasks is judged with a default slice at its weight of credit,
  *    against a run past its first millisecond (a sleeper in a crowded session, without hackbench's chains).
  *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
  *    pool by at most one default slice (so a demoted task waits little), and its `served` measure by at
@@ -179,7 +179,7 @@ static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
  * session pays one slice for it, each of eight hogs sharing another session eight. A waking task preempts
  * the unboosted task a CPU runs when it is eligible (its vtime not past the pool's, vtime_now: it has not
  * had more than its share) and its deadline comes first, its vtime floored one default slice behind the
- * pool, or one slice at its own weight against a run older than PROTECT_NS (wakeup_preempts). The
+ * pool, or one default slice at its own weight against a run older than PROTECT_NS (wakeup_preempts). The
  * head-start tier is judged on its full-charge vtime both as waker and as the running task (twin_vtime):
  * its head start is CPU share, never a place ahead at wake-up. The rule this replaced (half a slice behind
  * the running task's vtime) held for a sleeper floored one slice behind the pool only against the task
@@ -200,7 +200,7 @@ static __always_inline bool local_free(s32 cpu)
 }
 
 /*
- * A run younger than this is safe from a waker that only its own slice's credit lets preempt: wakers of one
+ * A run younger than this is safe from a waker that only its larger credit lets preempt: wakers of one
  * crowded group (hackbench's 80 tasks) would otherwise preempt each other's short runs in chains.
  */
 #define PROTECT_NS 1000000ULL
@@ -214,23 +214,26 @@ static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 
 }
 
 /*
- * The rule, on the task's full-charge vtime: with a sleeper's usual credit (one default slice), or with one
- * slice at its own weight against a run older than PROTECT_NS. A sleeper sharing its session with eight
- * hogs pays nine default slices of vtime for a slice of its own: one default slice of credit left it judged
- * behind the running hog at most wake-ups (4.4x EEVDF's latency). One slice at its own weight is the credit
- * a lone sleeper has, in its group's terms, as EEVDF bounds a sleeper's lag by its own slice.
+ * The rule, on the task's full-charge vtime: with a sleeper's usual credit (one default slice of vtime),
+ * or, for a woken task (not a cut run re-placed), with what a default slice costs it at its weight
+ * (wake_credit) against a run older than PROTECT_NS. A sleeper sharing its session with eight hogs pays
+ * nine default slices of vtime for one default slice of run: one default slice of vtime credit left it
+ * judged behind the running hog at most wake-ups (4.4x EEVDF's latency). One default slice of run is the
+ * credit a lone nice 0 sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's
+ * own longer slice buys it no credit: its later deadline stays later.
  */
-static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 now)
+static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 now, bool woken)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
-	u64 full = tctx->vtime + tctx->forgiven;
+	u64 full = tctx->vtime + tctx->forgiven, credit = settings.default_slice_ns;
 
-	if (!c || c->prio || !local_free(cpu))
+	if (!c || c->prio)
 		return false;
-	if (beats(tctx, c, full, settings.default_slice_ns))
-		return true;
-	return slice_vtime(tctx) > settings.default_slice_ns && now - c->run_start >= PROTECT_NS &&
-	       beats(tctx, c, full, slice_vtime(tctx));
+	if (!beats(tctx, c, full, credit) &&
+	    (!woken || tctx->wake_credit <= credit || before(now, c->run_start + PROTECT_NS) ||
+	     !beats(tctx, c, full, tctx->wake_credit)))
+		return false;
+	return local_free(cpu);
 }
 
 /* CPUs an unboosted waker looks at after its default pick, in its node, for one whose task it preempts. */
@@ -241,7 +244,7 @@ static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 
  * cache) if it qualifies, else the one with the latest deadline among the WAKE_SCAN CPUs after it in its
  * node; -1 if none.
  */
-static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 from)
+static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 from, bool woken)
 {
 	u64 now = bpf_ktime_get_ns(), latest = 0;
 	u32 n = settings.nr_cpus, node = domain_of(from);
@@ -250,13 +253,13 @@ static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 fr
 	s32 best = -1, cpu;
 	int *i;
 
-	if (wakeup_preempts(tctx, from, now))
+	if (wakeup_preempts(tctx, from, now, woken))
 		return from;
 	bpf_iter_num_new(&it, 1, n <= WAKE_SCAN ? n : WAKE_SCAN + 1);
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
 		if (domain_of(cpu) != node || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-		    !wakeup_preempts(tctx, cpu, now))
+		    !wakeup_preempts(tctx, cpu, now, woken))
 			continue;
 		c = cpu_ctx_of(cpu);
 		if (c && (best < 0 || before(latest, c->deadline))) {
@@ -285,11 +288,11 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 
 	tctx->cut_short = 0; /* one re-placement per cut: a later enqueue (setaffinity, nice) is not one */
 	if (!(enq_flags & ENQ_WAKEUP) && cut && p->nr_cpus_allowed > 1)
-		cpu = find_preemptible(p, tctx, cpu);
+		cpu = find_preemptible(p, tctx, cpu, false);
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
 	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-	    !wakeup_preempts(tctx, cpu, bpf_ktime_get_ns())) {
+	    !wakeup_preempts(tctx, cpu, bpf_ktime_get_ns(), enq_flags & ENQ_WAKEUP)) {
 		if (!boosted)
 			count(fair_wakeups_queued);
 		return false;
@@ -371,7 +374,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	tctx->cached = 1;
 	/* Unboosted (the head-start tier too): a CPU whose task it preempts by the wake-up rule, else the pick. */
 	if (!prio) {
-		victim = p->nr_cpus_allowed > 1 && !bw_held(tctx, now) ? find_preemptible(p, tctx, cpu) : -1;
+		victim = p->nr_cpus_allowed > 1 && !bw_held(tctx, now) ? find_preemptible(p, tctx, cpu, true) : -1;
 		return victim >= 0 ? victim : cpu;
 	}
 	/*
@@ -811,8 +814,8 @@ void OP(gthulhu_running, struct task_struct *p)
 	if (c) {
 		set_cpu_prio(cpu, c, tctx->prio);
 		c->vtime = tctx->vtime;
+		c->run_start = tctx->started_at; /* before the deadline: a reader seeing the new one sees it */
 		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
-		c->run_start = tctx->started_at;
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
 		bw_limit_run(tctx, c, p->scx.slice, tctx->started_at);
 	}
@@ -1082,6 +1085,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	weight = effective_weight(p, tctx);
 	charge = charge_at(used, weight);
 	tctx->slice_vtime = charge_at(tctx->slice ?: settings.default_slice_ns, weight);
+	tctx->wake_credit = charge_at(settings.default_slice_ns, weight);
 	tctx->served += charge;
 	/*
 	 * The head-start tier: part of the charge forgiven (at most half, so at most twice the unboosted share;

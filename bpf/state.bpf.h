@@ -108,6 +108,7 @@ struct task_ctx {
 	u32 prio;         /* rank of the current/queued run after the guard (strength_of): 0 fair */
 	u32 group_is_cgroup;
 	u64 slice_vtime;  /* what a whole slice costs it at its weight, charged in full (last run); 0 before one */
+	u64 wake_credit;  /* what a default slice costs it at its weight (last run): its credit at wake-up */
 	u32 cut_short;    /* its last run was preempted by a boosted waker before its slice ended */
 	u32 woke;         /* its current or next run is its first since it became runnable (ops.runnable) */
 	struct gthulhu_task_stats stats; /* explain's per-task counters: the agent finds them by BTF */

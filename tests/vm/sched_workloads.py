@@ -829,11 +829,15 @@ def _parent_and_many(seconds: float, many: bool = True) -> dict[str, Any]:
         for i, m in enumerate(many):
             hogs.update(_hogs_in(m, f"many{i}-", 1, pids))
         time.sleep(0.5)
-        # a vCPU the host stops for 100 ms counts 100 ms of run time to the hog it ran, which no limit can
-        # prevent: measured beside the shares (10 ms apart, so 200 RT wake-ups a second cut few runs)
-        stalls = [measure_stalls(seconds, cpu, 0.01) for cpu in sorted(os.sched_getaffinity(0))]
-        shares = cpu_shares(hogs, seconds)
-        out["many_stalls_ms"] = sum(s()["total_ms"] for s in stalls)
+        # A vCPU the host stops for 100 ms counts 100 ms of run time to the hog it ran, which no limit can
+        # prevent: measured per CPU beside the shares (10 ms apart, so 200 RT wake-ups a second cut few
+        # runs). A window the host stalled for a tenth of it or more is measured again, up to three times.
+        for _ in range(3):
+            stalls = [measure_stalls(seconds, cpu, 0.01) for cpu in sorted(os.sched_getaffinity(0))]
+            shares = cpu_shares(hogs, seconds)
+            out["many_stalls_ms"] = [s()["total_ms"] for s in stalls]
+            if sum(out["many_stalls_ms"]) / 1e3 < 0.1 * seconds:
+                break
         out["many_max"] = max(shares.values())
         out["many_min"] = min(shares.values())
         out["many_total"] = sum(shares.values())

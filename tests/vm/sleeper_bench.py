@@ -142,6 +142,9 @@ TRACE_LINE = re.compile(r"^\s*.+?-\d+\s+(?:\(\s*[\d-]+\)\s+)?\[(\d+)\]\s+\S+\s+[
 def tick_trace() -> Iterator[list[str]]:
     """The timer ticks, and cyclictest's wake-ups and switches in, for the block; the trace text lands in
     the list. Filtered by its name, so a few thousand lines to read, not every switch of the hogs."""
+    missing = [e for e in TICK_EVENTS if not (wake_trace.TRACING / "events" / e).exists()]
+    if missing:  # tracing() skips them, and waited_ticks would read no wait at all
+        raise RuntimeError(f"this kernel has no {missing} trace events")
     text: list[str] = []
     try:
         with wake_trace.tracing(4096, TICK_EVENTS, {"sched/sched_wakeup": 'comm == "cyclictest"',

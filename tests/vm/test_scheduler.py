@@ -309,10 +309,15 @@ def test_cpu_max_is_enforced(lab: Any) -> None:
     # CPUs). Before the per-CPU stop timer (runs ended only at ticks) a quiet machine gave ours 1.64-1.67
     # and up to 0.043 for one cgroup; with it 1.42 and 0.033. The time the emulator stopped a vCPU is run
     # time of the hog it ran, which no limit can hold back (measured by a SCHED_FIFO sleeper per CPU): a
-    # two-lane make test once read 0.085 for one cgroup (2026-12-06, 6.12), alone 0.031 in five runs.
-    stolen = ours["many_stalls_ms"] / 1e3 / CPU_MAX_SECONDS
-    print("50 cgroups: the most one got, the stalls' share of the window:", ours["many_max"], stolen)
-    assert ours["many_max"] <= 0.03 + CPU_MAX_TOLERANCE + stolen, ours
+    # two-lane make test once read 0.085 for one cgroup (2026-12-06, 6.12), alone 0.030-0.031 in four runs.
+    # One cgroup's hog sits on one CPU, so it gains at most one CPU's stalls; the total gains them all. The
+    # scenario measures again while stalls took a tenth of the window, so they can never excuse caps
+    # ignored altogether (2 CPUs of hogs against the 1.575 allowed).
+    stalls = ours["many_stalls_ms"]
+    print("50 cgroups: the most one got, stalls per CPU (ms):", ours["many_max"], stalls)
+    assert sum(stalls) / 1e3 < 0.1 * CPU_MAX_SECONDS, ("three windows the host stalled", stalls)
+    stolen = sum(stalls) / 1e3 / CPU_MAX_SECONDS
+    assert ours["many_max"] <= 0.03 + CPU_MAX_TOLERANCE + max(stalls) / 1e3 / CPU_MAX_SECONDS, ours
     assert ours["many_min"] > 0, ours
     # A window of W seconds holds at most ceil(W / period) + 1 periods' quota of each cgroup (it can open
     # just before one refill and close just after another): 50 x 3 ms x 21 over 2 s, 1.575 CPUs. Measured
