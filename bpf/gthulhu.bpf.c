@@ -814,7 +814,7 @@ void OP(gthulhu_running, struct task_struct *p)
 	if (c) {
 		set_cpu_prio(cpu, c, tctx->prio);
 		c->vtime = tctx->vtime;
-		c->run_start = tctx->started_at; /* before the deadline: a reader seeing the new one sees it */
+		c->run_start = tctx->started_at; /* before the deadline; read unlocked, the pair is a hint */
 		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
 		bw_limit_run(tctx, c, p->scx.slice, tctx->started_at);
