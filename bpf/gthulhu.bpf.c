@@ -213,6 +213,13 @@ static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 
 	return !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline);
 }
 
+/* What wakeup_preempts found; WAKE_NO is false, so a caller may test it as a bool. */
+enum wake_verdict {
+	WAKE_NO,     /* the rule does not hold, or the CPU's local DSQ is not free */
+	WAKE_USUAL,  /* holds with the usual credit */
+	WAKE_CREDIT, /* holds only with the crowded-group credit (fair_preemptions_credit) */
+};
+
 /*
  * The rule, on the task's full-charge vtime: with a sleeper's usual credit (one default slice of vtime),
  * or, for a woken task (not a cut run re-placed), with what a default slice costs it at its weight
@@ -222,18 +229,22 @@ static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 
  * credit a lone nice 0 sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's
  * own longer slice buys it no credit: its later deadline stays later.
  */
-static __always_inline bool wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 now, bool woken)
+static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 now,
+							 bool woken)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 	u64 full = tctx->vtime + tctx->forgiven, credit = settings.default_slice_ns;
+	enum wake_verdict verdict = WAKE_USUAL;
 
 	if (!c || c->prio)
-		return false;
-	if (!beats(tctx, c, full, credit) &&
-	    (!woken || tctx->wake_credit <= credit || before(now, c->run_start + PROTECT_NS) ||
-	     !beats(tctx, c, full, tctx->wake_credit)))
-		return false;
-	return local_free(cpu);
+		return WAKE_NO;
+	if (!beats(tctx, c, full, credit)) {
+		if (!woken || tctx->wake_credit <= credit || before(now, c->run_start + PROTECT_NS) ||
+		    !beats(tctx, c, full, tctx->wake_credit))
+			return WAKE_NO;
+		verdict = WAKE_CREDIT;
+	}
+	return local_free(cpu) ? verdict : WAKE_NO;
 }
 
 /* CPUs an unboosted waker looks at after its default pick, in its node, for one whose task it preempts. */
@@ -283,6 +294,7 @@ static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 fr
  */
 static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags, bool boosted)
 {
+	enum wake_verdict verdict = WAKE_NO;
 	s32 cpu = scx_bpf_task_cpu(p);
 	bool cut = tctx->cut_short;
 
@@ -291,8 +303,9 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 		cpu = find_preemptible(p, tctx, cpu, false);
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
-	if (cpu < 0 || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-	    !wakeup_preempts(tctx, cpu, bpf_ktime_get_ns(), enq_flags & ENQ_WAKEUP)) {
+	if (cpu >= 0 && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
+		verdict = wakeup_preempts(tctx, cpu, bpf_ktime_get_ns(), enq_flags & ENQ_WAKEUP);
+	if (verdict == WAKE_NO) {
 		if (!boosted)
 			count(fair_wakeups_queued);
 		return false;
@@ -303,6 +316,8 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 		return false;
 	}
 	count(fair_preemptions);
+	if (verdict == WAKE_CREDIT)
+		count(fair_preemptions_credit);
 	tctx->stats.preemptions++;
 	if (!(enq_flags & ENQ_WAKEUP)) {
 		dsq_insert_vtime(p, fair_dsq(domain_of(cpu)), slice, fair_vtime(tctx), enq_flags);

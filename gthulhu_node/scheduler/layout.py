@@ -64,6 +64,7 @@ STAT_COUNTERS = (
     "victim_scans",
     "fair_wakeups_queued",
     "fair_wakeups_held",
+    "fair_preemptions_credit",
 )
 #: current sizes, not events: they go down as well as up (.bss, exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

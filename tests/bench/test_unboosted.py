@@ -88,6 +88,12 @@ def print_table(data: dict[str, Any]) -> None:
               f"{f'{statistics.median(steps):.1f}' if steps else '-':>16}{cells}")
     print(f"goal: ours / EEVDF of the medians <= {GOAL:.2f} for avg, p99, hackbench and pipe (max and the"
           " hogs reported)")
+    print("ours' wake-up preemptions by the unboosted rule per run, median [min-max]: all of them, and those"
+          " only the crowded-group credit allowed")
+    for case, rs in runs.items():
+        if column(rs, "fair_preemptions"):
+            print(f"  {case:28}{fig(column(rs, 'fair_preemptions'), ',.0f'):>22}"
+                  f"{fig(column(rs, 'fair_preemptions_credit'), ',.0f'):>22}")
 
 
 def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:

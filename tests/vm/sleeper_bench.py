@@ -272,7 +272,7 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any) -
         if sched is not None:
             after = sched.counters()
             for key in ("fair_preemptions", "fair_dispatches", "direct_dispatches", "preemptions",
-                        "demotions", "fair_wakeups_queued", "fair_wakeups_held"):
+                        "demotions", "fair_wakeups_queued", "fair_wakeups_held", "fair_preemptions_credit"):
                 out[key] = after.get(key, 0) - counters.get(key, 0)
             out["health_ok"] = float(sched.health().state.value == "running")
     out.update(hog)
