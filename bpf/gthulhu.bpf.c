@@ -208,7 +208,7 @@ static __always_inline bool local_free(s32 cpu)
 /* Eligible (not past the pool), deadline before the running task's, its vtime floored `credit` behind. */
 static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 full, u64 credit)
 {
-	u64 floor = vtime_now - credit, vtime = before(full, floor) ? floor : full;
+	u64 vtime = floored_by(full, credit);
 
 	return !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline);
 }

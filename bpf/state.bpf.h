@@ -274,12 +274,18 @@ static __always_inline void kick_idle(struct task_struct *p)
 		scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
+/* A vtime at most `credit` behind the pool: what a sleeper keeps of its time asleep. */
+static __always_inline u64 floored_by(u64 vtime, u64 credit)
+{
+	u64 floor = vtime_now - credit;
+
+	return before(vtime, floor) ? floor : vtime;
+}
+
 /* A vtime with a sleeper's floor: at most one default slice of credit. */
 static __always_inline u64 floored(u64 vtime)
 {
-	u64 floor = vtime_now - settings.default_slice_ns;
-
-	return before(vtime, floor) ? floor : vtime;
+	return floored_by(vtime, settings.default_slice_ns);
 }
 
 /* The fair-pool key of an unboosted enqueue. */
