@@ -69,6 +69,7 @@ def test_governed_is_exactly_what_matches_lists(world: Any) -> None:
     # /proc: every thread alive through the call is explained (one explained beyond those lived for part
     # of it, which two reads of /proc cannot confirm).
     assert before & after <= explained
+    assert all(t.tgid == os.getpid() for t in threads)
     governed = {t.tid: t.winner for t in threads if t.winner}
     assert governed == listed and len(governed) == 2
     assert all(t.agent_winner == t.winner for t in threads)

@@ -40,6 +40,7 @@ from gthulhu_node.config import SchedulerConfig
 from gthulhu_node.limits import boost_levels_strongest_first
 from gthulhu_node.scheduler import libbpf, loader
 from gthulhu_node.scheduler.backend import SchedExtBackend, task_start_time
+from tests.vm.shares import STALLED_WINDOW
 from tests.vm.switch_trace import switches
 
 STRONGEST = boost_levels_strongest_first()[0]  # the top level, whichever number the scale gives it
@@ -808,11 +809,6 @@ def _changed_limits(cg: Path, hog: dict[str, int], seconds: float,
         after = backend.counters()
         out["boosted_small_counters"] = {n: after[n] - before[n] for n in after if n.startswith("bw_")}
     return out
-
-
-#: the share of the 50 cgroups' window the host may stall before it is measured again (_parent_and_many;
-#: test_scheduler's cpu.max test fails on a window stalled that long three times)
-STALLED_WINDOW = 0.1
 
 
 def _parent_and_many(seconds: float, many: bool = True) -> dict[str, Any]:

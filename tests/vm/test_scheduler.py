@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from tests.vm import matrix, scenarios
-from tests.vm.sched_workloads import STALLED_WINDOW
-from tests.vm.shares import close, leaves_off_eevdf
+from tests.vm.shares import STALLED_WINDOW, close, leaves_off_eevdf
 
 pytestmark = pytest.mark.vm
 # Every check on both kernels of the matrix (6.12 LTS and 7.3), each in one boot of its own.
