@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from gthulhu_node.backends.eevdf_policy import nice_for_priority
 from gthulhu_node.backends.sched_attr import (
     KERNEL_SLICE_MAX_NS,
     KERNEL_SLICE_MIN_NS,
+    PROBE_THREAD,
     SCHED_OTHER,
     SchedAttr,
     SchedAttrSyscalls,
@@ -55,13 +57,22 @@ class FakeKernel(SchedAttrSyscalls):
     calls: list[tuple[str, int]] = field(default_factory=list)
     honours_slices: bool = True
     refuse: set[int] = field(default_factory=set)
+    probe_threads: dict[int, _Task] = field(default_factory=dict)
 
     def __post_init__(self) -> None:  # no ctypes: nothing here reaches the real kernel
         pass
 
+    def _task(self, tid: int) -> _Task:
+        """The probe's throwaway thread is a real one, the tests' tids are made up: in a container with
+        few pids the two can be the same number, which a kernel would never confuse, so neither does
+        this fake (CI once saw the probe rewrite made-up thread 701)."""
+        if threading.current_thread().name == PROBE_THREAD and tid == threading.get_native_id():
+            return self.probe_threads.setdefault(tid, _Task())
+        return self.tasks.setdefault(tid, _Task())
+
     def get(self, tid: int) -> SchedAttr:
         self.calls.append(("get", tid))
-        t = self.tasks.setdefault(tid, _Task())  # the probe's own thread shows up unannounced
+        t = self._task(tid)
         runtime = (t.request or BASE) if self.honours_slices else 0
         return SchedAttr(t.policy, t.nice, runtime, t.reset_on_fork)
 
@@ -69,7 +80,7 @@ class FakeKernel(SchedAttrSyscalls):
         self.calls.append(("set", tid))
         if tid in self.refuse:
             raise OSError(errno.EPERM, "operation not permitted")
-        t = self.tasks.setdefault(tid, _Task())
+        t = self._task(tid)
         t.policy, t.nice, t.reset_on_fork = attr.policy, max(-20, min(19, attr.nice)), attr.reset_on_fork
         if self.honours_slices:
             t.request = (
@@ -157,6 +168,18 @@ def test_kernel_that_ignores_slice_requests_is_unavailable() -> None:
     assert not found.ok and "6.12" in found.reason
     with pytest.raises(BackendUnavailable, match=r"6\.12"):
         EevdfBackend(syscalls=FakeKernel(honours_slices=False)).start()
+
+
+def test_the_probes_real_thread_is_not_a_made_up_thread_of_the_same_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI's container gave the probe's throwaway thread id 701, one of the journal test's made-up tids:
+    the fake kernel let the probe rewrite that thread (nice -18, a 2 ms request), and the journal test
+    read it as a thread its successor had failed to restore."""
+    kernel = FakeKernel(tasks={701: _Task(nice=-17)})
+    monkeypatch.setattr(threading, "get_native_id", lambda: 701)
+    assert probe(kernel).ok
+    assert kernel.tasks == {701: _Task(nice=-17)}
 
 
 def test_without_privilege_the_backend_is_unavailable() -> None:
@@ -264,8 +287,6 @@ def test_a_journal_left_by_an_earlier_version_is_restored_then_removed(tmp_path:
 def test_engine_slice_refused_costs_a_counted_error_not_the_write(tmp_path: Path) -> None:
     """The engine thread's slice request (issue 43) refused by the kernel: logged and counted once, and
     the entries are written all the same."""
-    import threading
-
     kernel = FakeKernel()
     me = threading.get_native_id()
     kernel.refuse.add(me)
