@@ -69,26 +69,25 @@ def boost(backend: SchedExtBackend, prios: dict[int, int]) -> None:
 
 
 def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float,
-            probe: Any = None, stalls_too: bool = False) -> dict[str, Any]:
+            probe: Any = None) -> dict[str, Any]:
     """Start the threads of `mix` ((priority, kind) with kind "spin" or "periodic"), boost them, measure
-    each one's share (and its waits, when a probe is given), stop them. With a probe, or `stalls_too`, the
-    emulator's stalls are measured beside: a SCHED_FIFO sleeper waking 1,000 times a second, whose CPU a
-    run it measures does not have, so a run compared with one that measured them must measure them too."""
+    each one's share (and its waits, when a probe is given), stop them. The emulator's stalls are measured
+    beside every run: a SCHED_FIFO sleeper waking 1,000 times a second, whose CPU the threads do not get,
+    so every run has it and any two runs compare (on a slow host, 2026-12-06, the level-18 threads got
+    0.70-0.75x of their unboosted share when only the boosted run had it beside them)."""
     bodies: dict[str, Callable[[], None]] = {"spin": spin, "periodic": busy_fraction(2, 6)}
+    waits: dict[int, Any] = {}
     with workers() as pids:
         started = [fork_worker(bodies[kind], f"mix{i}") for i, (_, kind) in enumerate(mix)]
         pids += started
         time.sleep(0.2)
         boost(backend, {pid: prio for pid, (prio, _) in zip(started, mix, strict=True)})
-        stalls = None
         if probe is not None:
             for i, pid in enumerate(started):
                 probe.add_target(pid, i)
-        if probe is not None or stalls_too:
-            stalls = measure_stalls(seconds)
+        stalls = measure_stalls(seconds)
         shares = cpu_shares({str(pid): pid for pid in started}, seconds)
-        waits: dict[int, Any] = {}
-        if probe is not None and stalls is not None:
+        if probe is not None:
             hists = probe.thread_histograms()
             for pid in started:
                 hist = hists.get(pid)
@@ -97,11 +96,9 @@ def run_mix(backend: SchedExtBackend, mix: list[tuple[int, str]], seconds: float
                     "count": hist.count, "hist": hist,
                 }
                 probe.remove_target(pid)
-            return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits,
-                    "stalls": stalls()}
-    if stalls is not None:
-        stalls()
-    return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits}
+        stalled = stalls()
+    return {"pids": started, "shares": [shares[str(pid)] for pid in started], "waits": waits,
+            "stalls": stalled}
 
 
 def inversion(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,10 +186,7 @@ def mixed(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 alt = list(mix)
                 alt[i] = (0, kind)
-                # measured as the mix was (the stall sleeper's CPU is not the threads'): on a slow host
-                # (2026-12-06) the level-18 threads, whose head start is a 14 % discount, got 0.70-0.75x
-                # of their unboosted share when only the boosted run had the sleeper beside it
-                cf = run_mix(backend, alt, args.seconds, stalls_too=True)
+                cf = run_mix(backend, alt, args.seconds)
                 compare.append({"thread": i, "prio": prio, "kind": kind, "boosted": res["shares"][i],
                                 "unboosted": cf["shares"][i]})
             waits = [res["waits"].get(pid) for pid in res["pids"]]
