@@ -66,8 +66,8 @@ def test_governed_is_exactly_what_matches_lists(world: Any) -> None:
     after = own_tids()
     explained = {t.tid for t in threads}
     # This process's short-lived threads (gRPC's, the agent's) may start or end while explain reads
-    # /proc: every thread alive through the call is explained (one explained beyond those lived for part
-    # of it, which two reads of /proc cannot confirm).
+    # /proc: every thread alive before and after the call is explained. A thread explained beyond those
+    # lived for part of the call, which two reads of /proc can neither confirm nor refute.
     assert before & after <= explained
     assert all(t.tgid == os.getpid() for t in threads)
     governed = {t.tid: t.winner for t in threads if t.winner}
