@@ -137,27 +137,29 @@ def test_priority_scale_from_sched_switch(lab: Any) -> None:
     assert statistics.median(ratios) + (max(ratios) - min(ratios)) / 2 < 1.0, (ratios, out)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known limit (docs/scheduler.md): with the other host core busy, 6.12's level-10 task preempted "
-    "the hog at 0.80-0.95 of its wake-ups, its twin at 0.65-0.84 (4 of 9 runs and 2 of 2 make test runs "
-    "failed); on a quiet host 0.70 against 0.69",
-)
 @both_kernels
 def test_head_start_preempts_a_hog_no_more_often_than_its_twin(lab: Any) -> None:
     """A level-10 task (the head-start tier: CPU share, not a place ahead at wake-up) beside a hog preempts
     it no more often than its unboosted twin does. The scheduler before issue 39 preempted at every
-    wake-up (1.00 against the twin's 0.80)."""
+    wake-up (1.00 against the twin's 0.80).
+
+    Known limit (docs/scheduler.md, the head-start tier): with the other host core busy, 6.12's level-10
+    task preempted the hog at 0.80-0.95 of its wake-ups, its twin at 0.65-0.84 (4 of 9 runs and 2 of 2
+    make test runs over the room; on a quiet host 0.70 against 0.69). Only that comparison reports an
+    expected failure (XFAIL, with the figures); every other check here fails the test."""
     out = _scale(lab)
     assert_still_ours(out)
     head, twin = out["head_over_hog"], out["twin_over_hog"]
     print(f"[scale] wake-ups that preempted the hog: head {head}, twin {twin}; CPU s (task, hog): head "
           f"{out.get('head_cpu_s')}, twin {out.get('twin_cpu_s')}", flush=True)
     assert head["runs"] >= 50 and twin["runs"] >= 50, out
+    assert _fraction(head) < 0.99, out  # not at every wake-up, as before issue 39
     # Each task's own count: 0.81 against 0.80 (7.3), 0.71 against 0.71 (6.12) on a quiet host since the
     # lead of two slices (2026-12-06; with one, 0.85/0.80, 0.78/0.72, once 0.88/0.73: docs/scheduler.md).
     # The room, a tenth of its wake-ups, is the noise between two phases of a few seconds
-    assert _fraction(head) <= _fraction(twin) + 0.1, out
+    if _fraction(head) > _fraction(twin) + 0.1:
+        pytest.xfail(f"known limit (docs/scheduler.md): the level-10 task preempted the hog at "
+                     f"{_fraction(head):.2f} of its wake-ups, its twin at {_fraction(twin):.2f} (room 0.1)")
 
 
 @both_kernels
