@@ -157,7 +157,6 @@ class Probe:
 
 
 PROBE_SLICE_NS = 2_000_000
-PROBE_THREAD = "eevdf-check"
 
 
 def probe(syscalls: SchedAttrSyscalls | None = None) -> Probe:
@@ -193,5 +192,5 @@ def probe(syscalls: SchedAttrSyscalls | None = None) -> Probe:
                 Probe(True, f"kernel {platform.release()} honours slice requests (EEVDF)", base_slice_ns=base)
             )
 
-    run_in_thread(PROBE_THREAD, run)
+    run_in_thread("eevdf-check", run)
     return result[0] if result else Probe(False, "probe thread failed")

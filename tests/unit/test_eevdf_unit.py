@@ -30,7 +30,6 @@ from gthulhu_node.backends.eevdf_policy import nice_for_priority
 from gthulhu_node.backends.sched_attr import (
     KERNEL_SLICE_MAX_NS,
     KERNEL_SLICE_MIN_NS,
-    PROBE_THREAD,
     SCHED_OTHER,
     SchedAttr,
     SchedAttrSyscalls,
@@ -63,10 +62,11 @@ class FakeKernel(SchedAttrSyscalls):
         pass
 
     def _task(self, tid: int) -> _Task:
-        """The probe's throwaway thread is a real one, the tests' tids are made up: in a container with
-        few pids the two can be the same number, which a kernel would never confuse, so neither does
-        this fake (CI once saw the probe rewrite made-up thread 701)."""
-        if threading.current_thread().name == PROBE_THREAD and tid == threading.get_native_id():
+        """A thread other than the test's own working on itself is the probe's throwaway thread, a real
+        one, where the tests' tids are made up: in a container with few pids the two can be the same
+        number, which a kernel would never confuse, so neither does this fake (CI once saw the probe
+        rewrite made-up thread 701)."""
+        if tid == threading.get_native_id() and threading.current_thread() is not threading.main_thread():
             return self.probe_threads.setdefault(tid, _Task())
         return self.tasks.setdefault(tid, _Task())
 
