@@ -44,7 +44,7 @@ def assert_still_ours(out: dict[str, Any]) -> None:
 def test_a_low_priority_boost_is_never_worse_than_no_boost(lab: Any) -> None:
     # Before the reserve and the deadline order: the priority-5 thread got 0.15 s of 45 s (0.3 % of a
     # CPU) while an unboosted one got at least a quarter of a CPU.
-    out = scenario(lab, "inversion", "--seconds", "3")
+    out = scenario(lab, "inversion", "--seconds", "3")  # both cases beside the stall sleeper since 5d46fce
     assert_still_ours(out)
     # Then, with the reserve given by `served` against vtime_now alone: 0.12 / 0.15 boosted against
     # 0.21 / 0.22 unboosted (6.12 / 7.3). With only boosted tasks runnable vtime_now stood still, every
@@ -106,24 +106,27 @@ def _fraction(t: dict[str, int]) -> float:
     return t["took"] / max(t["runs"], 1)
 
 
-_scale_runs: dict[int, dict[str, Any]] = {}
+_scale_runs: dict[str, dict[str, Any]] = {}
 
 
-def _scale(lab: Any) -> dict[str, Any]:
-    """The `scale` scenario, run once per guest for the two tests that read it."""
-    if id(lab) not in _scale_runs:
-        _scale_runs[id(lab)] = scenario(lab, "scale", "5", "--seconds", "3", timeout=300)
-    return _scale_runs[id(lab)]
+@pytest.fixture
+def scale(lab: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The `scale` scenario, run once per kernel for the two tests that read it (keyed by the guest's
+    spec: a closed guest's object id can be the next one's)."""
+    spec = str(request.node.callspec.params["lab"])
+    if spec not in _scale_runs:
+        _scale_runs[spec] = scenario(lab, "scale", "5", "--seconds", "3", timeout=300)
+    return _scale_runs[spec]
 
 
 @pytest.mark.lab_seconds(25)  # 22.8 s (7.3) and 23.3 s (6.12) measured 2026-12-05 (--durations)
 @both_kernels
-def test_priority_scale_from_sched_switch(lab: Any) -> None:
+def test_priority_scale_from_sched_switch(scale: dict[str, Any]) -> None:
     """Upstream's direction (issue 39), from sched_switch traces in one boot: a waking level 1 preempts a
     running level 5, never the reverse; every level 1-9 preempts an unboosted hog; level 10 waits less per
     turn than level 20, by more than the rounds' spread. On the scheduler before issue 39 (20 the
     strongest) level 5 preempted level 1 and never the reverse, and levels 10-20 preempted like any boost."""
-    out = _scale(lab)
+    out = scale
     assert_still_ours(out)
     assert out["lost_a"] == 0, out
     assert out["l1_over_l5"]["took"] >= 10, out
@@ -138,16 +141,17 @@ def test_priority_scale_from_sched_switch(lab: Any) -> None:
 
 
 @both_kernels
-def test_head_start_preempts_a_hog_no_more_often_than_its_twin(lab: Any) -> None:
+def test_head_start_preempts_a_hog_no_more_often_than_its_twin(scale: dict[str, Any]) -> None:
     """A level-10 task (the head-start tier: CPU share, not a place ahead at wake-up) beside a hog preempts
     it no more often than its unboosted twin does. The scheduler before issue 39 preempted at every
     wake-up (1.00 against the twin's 0.80).
 
     Known limit (docs/scheduler.md, the head-start tier): with the other host core busy, 6.12's level-10
     task preempted the hog at 0.80-0.95 of its wake-ups, its twin at 0.65-0.84 (4 of 9 runs and 2 of 2
-    make test runs over the room; on a quiet host 0.70 against 0.69). Only that comparison reports an
-    expected failure (XFAIL, with the figures); every other check here fails the test."""
-    out = _scale(lab)
+    make test runs over the room, by at most 0.24; on a quiet host 0.70 against 0.69). Only that
+    comparison, within a ceiling of 0.3 over the twin, reports an expected failure (XFAIL, with the
+    figures); every other check here fails the test."""
+    out = scale
     assert_still_ours(out)
     head, twin = out["head_over_hog"], out["twin_over_hog"]
     print(f"[scale] wake-ups that preempted the hog: head {head}, twin {twin}; CPU s (task, hog): head "
@@ -157,6 +161,7 @@ def test_head_start_preempts_a_hog_no_more_often_than_its_twin(lab: Any) -> None
     # Each task's own count: 0.81 against 0.80 (7.3), 0.71 against 0.71 (6.12) on a quiet host since the
     # lead of two slices (2026-12-06; with one, 0.85/0.80, 0.78/0.72, once 0.88/0.73: docs/scheduler.md).
     # The room, a tenth of its wake-ups, is the noise between two phases of a few seconds
+    assert _fraction(head) <= _fraction(twin) + 0.3, out  # beyond the known limit's worst (0.24)
     if _fraction(head) > _fraction(twin) + 0.1:
         pytest.xfail(f"known limit (docs/scheduler.md): the level-10 task preempted the hog at "
                      f"{_fraction(head):.2f} of its wake-ups, its twin at {_fraction(twin):.2f} (room 0.1)")
