@@ -1,5 +1,6 @@
-"""The lab's one rerun (tests/vm/scenarios.py): a failure is retried once and always reported, a defect
-that fails every run still fails the test, and a passing check runs once."""
+"""The lab's one rerun (tests/vm/scenarios.py): a missed bound reruns the scenario once and is always
+reported, a defect that misses every run still fails the test, a scenario's own failure (an ejection, a
+crash) is never retried, and a run within its bounds runs once."""
 
 from __future__ import annotations
 
@@ -10,31 +11,46 @@ import pytest
 from tests.vm.scenarios import LabRerun, once_more_on_failure
 
 
-def checks(outcomes: list[bool]) -> tuple[list[int], Callable[[], None]]:
+def scenario(outcomes: list[bool]) -> tuple[list[int], Callable[[], int], Callable[[int], None]]:
     runs: list[int] = []
 
-    def check() -> None:
+    def run() -> int:
         runs.append(1)
-        assert outcomes[len(runs) - 1], f"run {len(runs)} under its bound"
+        return len(runs)
 
-    return runs, check
+    def bounds(n: int) -> None:
+        assert outcomes[n - 1], f"run {n} under its bound"
+
+    return runs, run, bounds
 
 
-def test_a_check_that_fails_once_is_run_again_and_reported() -> None:
-    runs, check = checks([False, True])
+def test_a_bound_missed_once_reruns_the_scenario_and_is_reported() -> None:
+    runs, run, bounds = scenario([False, True])
     with pytest.warns(LabRerun, match="run 1 under its bound"):
-        once_more_on_failure(check, "the shares")
+        assert once_more_on_failure(run, bounds, "the shares") == 2
     assert len(runs) == 2
 
 
-def test_a_check_that_fails_every_run_fails_the_test() -> None:
-    runs, check = checks([False, False, True])
+def test_a_bound_missed_every_run_fails_the_test() -> None:
+    runs, run, bounds = scenario([False, False, True])
     with pytest.warns(LabRerun), pytest.raises(AssertionError, match="run 2 under its bound"):
-        once_more_on_failure(check, "the shares")
+        once_more_on_failure(run, bounds, "the shares")
     assert len(runs) == 2
 
 
-def test_a_passing_check_runs_once_and_says_nothing(recwarn: pytest.WarningsRecorder) -> None:
-    runs, check = checks([True])
-    once_more_on_failure(check, "the shares")
+def test_the_scenarios_own_failure_is_never_retried(recwarn: pytest.WarningsRecorder) -> None:
+    runs: list[int] = []
+
+    def ejected() -> int:
+        runs.append(1)
+        raise AssertionError("the scheduler was ejected")
+
+    with pytest.raises(AssertionError, match="ejected"):
+        once_more_on_failure(ejected, lambda n: None, "the shares")
+    assert len(runs) == 1 and not recwarn.list
+
+
+def test_a_run_within_its_bounds_runs_once_and_says_nothing(recwarn: pytest.WarningsRecorder) -> None:
+    runs, run, bounds = scenario([True])
+    assert once_more_on_failure(run, bounds, "the shares") == 1
     assert len(runs) == 1 and not recwarn.list

@@ -137,13 +137,16 @@ def test_wide_nodes_share_the_hogs_evenly(lab: Lab) -> None:
     the shares came out at 0.85-0.87 of each other, so here the pull count shows the mechanism and the
     shares the outcome. Relative shares only: the eight vCPUs share this machine's cores."""
 
-    def check() -> None:
+    def run() -> dict[str, Any]:
         out = scenario(lab, "node-balance", "--seconds", "3", timeout=600)
         assert out["health"] == "running" and out["state"] == {"state": "enabled", "ops": "gthulhu"}, out
+        return out
+
+    def bounds(out: dict[str, Any]) -> None:
         assert out["domain_pulls"] > 0 and out["domain_steals"] <= 2, out  # measured 71-74 pulls, 0 steals
         assert out["min_over_max"] >= 0.7, out  # measured 0.79-0.89; 0.696 once in make test (2026-12-06)
 
-    scenarios.once_more_on_failure(check, "the wide nodes' hog shares")
+    scenarios.once_more_on_failure(run, bounds, "the wide nodes' hog shares")
 
 
 @pytest.mark.parametrize("lab", matrix.WIDE, indirect=True)

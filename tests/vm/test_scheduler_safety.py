@@ -219,14 +219,19 @@ def test_a_higher_boost_takes_a_cpu_from_unboosted_work_not_from_a_lesser_boost(
     on. A waker now preempts a boosted task only when no CPU it may use runs just unboosted work: 2-7 of
     ~650 on 7.3, 3-4 of ~833 on 6.12."""
 
-    def check() -> None:
+    def run() -> dict[str, Any]:
         out = scenario(lab, "lesser_boost", "--seconds", "5")
         assert_still_ours(out)
-        assert out["lost"] == 0 and out["waker_runs"] >= 300, out
-        # 22 of 533 once in make test (2026-12-06, 7.3: a slow host, 11 demotions by the guard)
+        assert out["lost"] == 0, out
+        return out
+
+    def bounds(out: dict[str, Any]) -> None:
+        assert out["waker_runs"] >= 300, out
+        # 7.3 on 2026-12-06: 22 of 533 (make test, a slow host) and 23 of 630 (alone), a rise from 2-7 of
+        # ~650 that the host does not explain: open, docs/scheduler.md ("A higher boost ...")
         assert out["engine_switched_out_for_waker"] <= 0.03 * out["waker_runs"], out
 
-    scenarios.once_more_on_failure(check, "the level-1 waker sparing the level-5 engine")
+    scenarios.once_more_on_failure(run, bounds, "the level-1 waker sparing the level-5 engine")
 
 
 @both_kernels
