@@ -7,7 +7,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import pytest
+
 T = TypeVar("T")
+_once: dict[tuple[str, str], Any] = {}
 
 
 def run(lab: Any, script: str, name: str, *args: str, timeout: float = 300) -> dict[str, Any]:
@@ -17,6 +20,16 @@ def run(lab: Any, script: str, name: str, *args: str, timeout: float = 300) -> d
     assert lines, f"{name} printed no result:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     data: dict[str, Any] = json.loads(lines[-1])
     return data
+
+
+def once_per_guest(request: pytest.FixtureRequest, name: str, compute: Callable[[], T]) -> T:
+    """`compute` once per kernel and shape for every test that reads the same guest run (keyed by the
+    guest's spec: a closed guest's object id can be the next one's)."""
+    key = (name, str(request.node.callspec.params["lab"]))
+    if key not in _once:
+        _once[key] = compute()
+    result: T = _once[key]
+    return result
 
 
 class LabRerun(UserWarning):

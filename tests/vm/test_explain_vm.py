@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.vm import matrix
+from tests.vm import matrix, scenarios
 from tests.vm.lab import Lab
 
 # The default kernel only: these tests' budget is 60 s of lane time, and one guest run costs 22 s on a quiet
@@ -22,19 +22,18 @@ from tests.vm.lab import Lab
 # task_ctx's layout in the 6.12 object (tests/host/test_scheduler_layout.py checks it in every object).
 pytestmark = [pytest.mark.vm, pytest.mark.parametrize("lab", [matrix.DEFAULT], indirect=True)]
 
-_runs: dict[str, dict[str, Any]] = {}
-
-
 @pytest.fixture
 def run(lab: Lab, request: pytest.FixtureRequest) -> dict[str, Any]:
     """The guest run of this kernel, once (every test of the file reads it)."""
-    spec = str(request.node.callspec.params["lab"])
-    if spec not in _runs:
+
+    def guest_explain() -> dict[str, Any]:
         r = lab.python("-m", "tests.vm.guest_explain", timeout=300).check("guest_explain.py failed")
         print(r.stdout)
-        print(f"guest_explain ran {r.duration:.1f} s in the {spec} guest")
-        _runs[spec] = json.loads(r.stdout.strip().splitlines()[-1])
-    return _runs[spec]
+        print(f"guest_explain ran {r.duration:.1f} s in the {request.node.callspec.params['lab']} guest")
+        out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+        return out
+
+    return scenarios.once_per_guest(request, "guest_explain", guest_explain)
 
 
 def stats(thread: dict[str, Any]) -> dict[str, int]:

@@ -106,17 +106,11 @@ def _fraction(t: dict[str, int]) -> float:
     return t["took"] / max(t["runs"], 1)
 
 
-_scale_runs: dict[str, dict[str, Any]] = {}
-
-
 @pytest.fixture
 def scale(lab: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The `scale` scenario, run once per kernel for the two tests that read it (keyed by the guest's
-    spec: a closed guest's object id can be the next one's)."""
-    spec = str(request.node.callspec.params["lab"])
-    if spec not in _scale_runs:
-        _scale_runs[spec] = scenario(lab, "scale", "5", "--seconds", "3", timeout=300)
-    return _scale_runs[spec]
+    """The `scale` scenario, run once per kernel for the two tests that read it."""
+    return scenarios.once_per_guest(
+        request, "scale", lambda: scenario(lab, "scale", "5", "--seconds", "3", timeout=300))
 
 
 @pytest.mark.lab_seconds(25)  # 22.8 s (7.3) and 23.3 s (6.12) measured 2026-12-05 (--durations)
