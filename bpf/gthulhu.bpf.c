@@ -199,6 +199,25 @@ static __always_inline bool local_free(s32 cpu)
 	return !scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | cpu);
 }
 
+/* A task of rank `prio` goes to the CPU's local DSQ outside dispatch: keep the strongest rank there. */
+static __always_inline void hand(struct cpu_ctx *c, u32 prio)
+{
+	if (c && weaker(c->handed, prio))
+		c->handed = prio;
+}
+
+/*
+ * Whether a boosted waker inserted at the head of the CPU's local DSQ goes before nothing stronger or
+ * equal: what was handed there and has not run yet is of a weaker rank (unboosted work included). A
+ * level-5 engine waking at the tick a level-1 thread was handed to its CPU, inserted at the head, ran
+ * its whole burst first while a hog kept the other CPU. Such a waker waits in BOOST_DSQ instead, and the
+ * CPU takes it right after, by its deadline.
+ */
+static __always_inline bool goes_first(struct cpu_ctx *c, s32 cpu, u32 prio)
+{
+	return local_free(cpu) || weaker(c->handed, prio);
+}
+
 /*
  * A run younger than this is safe from a waker that only its larger credit lets preempt: wakers of one
  * crowded group (hackbench's 80 tasks) would otherwise preempt each other's short runs in chains.
@@ -374,6 +393,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 			tctx->slice = s.slice;
 		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, 0);
+		hand(cpu_ctx_of(cpu), prio);
 		count(direct_dispatches);
 		if (prio)
 			count(boosted_dispatches);
@@ -435,9 +455,11 @@ static bool move_to_capable(struct task_struct *p, struct task_ctx *tctx, struct
 		return false;
 	if (idle) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags);
+		hand(cpu_ctx_of(to), prio);
 		scx_bpf_kick_cpu(to, KICK_IDLE);
 	} else if (!scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | to)) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
+		hand(cpu_ctx_of(to), prio);
 		count(preemptions);
 		tctx->stats.preemptions++;
 	} else {
@@ -460,11 +482,13 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 	 * BOOST_DSQ, so it never jumps ahead of tasks already handed to this CPU. Only the task's own CPU:
 	 * affinity and migration-disabled tasks stay safe. Not on a CPU whose boost share is spent: the
 	 * unboosted tasks' turn there must not be cut short. Only over a strictly weaker rank: equals wait
-	 * their turn in BOOST_DSQ, and a weaker waker never displaces a stronger runner.
+	 * their turn in BOOST_DSQ, and a weaker waker never displaces a stronger runner. Nor does it go before
+	 * an equal or stronger task already handed to that CPU (goes_first).
 	 */
 	if ((enq_flags & ENQ_WAKEUP) && c && weaker(c->prio, prio) && !cpu_throttled(c, now) &&
-	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && goes_first(c, cpu, prio)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
+		hand(c, prio);
 		c->boost_waker = 1;
 		count(preemptions);
 		tctx->stats.preemptions++;
@@ -832,6 +856,8 @@ void OP(gthulhu_running, struct task_struct *p)
 		c->run_start = tctx->started_at; /* before the deadline; read unlocked, the pair is a hint */
 		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
+		if (local_free(cpu))
+			c->handed = 0; /* all it was handed runs or ran */
 		bw_limit_run(tctx, c, p->scx.slice, tctx->started_at);
 	}
 }

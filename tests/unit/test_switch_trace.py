@@ -34,3 +34,37 @@ def test_a_task_running_when_the_trace_starts_is_counted_from_its_first_switch_i
     seen = Switches()
     seen.parse(TRACE.split("\n", 2)[2], {42})  # its first switch-in cut off
     assert set(seen.ran[42]) == {0} and seen.runs[42] == 1
+
+
+def _line(cpu: int, stamp: float, prev: int, state: str, nxt: int, tgid: str = "") -> str:
+    tag = f"({tgid:>7}) " if tgid else ""
+    return (f"  t-{prev} {tag}[{cpu:03d}] d..2. {stamp:.6f}: sched_switch: prev_comm=t prev_pid={prev} "
+            f"prev_prio=120 prev_state={state} ==> next_comm=t next_pid={nxt} next_prio=120")
+
+
+def test_what_went_ahead_of_a_preempted_task_counts_each_task_once_per_wait() -> None:
+    # the hog (7) preempted by 1, then 2 and 1 again run before it resumes: one wait, 1 and 2 once each;
+    # on the other CPU, 3 runs meanwhile and is not ahead of it
+    trace = "\n".join([
+        _line(0, 1.000, 7, "R+", 1), _line(1, 1.0005, 9, "R", 3), _line(0, 1.001, 1, "S", 2),
+        _line(0, 1.002, 2, "S", 1), _line(0, 1.003, 1, "S", 7),
+        _line(0, 1.010, 7, "R", 2), _line(0, 1.011, 2, "S", 7),  # a second wait: 2 once more
+    ])
+    seen = Switches()
+    seen.parse(trace, {7, 1, 2, 3})
+    assert seen.preempted_by[7] == {1: 1, 2: 1}
+    assert seen.went_ahead[7] == {1: 1, 2: 2}
+
+
+def test_beside_names_what_the_other_cpus_ran_and_tgids_come_from_the_switched_out_task() -> None:
+    trace = "\n".join([
+        _line(1, 1.000, 0, "R", 50, tgid="0"),   # CPU 1 runs 50 (a thread of 49)
+        _line(0, 1.001, 9, "R+", 8, tgid="9"),   # 9 preempted by 8 on CPU 0 while CPU 1 runs 50
+        _line(1, 1.002, 50, "S", 0, tgid="49"),  # CPU 1 idles
+        _line(0, 1.003, 8, "S", 9, tgid="-----"),
+        _line(0, 1.004, 9, "R+", 8, tgid="9"),   # preempted again, CPU 1 idle (0)
+    ])
+    seen = Switches()
+    seen.parse(trace, {9, 8})
+    assert seen.beside[9][8] == [(50,), (0,)]
+    assert seen.tgid[50] == 49 and seen.tgid[9] == 9 and 8 not in seen.tgid  # "-----": not recorded

@@ -393,11 +393,20 @@ def lesser_boost(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(0.2)
         os.sched_setaffinity(waker, cpus)
         time.sleep(0.3)
-        with switches([engine, waker]) as seen:
+        with switches([engine, waker], every_task=True) as seen:
             time.sleep(args.seconds)
+            own = {int(tid) for tid in os.listdir("/proc/self/task")}
+        # Boosted: the two, and the agent's own threads (this process: the backend runs in it), boosted
+        # above every intent; an idle CPU (0) or any other task is one the waker should have taken.
+        own |= {pid for pid, tgid in seen.tgid.items() if tgid == os.getpid()}
+        boosted = own | {engine, waker}
         out["waker_runs"] = seen.runs[waker]
         out["engine_runs"] = seen.runs[engine]
         out["engine_switched_out_for_waker"] = seen.preempted_by[engine][waker]
+        out["while_another_cpu_ran_unboosted"] = sum(
+            any(pid not in boosted for pid in others) for others in seen.beside[engine][waker])
+        out["while_every_other_cpu_ran_boosted"] = sum(
+            bool(others) and all(pid in boosted for pid in others) for others in seen.beside[engine][waker])
         out["engine_switched_out"] = sum(seen.preempted_by[engine].values())
         out["engine_cpu_s"] = round(seen.seconds(engine), 2)
         out["lost"] = seen.lost
@@ -475,7 +484,10 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(args.seconds)
             out["l1_over_l5"] = took(seen, l5, l1)
             out["l5_over_l1"] = took(seen, l1, l5)
-            out["over_hog"] = {lvl: took(seen, hog, pid) for lvl, pid in levels.items()}
+            # Levels waking together go strongest first: the first preempts the hog, the rest run before
+            # it resumes; a direct switch from the hog would count only the strongest of them.
+            out["over_hog"] = {lvl: {"took": seen.went_ahead[hog][pid], "runs": seen.runs[pid]}
+                               for lvl, pid in levels.items()}
             out["lost_a"] = seen.lost
             os.sched_setaffinity(0, set(cpus))
         # B: the driver (boosted as the agent is) waits on the other CPU, so the counters are this pair's

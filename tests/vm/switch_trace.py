@@ -18,8 +18,9 @@ from pathlib import Path
 
 TRACING = Path("/sys/kernel/tracing")
 EVENT = TRACING / "events/sched/sched_switch"
-# "<comm>-<pid> [(<tgid>)] [<cpu>] <flags> <secs>: sched_switch: ...": the CPU is the one after the pid
-SWITCH = re.compile(r"^\s*.*?-\d+\s+(?:\(\s*[\d-]+\)\s+)?\[(\d+)\]\s+\S+\s+(\d+\.\d+): sched_switch: "
+# "<comm>-<pid> [(<tgid>)] [<cpu>] <flags> <secs>: sched_switch: ...": the CPU is the one after the pid; the
+# tgid (options/record-tgid) is the switched-out task's, "-----" when the kernel has not recorded it
+SWITCH = re.compile(r"^\s*.*?-\d+\s+(?:\(\s*([\d-]+)\)\s+)?\[(\d+)\]\s+\S+\s+(\d+\.\d+): sched_switch: "
                     r"prev_comm=.*? prev_pid=(\d+) prev_prio=-?\d+ prev_state=(\S+) "
                     r"==> next_comm=.*? next_pid=(\d+)")
 
@@ -32,7 +33,15 @@ class Switches:
     runs: collections.Counter[int] = field(default_factory=collections.Counter)  # pid -> times switched in
     # pid -> the task switched in while it was still runnable (preempted, or its slice ended) -> times
     preempted_by: dict[int, collections.Counter[int]] = field(default_factory=dict)
+    # pid -> a traced task that ran on its CPU after it was switched out still runnable and before it ran
+    # again -> times (once per such wait): what went ahead of it, the first (preempted_by) or not
+    went_ahead: dict[int, collections.Counter[int]] = field(default_factory=dict)
     lost: int = 0  # events the ring buffer dropped: the figures are then incomplete
+    # Traced with every_task: for each switch counted in preempted_by, what the other CPUs ran at that
+    # moment (pid -> the task switched in -> one tuple of pids per switch, 0 for an idle CPU; a CPU not
+    # yet seen switching in the window is left out), and the tgid of every task seen switched out.
+    beside: dict[int, collections.defaultdict[int, list[tuple[int, ...]]]] = field(default_factory=dict)
+    tgid: dict[int, int] = field(default_factory=dict)
 
     def seconds(self, pid: int) -> float:
         return sum(self.ran.get(pid, {}).values())
@@ -45,22 +54,37 @@ class Switches:
 
     def parse(self, text: str, pids: set[int]) -> None:
         since: dict[int, tuple[float, int]] = {}
+        current: dict[int, int] = {}  # cpu -> the task it runs, from the window's switches
+        waiting: dict[int, tuple[int, set[int]]] = {}  # pid -> (its cpu, what went ahead) while it waits
         for pid in pids:
             self.ran[pid] = collections.Counter()
             self.preempted_by[pid] = collections.Counter()
+            self.went_ahead[pid] = collections.Counter()
+            self.beside[pid] = collections.defaultdict(list)
         for line in text.splitlines():
             m = SWITCH.search(line)
             if not m:
                 continue
-            cpu, stamp, prev, state, nxt = int(m[1]), float(m[2]), int(m[3]), m[4], int(m[5])
+            cpu, stamp, prev, state, nxt = int(m[2]), float(m[3]), int(m[4]), m[5], int(m[6])
+            if m[1] and m[1].isdigit():
+                self.tgid[prev] = int(m[1])
+            current[cpu] = nxt
             if prev in pids:
                 if prev in since:
                     start, on = since.pop(prev)
                     if on == cpu:
                         self.ran[prev][cpu] += stamp - start
                 if state.startswith("R"):
+                    waiting[prev] = (cpu, set())
                     self.preempted_by[prev][nxt] += 1
+                    others = tuple(pid for c, pid in sorted(current.items()) if c != cpu)
+                    self.beside[prev][nxt].append(others)
             if nxt in pids:
+                for pid, (on, ahead) in waiting.items():
+                    if on == cpu and pid != nxt and nxt not in ahead:
+                        ahead.add(nxt)
+                        self.went_ahead[pid][nxt] += 1
+                waiting.pop(nxt, None)
                 since[nxt] = (stamp, cpu)
                 self.runs[nxt] += 1
 
@@ -84,15 +108,19 @@ def _setting(name: str) -> str:
 
 
 @contextlib.contextmanager
-def switches(pids: Iterable[int], buffer_kb: int = 4096) -> Iterator[Switches]:
-    """Trace the switches in and out of `pids` for the body of the with block."""
+def switches(pids: Iterable[int], buffer_kb: int = 4096, every_task: bool = False) -> Iterator[Switches]:
+    """Trace the switches in and out of `pids` for the body of the with block; with `every_task`, every
+    switch on every CPU, so what ran beside each of their preemptions is known (Switches.beside)."""
     traced = set(pids)
     if not (TRACING / "trace").exists():
         os.system("mount -t tracefs nodev /sys/kernel/tracing")
     saved = {name: _setting(name) for name in ("trace_clock", "buffer_size_kb", "tracing_on")}
+    record_tgid = (TRACING / "options/record-tgid").read_text().strip()
     (TRACING / "trace_clock").write_text("mono")
     (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
-    (EVENT / "filter").write_text(" || ".join(f"prev_pid == {p} || next_pid == {p}" for p in sorted(traced)))
+    (TRACING / "options/record-tgid").write_text("1" if every_task else record_tgid)
+    (EVENT / "filter").write_text(
+        "0" if every_task else " || ".join(f"prev_pid == {p} || next_pid == {p}" for p in sorted(traced)))
     (TRACING / "trace").write_text("")
     out = Switches()
     (TRACING / "tracing_on").write_text("1")
@@ -107,3 +135,4 @@ def switches(pids: Iterable[int], buffer_kb: int = 4096) -> Iterator[Switches]:
         (TRACING / "trace").write_text("")
         for name, value in saved.items():
             (TRACING / name).write_text(value)
+        (TRACING / "options/record-tgid").write_text(record_tgid)

@@ -211,7 +211,10 @@ def test_a_higher_boost_takes_a_cpu_from_unboosted_work_not_from_a_lesser_boost(
     hog: the engine was switched out at 15-48 % of the strong thread's runs on 7.3 (95-211 of ~640 in
     three 5 s runs, 302 of 631 in a fourth), 7.7 % on 6.12 (63 of 822), and waited while the hogs ran
     on. A waker now preempts a boosted task only when no CPU it may use runs just unboosted work: 2-7 of
-    ~650 on 7.3, 3-4 of ~833 on 6.12."""
+    ~650 on 7.3, 3-4 of ~833 on 6.12. Then 9-22 of ~630 on 7.3 (2026-12-06), 9-17 of them while the other
+    CPU ran a hog: the engine, waking at the tick the level-1 thread was handed to CPU 0 and had not yet
+    run, was inserted at the head of CPU 0's local DSQ before it, so the thread waited through the
+    engine's burst. A boosted waker now preempts only onto an empty local DSQ: 0-1 of ~630."""
 
     def run() -> dict[str, Any]:
         out = scenario(lab, "lesser_boost", "--seconds", "5")
@@ -221,9 +224,10 @@ def test_a_higher_boost_takes_a_cpu_from_unboosted_work_not_from_a_lesser_boost(
 
     def bounds(out: dict[str, Any]) -> None:
         assert out["waker_runs"] >= 300, out
-        # 7.3 on 2026-12-06: 22 of 533 (make test, a slow host) and 23 of 630 (alone), a rise from 2-7 of
-        # ~650 that the host does not explain: open, docs/scheduler.md ("A higher boost ...")
-        assert out["engine_switched_out_for_waker"] <= 0.03 * out["waker_runs"], out
+        # The rule's own breach: the engine switched out for the waker while another CPU ran something
+        # unboosted (every switch traced; the agent's threads count as boosted). 9-17 of ~630 before the
+        # fix (7.3), 0-1 after.
+        assert out["while_another_cpu_ran_unboosted"] <= 0.01 * out["waker_runs"], out
 
     scenarios.once_more_on_failure(run, bounds, "the level-1 waker sparing the level-5 engine")
 
