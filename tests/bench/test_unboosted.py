@@ -13,7 +13,8 @@ bogo-ops/s and the engine's steps/s as median [min-max] over the rounds, and the
 the medians beside the goal (at most 1.10 for avg and p99). GTHULHU_BENCH_SECONDS (default 15) and
 GTHULHU_BENCH_ROUNDS (default 5) size it, GTHULHU_BENCH_CASES (comma-separated) picks cases of
 tests/vm/sleeper_bench.py; GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler REV)
-adds an earlier revision's scheduler with no policy (a change's before and after, same boot).
+adds an earlier revision's scheduler with no policy, the hogs in their own session and in the sleeper's
+(a change's before and after, same boot).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ CASES = [c for c in os.environ.get("GTHULHU_BENCH_CASES", "").split(",") if c] o
     "ours engine boosted session", "EEVDF hogs in session", "ours hogs in session"]
 # ours' case -> the EEVDF case it is measured against
 AGAINST = {"ours no policy": "EEVDF", "ours earlier no policy": "EEVDF",
+           "ours earlier hogs in session": "EEVDF hogs in session",
            "ours engine boosted": "EEVDF engine", "ours engine boosted session": "EEVDF engine session",
            "ours hogs in session": "EEVDF hogs in session", "scx_simple": "EEVDF"}
 GOAL = 1.10
@@ -111,7 +113,7 @@ def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:
 @pytest.mark.parametrize("bench_lab", [*matrix.BOTH_KERNELS, *matrix.WIDE], indirect=True)
 @pytest.mark.timeout(BUDGET_S * (benchlab.DEATHS_ALLOWED + 1))
 def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
-    cases = CASES + (["ours earlier no policy"] if EARLIER else [])
+    cases = CASES + (["ours earlier no policy", "ours earlier hogs in session"] if EARLIER else [])
     data = benchlab.run_interleaved(bench_lab, "tests/vm/sleeper_bench.py", "sleeper_progress.jsonl",
                                     BUDGET_S, "--cases", ",".join(cases), "--overhead",
                                     *(["--trace"] if TRACE else []),

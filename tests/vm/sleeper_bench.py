@@ -54,8 +54,10 @@ CASES: dict[str, dict[str, Any]] = {
     # minimal vtime scheduler makes of the same wake-ups, hackbench and pipe (issue 40, item 3)
     "scx_simple": {"hogs": True, "peer": "scx_simple"},
 }
-# with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy
+# with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy, the hogs
+# in their own session or in the sleeper's
 EARLIER = "ours earlier no policy"
+EARLIER_IN_SESSION = "ours earlier hogs in session"
 HISTOGRAM_US = 100_000
 
 
@@ -366,6 +368,8 @@ def main() -> int:
         return 0
     if args.earlier is not None:
         CASES[EARLIER] = {"hogs": True, "earlier": str(args.earlier)}
+        CASES[EARLIER_IN_SESSION] = {"hogs": True, "earlier": str(args.earlier), "own_session": False,
+                                     "hogs_session": False}
     names = [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
