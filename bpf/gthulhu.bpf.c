@@ -13,7 +13,8 @@
  *    deadline first, where the deadline is the enqueue time plus a step per level below the top: stronger
  *    levels go first, and a weaker one that has waited long enough goes before a fresh stronger one
  *    (aging). A waking boosted task preempts a task that is unboosted or of a strictly weaker level, never
- *    an equal or stronger one, found through a mask of the CPUs running nothing boosted.
+ *    an equal or stronger one, found through a mask of the CPUs running nothing boosted; nor does it go
+ *    before an equal or stronger task already handed to that CPU and not yet run.
  *  - priority 10-20, the head-start tier: an unboosted task in every respect (fair queue, the unboosted
  *    wake-up rule, preempted by the preempt tier) except that part of each run's charge is forgiven, 50 %
  *    at 10 down to 5 % at 20 (upstream's vtime reduction): a share at most twice its unboosted one, never a
@@ -191,34 +192,6 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 }
 
 /*
- * Nothing waits in the CPU's local DSQ: a waker inserted there to preempt runs next, not behind a task
- * handed to it before (a boosted waker inserted at its head runs its whole burst first).
- */
-static __always_inline bool local_free(s32 cpu)
-{
-	return !scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | cpu);
-}
-
-/* A task of rank `prio` goes to the CPU's local DSQ outside dispatch: keep the strongest rank there. */
-static __always_inline void hand(struct cpu_ctx *c, u32 prio)
-{
-	if (c && weaker(c->handed, prio))
-		c->handed = prio;
-}
-
-/*
- * Whether a boosted waker inserted at the head of the CPU's local DSQ goes before nothing stronger or
- * equal: what was handed there and has not run yet is of a weaker rank (unboosted work included). A
- * level-5 engine waking at the tick a level-1 thread was handed to its CPU, inserted at the head, ran
- * its whole burst first while a hog kept the other CPU. Such a waker waits in BOOST_DSQ instead, and the
- * CPU takes it right after, by its deadline.
- */
-static __always_inline bool goes_first(struct cpu_ctx *c, s32 cpu, u32 prio)
-{
-	return local_free(cpu) || weaker(c->handed, prio);
-}
-
-/*
  * A run younger than this is safe from a waker that only its larger credit lets preempt: wakers of one
  * crowded group (hackbench's 80 tasks) would otherwise preempt each other's short runs in chains.
  */
@@ -393,7 +366,7 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 			tctx->slice = s.slice;
 		}
 		dsq_insert(p, DSQ_LOCAL, s.slice, 0);
-		hand(cpu_ctx_of(cpu), prio);
+		hand(cpu_ctx_of(cpu), cpu, prio);
 		count(direct_dispatches);
 		if (prio)
 			count(boosted_dispatches);
@@ -429,10 +402,13 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
  * local DSQ then waits for the next scheduling event there, and the kernel leaves that event to the BPF
  * scheduler. The kick lands once the CPU is idle and makes it pick the task again.
  */
-static __always_inline void insert_last(struct task_struct *p, u64 slice, u64 enq_flags)
+static __always_inline void insert_last(struct task_struct *p, u64 slice, u64 enq_flags, u32 prio)
 {
+	s32 cpu = scx_bpf_task_cpu(p);
+
 	dsq_insert(p, DSQ_LOCAL, slice, enq_flags);
-	scx_bpf_kick_cpu(scx_bpf_task_cpu(p), KICK_IDLE);
+	hand(cpu_ctx_of(cpu), cpu, prio);
+	scx_bpf_kick_cpu(cpu, KICK_IDLE);
 }
 
 /*
@@ -455,11 +431,11 @@ static bool move_to_capable(struct task_struct *p, struct task_ctx *tctx, struct
 		return false;
 	if (idle) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags);
-		hand(cpu_ctx_of(to), prio);
+		hand(cpu_ctx_of(to), to, prio);
 		scx_bpf_kick_cpu(to, KICK_IDLE);
 	} else if (!scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | to)) {
 		dsq_insert(p, DSQ_LOCAL_ON | to, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
-		hand(cpu_ctx_of(to), prio);
+		hand(cpu_ctx_of(to), to, prio);
 		count(preemptions);
 		tctx->stats.preemptions++;
 	} else {
@@ -483,12 +459,15 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 	 * affinity and migration-disabled tasks stay safe. Not on a CPU whose boost share is spent: the
 	 * unboosted tasks' turn there must not be cut short. Only over a strictly weaker rank: equals wait
 	 * their turn in BOOST_DSQ, and a weaker waker never displaces a stronger runner. Nor does it go before
-	 * an equal or stronger task already handed to that CPU (goes_first).
+	 * an equal or stronger task already handed to that CPU (goes_first: such a CPU is no victim either, so
+	 * this is a bound task's case, or a race): it waits in BOOST_DSQ, where that CPU takes it by deadline
+	 * after what it was handed (and after a reserve turn if one is due). The unboosted rule below then
+	 * never holds (that DSQ is not empty).
 	 */
 	if ((enq_flags & ENQ_WAKEUP) && c && weaker(c->prio, prio) && !cpu_throttled(c, now) &&
 	    bpf_cpumask_test_cpu(cpu, p->cpus_ptr) && goes_first(c, cpu, prio)) {
 		dsq_insert(p, DSQ_LOCAL_ON | cpu, s->slice, enq_flags | ENQ_PREEMPT | ENQ_HEAD);
-		hand(c, prio);
+		hand(c, cpu, prio);
 		c->boost_waker = 1;
 		count(preemptions);
 		tctx->stats.preemptions++;
@@ -532,7 +511,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if (!tctx) {
 		/* vtime-ordered like every insert there: the kernel ejects a scheduler that mixes in FIFO ones */
 		if (enq_flags & ENQ_LAST)
-			insert_last(p, s.slice, enq_flags);
+			insert_last(p, s.slice, enq_flags, 0);
 		else
 			dsq_insert_vtime(p, fair_dsq_of(p), s.slice, vtime_now, enq_flags);
 		return;
@@ -545,7 +524,7 @@ void OP(gthulhu_enqueue, struct task_struct *p, u64 enq_flags)
 	if (bw_park(p, tctx, s.slice, enq_flags, now))
 		return;
 	if (enq_flags & ENQ_LAST) {
-		insert_last(p, s.slice, enq_flags);
+		insert_last(p, s.slice, enq_flags, prio);
 		return;
 	}
 	if (prio) {
@@ -1107,6 +1086,12 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	}
 	if (!tctx)
 		return;
+	/*
+	 * Runnable with slice left: a higher class (or core scheduling) took the CPU, and the kernel puts the
+	 * task back at the head of its local DSQ without enqueue. Our own preemptions and slice ends zero it.
+	 */
+	if (runnable && p->scx.slice && tctx->prio)
+		hand(c, cpu, tctx->prio);
 	/* A task already running when the scheduler was enabled has no start: charge nothing for that run. */
 	used = tctx->started_at ? now - tctx->started_at : 0;
 	tctx->started_at = 0;
@@ -1206,6 +1191,7 @@ static void reset_cpu(s32 cpu, bool offline)
 	if (!c)
 		return;
 	c->offline = offline;
+	c->handed = 0;
 	set_cpu_prio(cpu, c, offline ? ~0U : 0);
 	c->boost_used = 0;
 	c->window_start = 0;

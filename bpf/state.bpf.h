@@ -172,7 +172,10 @@ struct {
 	__type(value, struct cgroup_ctx);
 } cgroups SEC(".maps");
 
-/* Written under its CPU's rq lock (running, stopping, dispatch, hotplug callbacks of that CPU). */
+/*
+ * Written under its CPU's rq lock (running, stopping, dispatch, hotplug callbacks of that CPU), but for
+ * `handed`, a hint that select_cpu and a capacity move also write for a CPU whose lock they do not hold.
+ */
 struct cpu_ctx {
 	u64 last_reserve; /* when this CPU last gave the reserve a turn */
 	u64 vtime;        /* vtime of the unboosted task it runs */
@@ -185,8 +188,7 @@ struct cpu_ctx {
 	u32 bw_stop_run;   /* the run bw_stop was armed for */
 	u32 offline;       /* between cpu_offline and cpu_online (or offline at init): prio stays ~0 */
 	u32 boost_waker;   /* a boosted waker was inserted to preempt the current run (cut_short) */
-	u32 handed;        /* the strongest rank handed to its local DSQ since that was last empty (a hint:
-			    * select_cpu writes it for an idle CPU without that CPU's lock) */
+	u32 handed;        /* the strongest rank handed to its local DSQ since that was last empty */
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
 	u64 run_start;     /* when its current run started (running) */
@@ -339,6 +341,37 @@ static __always_inline struct strength strength_of(u32 priority)
 static __always_inline bool weaker(u32 a, u32 b)
 {
 	return a < b;
+}
+
+/* Nothing waits in the CPU's local DSQ. */
+static __always_inline bool local_free(s32 cpu)
+{
+	return !scx_bpf_dsq_nr_queued(DSQ_LOCAL_ON | cpu);
+}
+
+/*
+ * A task of rank `prio` goes to the CPU's local DSQ outside dispatch (inserts take effect after the
+ * callback, so the DSQ read here is the one before it): the strongest rank handed since it was empty.
+ */
+static __always_inline void hand(struct cpu_ctx *c, s32 cpu, u32 prio)
+{
+	if (!c)
+		return;
+	if (local_free(cpu))
+		c->handed = prio;
+	else if (weaker(c->handed, prio))
+		c->handed = prio;
+}
+
+/*
+ * Whether a boosted waker of rank `prio` inserted at the head of the CPU's local DSQ goes before nothing
+ * of an equal or stronger rank handed there and not yet run (unboosted work counts as the weakest). A
+ * level-5 engine waking at the tick a level-1 thread was handed to its CPU, inserted at the head, ran its
+ * whole burst first while a hog kept the other CPU.
+ */
+static __always_inline bool goes_first(struct cpu_ctx *c, s32 cpu, u32 prio)
+{
+	return c && (local_free(cpu) || weaker(c->handed, prio));
 }
 
 /* The deadline a boosted task is queued at in BOOST_DSQ: rank buys a head start, waiting catches up. */

@@ -141,12 +141,17 @@ static __always_inline void domain_cpu_change(s32 cpu, s32 delta)
 		__sync_fetch_and_add(n, delta);
 }
 
-/* Whether a CPU runs something of a strictly weaker rank than prio and its boost share is not spent. */
+/*
+ * Whether a CPU runs something of a strictly weaker rank than prio, its boost share is not spent, and
+ * nothing of an equal or stronger rank was handed to it and waits there (goes_first): a CPU handed such a
+ * task shows its old rank until it reschedules, and a waker sent there would wait for that task's run
+ * while another CPU ran a hog.
+ */
 static __always_inline bool preemptible_for(s32 cpu, u32 prio, u64 now)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 
-	return c && weaker(c->prio, prio) && !cpu_throttled(c, now);
+	return c && weaker(c->prio, prio) && !cpu_throttled(c, now) && goes_first(c, cpu, prio);
 }
 
 /* CPUs a boosted waker scans for a lesser boost when no other CPU qualifies (find_victim). */

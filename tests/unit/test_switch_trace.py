@@ -61,10 +61,10 @@ def test_beside_names_what_the_other_cpus_ran_and_tgids_come_from_the_switched_o
         _line(1, 1.000, 0, "R", 50, tgid="0"),   # CPU 1 runs 50 (a thread of 49)
         _line(0, 1.001, 9, "R+", 8, tgid="9"),   # 9 preempted by 8 on CPU 0 while CPU 1 runs 50
         _line(1, 1.002, 50, "S", 0, tgid="49"),  # CPU 1 idles
-        _line(0, 1.003, 8, "S", 9, tgid="-----"),
+        _line(0, 1.003, 8, "S", 9, tgid="-------"),
         _line(0, 1.004, 9, "R+", 8, tgid="9"),   # preempted again, CPU 1 idle (0)
     ])
     seen = Switches()
     seen.parse(trace, {9, 8})
     assert seen.beside[9][8] == [(50,), (0,)]
-    assert seen.tgid[50] == 49 and seen.tgid[9] == 9 and 8 not in seen.tgid  # "-----": not recorded
+    assert seen.tgid[50] == 49 and seen.tgid[9] == 9 and 8 not in seen.tgid  # dashes: not recorded

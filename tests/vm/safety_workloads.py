@@ -480,14 +480,17 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
             backend.apply(long_slices, [])
             os.sched_setaffinity(0, a)  # the driver (boosted as the agent is) off CPU b
             time.sleep(0.3)
+            own_before = {lvl: _own_preemptions(backend, pid) for lvl, pid in levels.items()}
             with switches([l1, l5, hog, *levels.values()]) as seen:
                 time.sleep(args.seconds)
+            own = {lvl: _own_preemptions(backend, pid) - own_before[lvl] for lvl, pid in levels.items()}
             out["l1_over_l5"] = took(seen, l5, l1)
             out["l5_over_l1"] = took(seen, l1, l5)
-            # Levels waking together go strongest first: the first preempts the hog, the rest run before
-            # it resumes; a direct switch from the hog would count only the strongest of them.
-            out["over_hog"] = {lvl: {"took": seen.went_ahead[hog][pid], "runs": seen.runs[pid]}
-                               for lvl, pid in levels.items()}
+            # Levels waking at one tick: each goes to the head only before weaker work handed there, so
+            # the hog's direct successor is one of them and the others run before it resumes (went_ahead:
+            # also a hog's slice ending with them queued, so their own preemption counts are read too).
+            out["over_hog"] = {lvl: {"took": seen.went_ahead[hog][pid], "runs": seen.runs[pid],
+                                     "preempted": own[lvl]} for lvl, pid in levels.items()}
             out["lost_a"] = seen.lost
             os.sched_setaffinity(0, set(cpus))
         # B: the driver (boosted as the agent is) waits on the other CPU, so the counters are this pair's

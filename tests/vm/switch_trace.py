@@ -19,7 +19,7 @@ from pathlib import Path
 TRACING = Path("/sys/kernel/tracing")
 EVENT = TRACING / "events/sched/sched_switch"
 # "<comm>-<pid> [(<tgid>)] [<cpu>] <flags> <secs>: sched_switch: ...": the CPU is the one after the pid; the
-# tgid (options/record-tgid) is the switched-out task's, "-----" when the kernel has not recorded it
+# tgid (options/record-tgid) is the switched-out task's, dashes when the kernel has not recorded it
 SWITCH = re.compile(r"^\s*.*?-\d+\s+(?:\(\s*([\d-]+)\)\s+)?\[(\d+)\]\s+\S+\s+(\d+\.\d+): sched_switch: "
                     r"prev_comm=.*? prev_pid=(\d+) prev_prio=-?\d+ prev_state=(\S+) "
                     r"==> next_comm=.*? next_pid=(\d+)")
@@ -114,25 +114,27 @@ def switches(pids: Iterable[int], buffer_kb: int = 4096, every_task: bool = Fals
     traced = set(pids)
     if not (TRACING / "trace").exists():
         os.system("mount -t tracefs nodev /sys/kernel/tracing")
-    saved = {name: _setting(name) for name in ("trace_clock", "buffer_size_kb", "tracing_on")}
-    record_tgid = (TRACING / "options/record-tgid").read_text().strip()
-    (TRACING / "trace_clock").write_text("mono")
-    (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
-    (TRACING / "options/record-tgid").write_text("1" if every_task else record_tgid)
-    (EVENT / "filter").write_text(
-        "0" if every_task else " || ".join(f"prev_pid == {p} || next_pid == {p}" for p in sorted(traced)))
-    (TRACING / "trace").write_text("")
     out = Switches()
-    (TRACING / "tracing_on").write_text("1")
-    (EVENT / "enable").write_text("1")
-    try:
-        yield out
-    finally:
-        (EVENT / "enable").write_text("0")
-        out.lost = _lost()
-        out.parse((TRACING / "trace").read_text(), traced)
-        (EVENT / "filter").write_text("0")
+    with contextlib.ExitStack() as restore:
+        # each setting restored even if a later step fails (the guest runs more scenarios after this one)
+        for name in ("trace_clock", "buffer_size_kb", "tracing_on", "options/record-tgid"):
+            value = _setting(name)
+            restore.callback((TRACING / name).write_text, value)
+        restore.callback((EVENT / "filter").write_text, "0")
+        restore.callback((EVENT / "enable").write_text, "0")
+        (TRACING / "trace_clock").write_text("mono")
+        (TRACING / "buffer_size_kb").write_text(str(buffer_kb))
+        if every_task:
+            (TRACING / "options/record-tgid").write_text("1")
+        (EVENT / "filter").write_text(
+            "0" if every_task else " || ".join(f"prev_pid == {p} || next_pid == {p}" for p in sorted(traced)))
         (TRACING / "trace").write_text("")
-        for name, value in saved.items():
-            (TRACING / name).write_text(value)
-        (TRACING / "options/record-tgid").write_text(record_tgid)
+        (TRACING / "tracing_on").write_text("1")
+        (EVENT / "enable").write_text("1")
+        try:
+            yield out
+        finally:
+            (EVENT / "enable").write_text("0")
+            out.lost = _lost()
+            out.parse((TRACING / "trace").read_text(), traced)
+            (TRACING / "trace").write_text("")
