@@ -460,7 +460,7 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 	 * unboosted tasks' turn there must not be cut short. Only over a strictly weaker rank: equals wait
 	 * their turn in BOOST_DSQ, and a weaker waker never displaces a stronger runner. Nor does it go before
 	 * an equal or stronger task already handed to that CPU (goes_first: such a CPU is no victim either, so
-	 * this is a bound task's case, or a race): it waits in BOOST_DSQ, where that CPU takes it by deadline
+	 * this is a bound task, a waker no CPU qualified for, or a race): it waits in BOOST_DSQ, taken by deadline
 	 * after what it was handed (and after a reserve turn if one is due). The unboosted rule below then
 	 * never holds (that DSQ is not empty).
 	 */
