@@ -355,11 +355,7 @@ static __always_inline bool local_free(s32 cpu)
  */
 static __always_inline void hand(struct cpu_ctx *c, s32 cpu, u32 prio)
 {
-	if (!c)
-		return;
-	if (local_free(cpu))
-		c->handed = prio;
-	else if (weaker(c->handed, prio))
+	if (c && (local_free(cpu) || weaker(c->handed, prio)))
 		c->handed = prio;
 }
 
