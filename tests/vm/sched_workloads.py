@@ -581,8 +581,8 @@ def node_balance(args: argparse.Namespace) -> dict[str, Any]:
     and since neither queue empties, no CPU steals: only the second node's pulls from the more crowded first
     one even them out (about nine and nine; without pulls the first node's hogs would get half of what the
     second's do). Each hog's CPU share afterwards, the mean share of the hogs that started on the crowded
-    node over the others' (0.5 without pulls), and which nodes each ran on. With `eevdf` as its argument,
-    the same without this scheduler: the kernel's own figures for the same guest (docs/lab.md)."""
+    node over the others' (0.5 with no balancing at all), and which nodes each ran on. With `eevdf` as its
+    argument, the same without this scheduler: the kernel's own figures for the same guest (docs/lab.md)."""
     eevdf = args.arg == "eevdf"
     nodes = numa_nodes()
     first, second = node_cpus(nodes[0]), node_cpus(nodes[1])
@@ -596,7 +596,7 @@ def node_balance(args: argparse.Namespace) -> dict[str, Any]:
                      for i in range(3 * len(second) // 2)})
         pids += hogs.values()
         time.sleep(0.5)
-        before = backend.counters() if backend else {}
+        before = backend.counters() if backend is not None else {}
         for pid in hogs.values():
             os.sched_setaffinity(pid, every)
         time.sleep(1.0)
@@ -617,7 +617,7 @@ def node_balance(args: argparse.Namespace) -> dict[str, Any]:
             crowded_over_rest=(sum(crowded) / len(crowded)) / (sum(rest) / len(rest)),
             nodes_seen={name: sorted(seen) for name, seen in ran_on.items()}, state=state(),
         )
-        if backend:
+        if backend is not None:
             after = backend.counters()
             out.update(
                 domain_pulls=after["domain_pulls"] - before["domain_pulls"],

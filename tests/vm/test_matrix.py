@@ -134,13 +134,14 @@ def test_wide_nodes_share_the_hogs_evenly(lab: Lab) -> None:
     do (crowded over rest and min/max 0.5). Under TCG the reserve's turns, which serve the least-served head
     of every node's queue, came often enough to even the nodes out too (our reading: single-threaded TCG
     runs one vCPU at a time, so 25 ms of guest time pass for a vCPU while the other seven run): with the
-    pull compiled out the shares came out at 0.85-0.87 of each other, so here the pull count shows the
-    mechanism and the shares the outcome. Relative shares only: the eight vCPUs share this machine's cores.
+    pull compiled out the shares came out at 0.85-0.87 of each other (over three seconds, 51afaa7), so
+    here the pull count checks the mechanism and the shares only the outcome: no bound on them tells the
+    pull from the reserve. Relative shares only: the eight vCPUs share this machine's cores.
 
-    Eight seconds, not three: over three the guest itself spreads equal hogs by the order they were forked
-    in, under the kernel's EEVDF as much as under this scheduler (2026-12-06, `min_over_max` over three
+    Eight seconds, not three: over three seconds the hogs' shares follow the order they were forked in,
+    under the kernel's EEVDF as much as under this scheduler (2026-12-06, `min_over_max` over three
     seconds: EEVDF 0.35-0.72, ours 0.61-0.85, twice below 0.7 in one make test; over eight: EEVDF
-    0.74-0.80, ours 0.83-0.94, crowded over rest 0.98-1.03; docs/lab.md)."""
+    0.74-0.80 in three runs, ours 0.83-0.94 in nine, crowded over rest 0.98-1.03; docs/lab.md)."""
 
     def run() -> dict[str, Any]:
         out = scenario(lab, "node-balance", "--seconds", "8", timeout=600)
@@ -150,8 +151,8 @@ def test_wide_nodes_share_the_hogs_evenly(lab: Lab) -> None:
     def bounds(out: dict[str, Any]) -> None:
         # measured 63-98 pulls, 0 steals over eight seconds
         assert out["domain_pulls"] > 0 and out["domain_steals"] <= 2, out
-        assert out["crowded_over_rest"] >= 0.85, out
-        assert out["min_over_max"] >= 0.7, out
+        assert 0.85 <= out["crowded_over_rest"] <= 1 / 0.85, out  # measured 0.98-1.03
+        assert out["min_over_max"] >= 0.7, out  # measured 0.83-0.94
 
     scenarios.once_more_on_failure(run, bounds, "the wide nodes' hog shares")
 
