@@ -36,6 +36,8 @@ from tests.vm import warm
 _libc = ctypes.CDLL(None, use_errno=True)
 # Workers run until terminated: setting up (compile, agent start) takes minutes under TCG on a busy host.
 WORKER_S = 3600.0
+#: how long before the probe stops the spawner exits: the exit must reach the agent and the probe in it
+EXIT_MARGIN_S = 4.0
 PR_SET_NAME = 15
 
 
@@ -66,10 +68,13 @@ def worker(name: str, seconds: float, fifo: bool) -> None:
 def spawner(seconds: float) -> None:
     """Threads that appear after the probe started: waits (as `spawner_wait`, not matched) for a line on
     stdin, then renames itself `probe_spawn` (a COMM event), starts `probe_late` a second later, which
-    works 3 s and exits, and stays `seconds` in all. Python starts too slowly next to the hogs under TCG
-    to start this process at that point instead."""
+    works 3 s and exits, and stays `seconds` in all, or as many as the line says: the probe's remaining
+    time less the margin its exit needs, so a slow setup between the probe's start and the line does not
+    eat that margin. Python starts too slowly next to the hogs under TCG to start this process at that
+    point instead."""
     set_name("spawner_wait")
-    sys.stdin.readline()
+    line = sys.stdin.readline().strip()
+    seconds = float(line) if line else seconds
     set_name("probe_spawn")
     time.sleep(1.0)
     t = threading.Thread(target=lambda: (set_name("probe_late"), engine_steps(3.0, work_s=0.0005)))
@@ -209,9 +214,10 @@ def run(duration: float, agent: bool, fifo: bool, hogs: int, backend: str = "sch
                              stdout=subprocess.PIPE, text=True, preexec_fn=normal_priority)
             for name in names
         ]
-        # it exits 4 s before the probe stops: the exit must reach the agent, its ListMatches and the
-        # probe's next sync in that time (2 s was too tight under TCG: the exit landed after the end)
-        spawn = subprocess.Popen([*me, "spawner", str(duration - 4.0)], stdin=subprocess.PIPE,
+        # it exits EXIT_MARGIN_S before the probe stops: the exit must reach the agent, its ListMatches
+        # and the probe's next sync in that time (2 s was too tight under TCG: the exit landed after the
+        # end); "go" below tells it the time left, measured then
+        spawn = subprocess.Popen([*me, "spawner", str(duration - EXIT_MARGIN_S)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, preexec_fn=normal_priority)
         procs += [*twins, spawn]
         wait_for_comm([p.pid for p in [*twins, spawn]], [*names, "spawner_wait"])
@@ -229,9 +235,11 @@ def run(duration: float, agent: bool, fifo: bool, hogs: int, backend: str = "sch
         out["setup_s"] = round(time.monotonic() - t0 - float(out["compile_s"]), 1)  # type: ignore[arg-type]
         before = {tid: (r.target.tgid, schedstat(r.target.tgid, tid)) for tid, r in session.records.items()}
         assert spawn.stdin is not None
-        spawn.stdin.write("go\n")
-        spawn.stdin.flush()
         deadline = session.started + duration
+        # the time left, not `duration`: on a loaded host the sync and the schedstat reads above took
+        # seconds of the margin, and the spawner's exit landed after the probe's end (make test, 2026-12-07)
+        spawn.stdin.write(f"{max(1.5, deadline - time.monotonic() - EXIT_MARGIN_S):.3f}\n")
+        spawn.stdin.flush()
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(0.5, left))
             session.sync()
