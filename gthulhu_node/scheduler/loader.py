@@ -47,6 +47,12 @@ KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
 LOCK_PATH = Path("/run/gthulhu-node/scheduler.lock")
 SLEEPABLE_PROGRAMS = ("gthulhu_init",)
 ATTACH_TIMEOUT_S = 30.0
+#: enum scx_exit_kind: the kernel's own verdicts (SCX_EXIT_ERROR: an RCU CPU stall, a soft or hard lockup;
+#: SCX_EXIT_ERROR_STALL: its watchdog), not SCX_EXIT_ERROR_BPF (our scx_bpf_error) nor an unregistration
+KERNEL_VERDICTS = (1024, 1026)
+#: loads tried when the kernel ejects the scheduler while it is being enabled, and the pause between them
+LOAD_ATTEMPTS = 3
+LOAD_RETRY_PAUSE_S = 1.0
 #: fair queues the scheduler creates at most (MAX_DOMAINS in bpf/state.bpf.h): more NUMA nodes share them
 MAX_DOMAINS = 64
 #: scheduler.fair_queues: one unboosted queue per NUMA node, or one for the whole host
@@ -462,8 +468,37 @@ def _detach_stale_logged(root: Path, ops: str) -> int:
     return stale
 
 
+class EjectedWhileLoading(SchedulerRefused):
+    """The kernel enabled the scheduler and ejected it before the load returned, on a verdict of its own
+    (`KERNEL_VERDICTS`). It ejects on an RCU CPU stall "that may not be caused by the current BPF
+    scheduler" (its own comment), while enabling as while enabled: in the lab (7.3, make test of
+    2026-12-07) khugepaged, preempted inside an RCU read-side section beside eight hogs, blocked a grace
+    period for 21 s before the enable had finished, and the next load of the same scheduler went well."""
+
+    def __init__(self, message: str, kind: int) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 def load(settings: LoadSettings, root: Path = SCHED_EXT, lock_path: Path = LOCK_PATH) -> LoadedScheduler:
-    """Load and attach the scheduler; raise BackendUnavailable with a clear reason when it cannot be."""
+    """Load and attach the scheduler; raise BackendUnavailable with a clear reason when it cannot be. A
+    load the kernel ejected on a verdict of its own is tried again, `LOAD_ATTEMPTS` times in all: a host
+    event must not cost the host its scheduler (`backend: auto` would fall back for good), while a
+    scheduler that the kernel keeps ejecting still fails after a few seconds."""
+    attempt = 1
+    while True:
+        try:
+            return _load_once(settings, root, lock_path)
+        except EjectedWhileLoading as exc:
+            if attempt >= LOAD_ATTEMPTS:
+                raise
+            log.warning("scheduler_ejected_while_loading", error=str(exc), exit_kind=exc.kind,
+                        attempt=attempt, attempts=LOAD_ATTEMPTS, action="loading it again")
+            attempt += 1
+            time.sleep(LOAD_RETRY_PAUSE_S)
+
+
+def _load_once(settings: LoadSettings, root: Path, lock_path: Path) -> LoadedScheduler:
     check_support(root)
     lock = _Lock(lock_path)
     if not lock.try_acquire():
@@ -550,10 +585,11 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
         if state != "enabled" or ops != SCHED_NAME:
             info = loaded.bss(refresh_counts=False).exit_info
             loaded.detach()
-            raise SchedulerRefused(
-                f"scheduler did not stay enabled (state {state}, ops {ops!r}): "
-                f"{info.reason.decode(errors='replace')} {info.msg.decode(errors='replace')}".strip()
-            )
+            message = (f"scheduler did not stay enabled (state {state}, ops {ops!r}): "
+                       f"{info.reason.decode(errors='replace')} {info.msg.decode(errors='replace')}".strip())
+            if info.kind in KERNEL_VERDICTS:
+                raise EjectedWhileLoading(message, int(info.kind))
+            raise SchedulerRefused(message)
     except BaseException:
         obj.close()
         raise
