@@ -196,8 +196,8 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
  * A run younger than this is safe from a waker of its own group and from one that only its larger credit
  * lets preempt: the tasks of one crowded group (hackbench's 80) would otherwise preempt each other's short
  * runs in chains, a message per preemption (6.12 beside a loaded host: 4-13x EEVDF's time while only the
- * credited wakers were held off). Not from a waker of another group: a lone sleeper in its own session
- * paid 1.4x EEVDF's latency when every waker was held off (7.3, 2026-12-07).
+ * credited wakers were held off). Not from a waker of another group judged with the usual credit: a lone
+ * sleeper in its own session paid 1.4x EEVDF's latency when every waker was held off (7.3, 2026-12-07).
  */
 #define PROTECT_NS 1000000ULL
 

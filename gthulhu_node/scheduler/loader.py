@@ -47,9 +47,11 @@ KERNEL_BTF = Path("/sys/kernel/btf/vmlinux")
 LOCK_PATH = Path("/run/gthulhu-node/scheduler.lock")
 SLEEPABLE_PROGRAMS = ("gthulhu_init",)
 ATTACH_TIMEOUT_S = 30.0
-#: enum scx_exit_kind: the kernel's own verdicts (SCX_EXIT_ERROR: an RCU CPU stall, a soft or hard lockup;
-#: SCX_EXIT_ERROR_STALL: its watchdog), not SCX_EXIT_ERROR_BPF (our scx_bpf_error) nor an unregistration
-KERNEL_VERDICTS = (1024, 1026)
+#: enum scx_exit_kind: a runtime error the kernel found, and its watchdog's runnable-task stall
+SCX_EXIT_ERROR, SCX_EXIT_ERROR_STALL = 1024, 1026
+#: an SCX_EXIT_ERROR's message when the kernel ejected for a host-wide stall: an RCU CPU stall ("RCU CPU
+#: stall detected!"; 7.x "RCU CPU stall on CPUs (...)"), a soft or a hard lockup
+HOST_STALL = re.compile(r"RCU CPU stall|lockup")
 #: loads tried when the kernel ejects the scheduler while it is being enabled, and the pause between them
 LOAD_ATTEMPTS = 3
 LOAD_RETRY_PAUSE_S = 1.0
@@ -468,9 +470,20 @@ def _detach_stale_logged(root: Path, ops: str) -> int:
     return stale
 
 
+def not_enabled(state: str, ops: str, kind: int, reason: str, msg: str) -> SchedulerRefused:
+    """The error for a scheduler that was not enabled once attached, from its exit callback's record: an
+    ejection for a host-wide stall (the kernel's watchdog, or an SCX_EXIT_ERROR naming an RCU CPU stall or
+    a lockup) is tried again; anything else (our scx_bpf_error, ops.init failing, an invalid dispatch:
+    the same on every attempt; an unregistration) is a refusal."""
+    message = f"scheduler did not stay enabled (state {state}, ops {ops!r}): {reason} {msg}".strip()
+    if kind == SCX_EXIT_ERROR_STALL or (kind == SCX_EXIT_ERROR and HOST_STALL.search(msg)):
+        return EjectedWhileLoading(message, kind)
+    return SchedulerRefused(message)
+
+
 class EjectedWhileLoading(SchedulerRefused):
-    """The kernel enabled the scheduler and ejected it before the load returned, on a verdict of its own
-    (`KERNEL_VERDICTS`). It ejects on an RCU CPU stall "that may not be caused by the current BPF
+    """The kernel enabled the scheduler and ejected it before the load returned, for a host-wide stall
+    (`not_enabled`). It ejects on an RCU CPU stall "that may not be caused by the current BPF
     scheduler" (its own comment), while enabling as while enabled: in the lab (7.3, make test of
     2026-12-07) khugepaged, preempted inside an RCU read-side section beside eight hogs, blocked a grace
     period for 21 s before the enable had finished, and the next load of the same scheduler went well."""
@@ -482,9 +495,9 @@ class EjectedWhileLoading(SchedulerRefused):
 
 def load(settings: LoadSettings, root: Path = SCHED_EXT, lock_path: Path = LOCK_PATH) -> LoadedScheduler:
     """Load and attach the scheduler; raise BackendUnavailable with a clear reason when it cannot be. A
-    load the kernel ejected on a verdict of its own is tried again, `LOAD_ATTEMPTS` times in all: a host
+    load the kernel ejected for a host-wide stall is tried again, `LOAD_ATTEMPTS` times in all: a host
     event must not cost the host its scheduler (`backend: auto` would fall back for good), while a
-    scheduler that the kernel keeps ejecting still fails after a few seconds."""
+    scheduler that the kernel keeps ejecting still fails after that many loads."""
     attempt = 1
     while True:
         try:
@@ -579,17 +592,15 @@ def _load_locked(settings: LoadSettings, lock: _Lock, root: Path) -> LoadedSched
                 link = obj.map(OPS_MAP).attach_struct_ops()
             except OSError as exc:
                 raise _refused(f"attaching the scheduler failed: {exc}", messages) from exc
-        state, ops = wait_state("enabled", ATTACH_TIMEOUT_S, root)
+        # the attach returns once the kernel enabled it: "disabled" now is an ejection, not a wait
+        state, ops = _wait(lambda state, _ops: state in ("enabled", "disabled"), ATTACH_TIMEOUT_S, root)
         loaded = LoadedScheduler(obj, link, lock, flavour, _sets_bandwidth_op(path, flavour))
         loaded.verifier_insns = {p.name: p.verified_insns() for p in recorded}
         if state != "enabled" or ops != SCHED_NAME:
             info = loaded.bss(refresh_counts=False).exit_info
             loaded.detach()
-            message = (f"scheduler did not stay enabled (state {state}, ops {ops!r}): "
-                       f"{info.reason.decode(errors='replace')} {info.msg.decode(errors='replace')}".strip())
-            if info.kind in KERNEL_VERDICTS:
-                raise EjectedWhileLoading(message, int(info.kind))
-            raise SchedulerRefused(message)
+            raise not_enabled(state, ops, int(info.kind), info.reason.decode(errors="replace"),
+                              info.msg.decode(errors="replace"))
     except BaseException:
         obj.close()
         raise

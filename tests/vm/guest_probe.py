@@ -241,7 +241,7 @@ def run(duration: float, agent: bool, fifo: bool, hogs: int, backend: str = "sch
             wait_matched(AGENT_DIR / "api.sock", set(names))
             out["agent_matched_s"] = round(time.monotonic() - t0, 1)
         if hogs:
-            procs.append(start_hogs(hogs, duration + 60))
+            procs.append(start_hogs(hogs, duration + EXIT_GRACE_S + 60))
             time.sleep(1.0)
         # with the agent, the filter follows the agent's matches of all its intents
         source: TargetSource = (AgentTargets(AGENT_DIR / "api.sock") if agent
