@@ -28,9 +28,10 @@
  *  - a woken task takes an idle CPU when there is one (the kernel's pick, asked without the synchronous
  *    flag, so never the waker's busy CPU); else the rules above and below place it.
  *  - an unboosted waker (the head-start tier judged as its unboosted twin) preempts the unboosted task of a
- *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF; one
- *    that shares its group with other runnable tasks is judged with a default slice at its weight of credit,
- *    against a run past its first millisecond (a sleeper in a crowded session, without hackbench's chains).
+ *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF, unless
+ *    that run is its own group's and in its first millisecond; one that shares its group with other
+ *    runnable tasks is judged with a default slice at its weight of credit, against a run past its first
+ *    millisecond (a sleeper in a crowded session, without hackbench's chains).
  *  - every run, boosted or not, is charged to the task's vtime; after a boosted run it may lead the fair
  *    pool by at most one default slice (so a demoted task waits little), and its `served` measure by at
  *    most one window past the later of the fair pool's clock and the reserve's own.
@@ -175,16 +176,16 @@ static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
 }
 
 /*
- * The wake-up rule for unboosted tasks: virtual deadlines, as EEVDF orders its entities. A task's deadline
- * is its vtime plus what a whole slice costs it at its weight (slice_vtime): a light sleeper alone in its
- * session pays one slice for it, each of eight hogs sharing another session eight. A waking task preempts
- * the unboosted task a CPU runs when it is eligible (its vtime not past the pool's, vtime_now: it has not
- * had more than its share) and its deadline comes first, its vtime floored one default slice behind the
- * pool, or one default slice at its own weight against a run older than PROTECT_NS (wakeup_preempts). The
- * head-start tier is judged on its full-charge vtime both as waker and as the running task (twin_vtime):
- * its head start is CPU share, never a place ahead at wake-up. The rule this replaced (half a slice behind
- * the running task's vtime) held for a sleeper floored one slice behind the pool only against the task
- * that started last (docs/scheduler.md).
+ * The wake-up rule for unboosted tasks: virtual deadlines, as EEVDF orders its entities. A task's deadline is
+ * its vtime plus what a whole slice costs it at its weight (slice_vtime): a light sleeper alone in its
+ * session pays one slice for it, each of eight hogs sharing another session eight. A waking task preempts the
+ * unboosted task a CPU runs when it is eligible (its vtime not past the pool's, vtime_now: it has not had
+ * more than its share) and its deadline comes first, its vtime floored one default slice behind the pool, or
+ * one default slice at its own weight against a run older than PROTECT_NS; never a run of its own group
+ * younger than that (wakeup_preempts). The head-start tier is judged on its full-charge vtime both as waker
+ * and as the running task (twin_vtime): its head start is CPU share, never a place ahead at wake-up. The rule
+ * this replaced (half a slice behind the running task's vtime) held for a sleeper floored one slice behind
+ * the pool only against the task that started last (docs/scheduler.md).
  */
 static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 {
@@ -192,8 +193,11 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 }
 
 /*
- * A run younger than this is safe from a waker that only its larger credit lets preempt: wakers of one
- * crowded group (hackbench's 80 tasks) would otherwise preempt each other's short runs in chains.
+ * A run younger than this is safe from a waker of its own group and from one that only its larger credit
+ * lets preempt: the tasks of one crowded group (hackbench's 80) would otherwise preempt each other's short
+ * runs in chains, a message per preemption (6.12 beside a loaded host: 4-13x EEVDF's time while only the
+ * credited wakers were held off). Not from a waker of another group: a lone sleeper in its own session
+ * paid 1.4x EEVDF's latency when every waker was held off (7.3, 2026-12-07).
  */
 #define PROTECT_NS 1000000ULL
 
@@ -205,6 +209,33 @@ static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 
 	return !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline);
 }
 
+/*
+ * The task's autogroup (its session's group) if autogroup applies: the task is in the root cgroup (as
+ * sched_ext sees it) and the kernel resolved its sched_task_group to a group below the root. Every field is
+ * CO-RE guarded: a kernel without them has no autogroups to share by.
+ */
+static __always_inline struct task_group *autogroup_of(struct task_struct *p, struct task_ctx *tctx)
+{
+	struct task_group *tg;
+
+	if (tctx->cgid || !bpf_core_field_exists(p->sched_task_group) ||
+	    !bpf_core_field_exists(struct task_group, parent) || !bpf_core_field_exists(struct task_group, shares))
+		return NULL;
+	tg = BPF_CORE_READ(p, sched_task_group);
+	if (!tg || !BPF_CORE_READ(tg, parent))
+		return NULL;
+	return tg;
+}
+
+/*
+ * The group ops.runnable keys the task by (its cgroup, else its autogroup; 0 none), without runnable's
+ * side effects: select_cpu runs before runnable, and a woken task's group is cleared while it sleeps.
+ */
+static __always_inline u64 group_key(struct task_struct *p, struct task_ctx *tctx)
+{
+	return tctx->group ?: tctx->cgid ?: (u64)autogroup_of(p, tctx);
+}
+
 /* What wakeup_preempts found; WAKE_NO is false, so a caller may test it as a bool. */
 enum wake_verdict {
 	WAKE_NO,     /* the rule does not hold, or the CPU's local DSQ is not free */
@@ -213,15 +244,16 @@ enum wake_verdict {
 };
 
 /*
- * The rule, on the task's full-charge vtime: with a sleeper's usual credit (one default slice of vtime),
- * or, for a woken task (not a cut run re-placed), with what a default slice costs it at its weight
- * (wake_credit) against a run older than PROTECT_NS. A sleeper sharing its session with eight hogs pays
- * nine default slices of vtime for one default slice of run: one default slice of vtime credit left it
- * judged behind the running hog at most wake-ups (4.4x EEVDF's latency). One default slice of run is the
- * credit a lone nice 0 sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's
- * own longer slice buys it no credit: its later deadline stays later.
+ * The rule, on the task's full-charge vtime, never against a run of the waker's own group (`group`,
+ * group_key) younger than PROTECT_NS: with a sleeper's usual credit (one default slice of vtime), or, for a
+ * woken task (not a cut run re-placed), with what a default slice costs it at its weight (wake_credit)
+ * against a run older than PROTECT_NS. A sleeper sharing its session with eight hogs pays nine default
+ * slices of vtime for one default slice of run: one default slice of vtime credit left it judged behind the
+ * running hog at most wake-ups (4.4x EEVDF's latency). One default slice of run is the credit a lone nice 0
+ * sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's own longer slice buys it
+ * no credit: its later deadline stays later.
  */
-static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, s32 cpu, u64 now,
+static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, u64 group, s32 cpu, u64 now,
 							 bool woken)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
@@ -229,6 +261,8 @@ static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, 
 	enum wake_verdict verdict = WAKE_USUAL;
 
 	if (!c || c->prio)
+		return WAKE_NO;
+	if (group && group == c->run_group && before(now, c->run_start + PROTECT_NS))
 		return WAKE_NO;
 	if (!beats(tctx, c, full, credit)) {
 		if (!woken || tctx->wake_credit <= credit || before(now, c->run_start + PROTECT_NS) ||
@@ -249,20 +283,20 @@ static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, 
  */
 static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 from, bool woken)
 {
-	u64 now = bpf_ktime_get_ns(), latest = 0;
+	u64 now = bpf_ktime_get_ns(), latest = 0, group = group_key(p, tctx);
 	u32 n = settings.nr_cpus, node = domain_of(from);
 	struct bpf_iter_num it;
 	struct cpu_ctx *c;
 	s32 best = -1, cpu;
 	int *i;
 
-	if (wakeup_preempts(tctx, from, now, woken))
+	if (wakeup_preempts(tctx, group, from, now, woken))
 		return from;
 	bpf_iter_num_new(&it, 1, n <= WAKE_SCAN ? n : WAKE_SCAN + 1);
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
 		if (domain_of(cpu) != node || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-		    !wakeup_preempts(tctx, cpu, now, woken))
+		    !wakeup_preempts(tctx, group, cpu, now, woken))
 			continue;
 		c = cpu_ctx_of(cpu);
 		if (c && (best < 0 || before(latest, c->deadline))) {
@@ -296,7 +330,8 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
 	if (cpu >= 0 && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
-		verdict = wakeup_preempts(tctx, cpu, bpf_ktime_get_ns(), enq_flags & ENQ_WAKEUP);
+		verdict = wakeup_preempts(tctx, group_key(p, tctx), cpu, bpf_ktime_get_ns(),
+					  enq_flags & ENQ_WAKEUP);
 	if (verdict == WAKE_NO) {
 		if (!boosted)
 			count(fair_wakeups_queued);
@@ -833,6 +868,7 @@ void OP(gthulhu_running, struct task_struct *p)
 		set_cpu_prio(cpu, c, tctx->prio);
 		c->vtime = tctx->vtime;
 		c->run_start = tctx->started_at; /* before the deadline; read unlocked, the pair is a hint */
+		c->run_group = tctx->group;
 		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
 		if (local_free(cpu))
@@ -861,24 +897,6 @@ static __always_inline u64 cgroup_key(struct cgroup *cgrp)
 	if (!cgrp || !BPF_CORE_READ(cgrp, level))
 		return 0;
 	return BPF_CORE_READ(cgrp, kn, id);
-}
-
-/*
- * The task's autogroup (its session's group) if autogroup applies: the task is in the root cgroup (as
- * sched_ext sees it) and the kernel resolved its sched_task_group to a group below the root. Every field is
- * CO-RE guarded: a kernel without them has no autogroups to share by.
- */
-static __always_inline struct task_group *autogroup_of(struct task_struct *p, struct task_ctx *tctx)
-{
-	struct task_group *tg;
-
-	if (tctx->cgid || !bpf_core_field_exists(p->sched_task_group) ||
-	    !bpf_core_field_exists(struct task_group, parent) || !bpf_core_field_exists(struct task_group, shares))
-		return NULL;
-	tg = BPF_CORE_READ(p, sched_task_group);
-	if (!tg || !BPF_CORE_READ(tg, parent))
-		return NULL;
-	return tg;
 }
 
 /*
