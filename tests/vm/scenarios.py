@@ -24,12 +24,28 @@ def run(lab: Any, script: str, name: str, *args: str, timeout: float = 300) -> d
 
 def once_per_guest(request: pytest.FixtureRequest, name: str, compute: Callable[[], T]) -> T:
     """`compute` once per kernel and shape for every test that reads the same guest run (keyed by the
-    guest's spec: a closed guest's object id can be the next one's)."""
+    guest's spec: a closed guest's object id can be the next one's). A failure is kept too and raised
+    again for the next test: computing it afresh would be one more rerun, which could pass where the
+    first test's run failed."""
     key = (name, str(request.node.callspec.params["lab"]))
     if key not in _once:
-        _once[key] = compute()
-    result: T = _once[key]
+        try:
+            _once[key] = compute()
+        except Exception as failure:
+            _once[key] = _Failed(failure)
+            raise
+    cached = _once[key]
+    if isinstance(cached, _Failed):
+        raise cached.failure
+    result: T = cached
     return result
+
+
+class _Failed:
+    """A `once_per_guest` computation that raised."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
 
 
 class LabRerun(UserWarning):
