@@ -244,14 +244,14 @@ enum wake_verdict {
 };
 
 /*
- * The rule, on the task's full-charge vtime, never against a run of the waker's own group (`group`,
- * group_key) younger than PROTECT_NS: with a sleeper's usual credit (one default slice of vtime), or, for a
- * woken task (not a cut run re-placed), with what a default slice costs it at its weight (wake_credit)
- * against a run older than PROTECT_NS. A sleeper sharing its session with eight hogs pays nine default
- * slices of vtime for one default slice of run: one default slice of vtime credit left it judged behind the
- * running hog at most wake-ups (4.4x EEVDF's latency). One default slice of run is the credit a lone nice 0
- * sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's own longer slice buys it
- * no credit: its later deadline stays later.
+ * The rule, on the task's full-charge vtime, never against a run of the waker's (or re-placed cut run's)
+ * own group (`group`, group_key) younger than PROTECT_NS: with a sleeper's usual credit (one default slice
+ * of vtime), or, for a woken task (not a cut run re-placed), with what a default slice costs it at its
+ * weight (wake_credit) against a run older than PROTECT_NS. A sleeper sharing its session with eight hogs
+ * pays nine default slices of vtime for one default slice of run: one default slice of vtime credit left it
+ * judged behind the running hog at most wake-ups (4.4x EEVDF's latency). One default slice of run is the
+ * credit a lone nice 0 sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's own
+ * longer slice buys it no credit: its later deadline stays later.
  */
 static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, u64 group, s32 cpu, u64 now,
 							 bool woken)
