@@ -111,6 +111,13 @@ class Prometheus:
         assert doc["status"] == "success", f"{expr}: {doc.get('error')}"
         return list(doc["data"]["result"])
 
+    def last(self, selector: str, window: str = "1m") -> list[dict[str, Any]]:
+        """Each series' last sample within `window`. A bare selector answers nothing after one failed scrape
+        (Prometheus marks the target's series stale), and a 1 s scrape of an agent beside CPU hogs in an
+        emulated guest can miss its timeout: CI of 01d4585 read no per-intent count at all while the
+        dashboard's rate over the same series had 19 buckets."""
+        return self.query(f"last_over_time({selector}[{window}])")
+
     def firing(self) -> set[str]:
         alerts = self.api("alerts")["data"]["alerts"]
         return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}

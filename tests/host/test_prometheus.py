@@ -7,6 +7,8 @@ matched thread, a refused gRPC call and unauthenticated REST calls), and
   naming a metric the agent does not export (a typo, a rename) fails here;
 - every whole query evaluates without error;
 - the alerts GthulhuNodeIntentsFailed and GthulhuNodeRestAuthFailures fire against the agent;
+- a series read with `Prometheus.last` answers through a failed scrape, where a bare selector does not
+  (the lab's probe test reads its counts so);
 - `promtool check rules` and `promtool test rules` (deploy/prometheus/gthulhu-node-rules.test.yaml, a case
   for every alert) pass.
 
@@ -16,8 +18,10 @@ fails the test.
 
 from __future__ import annotations
 
+import http.server
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -150,3 +154,44 @@ def test_promtool_unit_tests_fire_every_alert() -> None:
     out = subprocess.run(["promtool", "test", "rules", RULE_TESTS.name], capture_output=True, text=True,
                          check=False, cwd=RULE_TESTS.parent)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
+class _Endpoint(http.server.BaseHTTPRequestHandler):
+    """One per-intent count, or a 500 while `failing` is set (a scrape that misses, as a timeout does)."""
+
+    failing = False
+
+    def do_GET(self) -> None:
+        if _Endpoint.failing:
+            self.send_error(500)
+            return
+        body = b'waits_count{intent="local/boost"} 1636\n'
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_series_reads_on_through_one_failed_scrape() -> None:
+    """`Prometheus.last`, which the lab's probe test reads its per-intent counts with, still answers after
+    the target's last scrape failed; a bare selector answers nothing then (the series are stale). CI of
+    01d4585 failed the probe test so: the dashboard's rate had data, the bare count no series."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = short_dir()
+    prom = Prometheus(base, server.server_address[1], interval="1s")
+    try:
+        wait_for(lambda: prom.query("waits_count"), timeout=60, what="a scrape of the endpoint")
+        _Endpoint.failing = True
+        wait_for(lambda: prom.query("up == 0"), timeout=60, what="a failed scrape")
+        assert prom.query("waits_count") == []
+        assert [float(r["value"][1]) for r in prom.last("waits_count")] == [1636.0]
+    finally:
+        _Endpoint.failing = False
+        prom.stop()
+        server.shutdown()
+        shutil.rmtree(base, ignore_errors=True)

@@ -329,14 +329,20 @@ def agent_probe(hogs: int) -> None:
         out["heatmap_queries"] = heatmap
         deadline = time.monotonic() + 120
         answers: list[list[dict[str, Any]]] = []
+        waits: dict[str, float] = {}
         while time.monotonic() < deadline:
             answers = [prom.query(q) for q in heatmap]
-            if answers and all(any(float(r["value"][1]) > 0 for r in a) for a in answers):
+            waits = {r["metric"].get("intent", ""): float(r["value"][1])
+                     for r in prom.last("gthulhu_node_runqueue_wait_latency_seconds_count")}
+            if (answers and all(any(float(r["value"][1]) > 0 for r in a) for a in answers)
+                    and any(v > 0 for k, v in waits.items() if k.endswith("boost"))):
                 break
             time.sleep(2)
         out["heatmap_nonzero_buckets"] = [sum(1 for r in a if float(r["value"][1]) > 0) for a in answers]
-        counts = prom.query('gthulhu_node_runqueue_wait_latency_seconds_count')
-        out["waits_by_intent"] = {r["metric"].get("intent", ""): float(r["value"][1]) for r in counts}
+        out["waits_by_intent"] = waits
+        # Scrapes made and scrapes that answered, to tell a slow guest from a missing series.
+        out["scrapes"] = [float(r["value"][1]) for q in ("count_over_time(up[10m])", "sum_over_time(up[10m])")
+                          for r in prom.query(q)]
     finally:
         if prom is not None:
             prom.stop()
