@@ -157,12 +157,13 @@ def test_promtool_unit_tests_fire_every_alert() -> None:
 
 
 class _Endpoint(http.server.BaseHTTPRequestHandler):
-    """One per-intent count, or a 500 while `failing` is set (a scrape that misses, as a timeout does)."""
+    """One per-intent count, or a 500 while the server's `failing` event is set (a scrape that misses, as a
+    timeout does)."""
 
-    failing = False
+    server: _CountServer
 
     def do_GET(self) -> None:
-        if _Endpoint.failing:
+        if self.server.failing.is_set():
             self.send_error(500)
             return
         body = b'waits_count{intent="local/boost"} 1636\n'
@@ -176,22 +177,29 @@ class _Endpoint(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _CountServer(http.server.ThreadingHTTPServer):
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Endpoint)
+        self.failing = threading.Event()
+
+
 def test_a_series_reads_on_through_one_failed_scrape() -> None:
     """`Prometheus.last`, which the lab's probe test reads its per-intent counts with, still answers after
     the target's last scrape failed; a bare selector answers nothing then (the series are stale). CI of
     01d4585 failed the probe test so: the dashboard's rate had data, the bare count no series."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     base = short_dir()
-    prom = Prometheus(base, server.server_address[1], interval="1s")
-    try:
-        wait_for(lambda: prom.query("waits_count"), timeout=60, what="a scrape of the endpoint")
-        _Endpoint.failing = True
-        wait_for(lambda: prom.query("up == 0"), timeout=60, what="a failed scrape")
-        assert prom.query("waits_count") == []
-        assert [float(r["value"][1]) for r in prom.last("waits_count")] == [1636.0]
-    finally:
-        _Endpoint.failing = False
-        prom.stop()
-        server.shutdown()
-        shutil.rmtree(base, ignore_errors=True)
+    with _CountServer() as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            prom = Prometheus(base, server.server_address[1], interval="1s")
+            try:
+                wait_for(lambda: prom.query("waits_count"), timeout=60, what="a scrape of the endpoint")
+                server.failing.set()
+                wait_for(lambda: prom.query("up == 0"), timeout=60, what="a failed scrape")
+                assert prom.query("waits_count") == []
+                assert [float(r["value"][1]) for r in prom.last("waits_count", "5m")] == [1636.0]
+            finally:
+                prom.stop()
+        finally:
+            server.shutdown()
+            shutil.rmtree(base, ignore_errors=True)

@@ -341,8 +341,10 @@ def agent_probe(hogs: int) -> None:
         out["heatmap_nonzero_buckets"] = [sum(1 for r in a if float(r["value"][1]) > 0) for a in answers]
         out["waits_by_intent"] = waits
         # Scrapes made and scrapes that answered, to tell a slow guest from a missing series.
-        out["scrapes"] = [float(r["value"][1]) for q in ("count_over_time(up[10m])", "sum_over_time(up[10m])")
-                          for r in prom.query(q)]
+        out["scrapes"] = {name: sum(float(r["value"][1]) for r in prom.query(f"{fn}(up[10m])"))
+                          for name, fn in (("made", "count_over_time"), ("answered", "sum_over_time"))}
+        # last() answers for a minute after the agent is gone: the agent must still run when they were read.
+        out["agent_alive"] = procs[0].poll() is None
     finally:
         if prom is not None:
             prom.stop()

@@ -162,3 +162,4 @@ def test_the_agents_continuous_probe_feeds_the_dashboards_histogram(lab_session:
     assert out["heatmap_nonzero_buckets"][0] > 0, out
     boosted = [v for k, v in out["waits_by_intent"].items() if k.endswith("boost")]
     assert boosted and boosted[0] > 0, out
+    assert out["agent_alive"] is True, out
