@@ -89,6 +89,20 @@ def intent_problem(m: pb.Intent) -> str | None:
     return None
 
 
+def whole_or_field(i: int, m: pb.Intent) -> str:
+    """The prefix the server names a broken intent by: the field (`intents[i].priority: ...`), or, for an
+    empty commandRegex in an intent whose every field is valid, the intent itself (`intents[i]:
+    commandRegex is empty ...`): that rule is between two fields (only a pod intent may leave it empty),
+    checked after each field on its own, so pydantic gives it no field location."""
+    if m.command_regex == "":
+        others = pb.Intent()
+        others.CopyFrom(m)
+        others.command_regex = "x"
+        if intent_problem(others) is None:
+            return f"intents[{i}]: commandRegex"
+    return f"intents[{i}]."
+
+
 def content(m: pb.Intent) -> tuple[Any, ...]:
     return (
         m.id,
@@ -125,7 +139,7 @@ class Model:
             return grpc.StatusCode.INVALID_ARGUMENT, "intents"
         for i, m in enumerate(req.intents):
             if intent_problem(m) is not None:
-                return grpc.StatusCode.INVALID_ARGUMENT, f"intents[{i}]."
+                return grpc.StatusCode.INVALID_ARGUMENT, whole_or_field(i, m)
         ids = [m.id for m in req.intents]
         if len(set(ids)) != len(ids):
             return grpc.StatusCode.INVALID_ARGUMENT, "intents["
@@ -313,3 +327,24 @@ def test_fuzz_api_against_model() -> None:
     TOTAL_REQUESTS = 0
     fuzz_api_against_model()
     assert TOTAL_REQUESTS >= 10_000, TOTAL_REQUESTS
+
+
+@pytest.mark.parametrize(("intent", "prefix"), [
+    (pb.Intent(id="a", command_regex=""), "intents[0]: commandRegex"),
+    (pb.Intent(id="a", command_regex="", priority=99), "intents[0]."),
+    (pb.Intent(id="a", command_regex="(", priority=1), "intents[0]."),
+])
+def test_the_model_names_a_broken_intent_as_the_server_does(intent: pb.Intent, prefix: str) -> None:
+    """The model's prefix for the cases a fuzz run found it wrong on (CI clean clone of 50d601a: an empty
+    commandRegex in an otherwise valid intent is named by the intent, not a field) and its neighbours."""
+    base = Path(tempfile.mkdtemp(prefix="gnf-"))
+    req = pb.ApplyIntentsRequest(source="cli", intents=[intent])
+    assert Model().apply(req) == (grpc.StatusCode.INVALID_ARGUMENT, prefix)
+    try:
+        with running_agent(base) as agent, client(agent.config.api.socket) as stub:
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ApplyIntents(req, timeout=30)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert exc.value.details().startswith(prefix), (exc.value.details(), prefix)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
