@@ -769,7 +769,7 @@ def _selectors_without_series(prom: Prometheus) -> list[str]:
     the run: with the sched_ext backend, then ejected, then on eevdf."""
     exprs = dashboard_queries() + [rule["expr"] for rule in rules()]
     seen = {selector for expr in exprs for _, selector in selectors(expr)}
-    return sorted(s for s in seen if not prom.query(f"last_over_time({s}[30m])"))
+    return sorted(s for s in seen if not prom.last(s, "30m"))
 
 
 def _ejection_alerts(prom: Prometheus) -> dict[str, bool]:
