@@ -12,9 +12,10 @@ ratios printed for scale, not judged). Prints, per case, the sleeper's avg / p99
 bogo-ops/s and the engine's steps/s as median [min-max] over the rounds, and the ratios ours / EEVDF of
 the medians beside the goal (at most 1.10 for avg and p99). GTHULHU_BENCH_SECONDS (default 15) and
 GTHULHU_BENCH_ROUNDS (default 5) size it, GTHULHU_BENCH_CASES (comma-separated) picks cases of
-tests/vm/sleeper_bench.py; GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler REV)
-adds an earlier revision's scheduler with no policy, the hogs in their own session and in the sleeper's
-(a change's before and after, same boot).
+tests/vm/sleeper_bench.py; GTHULHU_BENCH_UNPINNED=1 widens cyclictest's measuring thread (which pins itself
+to CPU 0) to every CPU, as a daemon's thread runs;
+GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler REV) adds an earlier revision's scheduler with no
+policy, the hogs in their own session and in the sleeper's (a change's before and after, same boot).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ pytestmark = pytest.mark.bench
 SECONDS = float(os.environ.get("GTHULHU_BENCH_SECONDS", "15"))
 ROUNDS = int(os.environ.get("GTHULHU_BENCH_ROUNDS", "5"))
 EARLIER = os.environ.get("GTHULHU_BENCH_EARLIER", "")
+# GTHULHU_BENCH_UNPINNED=1: cyclictest's measuring thread widened to every CPU (a daemon's thread) instead of
+# pinned to CPU 0, where cyclictest puts it (tests/vm/sleeper_bench.py, Sleeper)
+UNPINNED = os.environ.get("GTHULHU_BENCH_UNPINNED", "") == "1"
 # GTHULHU_BENCH_TRACE=1: trace the sleeper wake-ups of each run (tests/vm/wake_trace.py has the stages)
 TRACE = os.environ.get("GTHULHU_BENCH_TRACE", "") == "1"
 CASES = [c for c in os.environ.get("GTHULHU_BENCH_CASES", "").split(",") if c] or [
@@ -67,11 +71,20 @@ def ratio_cell(rs: list[dict[str, Any]], base: list[dict[str, Any]], key: str, j
     return f"{ratio:>9.2f}x {verdict:>3}"
 
 
+def sleeper_cpus(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """How the measuring thread ran, from what each run read of its affinity: pinned, or free on n CPUs."""
+    seen = {int(r["sleeper_cpus"]) for rs in runs.values() for r in rs if r.get("sleeper_cpus")}
+    if not seen:
+        return "(affinity not read)"
+    return " / ".join("pinned to one CPU" if n == 1 else f"free on {n} CPUs" for n in sorted(seen))
+
+
 def print_table(data: dict[str, Any]) -> None:
     runs: dict[str, list[dict[str, Any]]] = data["runs"]
     print(f"\nwhat unboosted work pays: lab VM (kernel {data['kernel']}, {data['cpus']} vCPU, TCG thread="
           f"{data.get('tcg_thread', '?')}), {data['rounds']} interleaved rounds x {data['seconds']:.0f} s, "
-          f"guest deaths {len(data.get('guest_deaths', []))}; median [min-max]")
+          f"guest deaths {len(data.get('guest_deaths', []))}; the sleeper {sleeper_cpus(runs)}; "
+          "median [min-max]")
     print(f"{'case':28}{'sleeper avg us':>22}{'p99 us':>26}{'max us':>26}{'hackbench s':>22}{'pipe s':>22}"
           f"{'hogs bogo-ops/s':>16}{'engine steps/s':>16}" + "".join(
               f"{k + ' vs EEVDF':>14}" for k in ("avg", "p99", "hackbench", "pipe", "hogs")))
@@ -117,6 +130,7 @@ def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
     data = benchlab.run_interleaved(bench_lab, "tests/vm/sleeper_bench.py", "sleeper_progress.jsonl",
                                     BUDGET_S, "--cases", ",".join(cases), "--overhead",
                                     *(["--trace"] if TRACE else []),
+                                    *(["--unpinned"] if UNPINNED else []),
                                     *(["--earlier", EARLIER] if EARLIER else []),
                                     seconds=SECONDS, rounds=ROUNDS,
                                     stage=benchlab.peers_args(bench_lab) if "scx_simple" in cases else None)

@@ -8,7 +8,8 @@ engine (tests/vm/engine_step_bench.py: 2 ms of its own CPU, 5 ms sleep) in this 
 through the agent's path under ours. Cases run interleaved, round by round; each run reports the
 sleeper's average, p99 (from cyclictest's histogram, 1 us buckets) and maximum latency in microseconds,
 the hogs' bogo-ops/s and, with an engine, its steps/s. `--trace` adds, per run, where each of the
-sleeper's wake-ups went (tests/vm/wake_trace.py's stages, traced for the middle of the run).
+sleeper's wake-ups went (tests/vm/wake_trace.py's stages, traced for the middle of the run). cyclictest
+pins its measuring thread to one CPU (CPU 0) by itself; `--unpinned` widens it to every CPU (Sleeper).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ CASES: dict[str, dict[str, Any]] = {
 EARLIER = "ours earlier no policy"
 EARLIER_IN_SESSION = "ours earlier hogs in session"
 HISTOGRAM_US = 100_000
+# --unpinned: the measuring thread free to use every CPU (Sleeper); else pinned where cyclictest puts it
+PINNED = True
 
 
 def parse_histogram(text: str) -> dict[str, float]:
@@ -104,9 +107,14 @@ def quantile(counts: list[tuple[int, int]], rank: float, beyond: float) -> float
 class Sleeper:
     """cyclictest in a session of its own, SCHED_OTHER, a 5 ms period; its histogram at the end, and its
     measuring thread's run-queue wait per wake-up (schedstat, sampled while it runs): the part of the
-    latency the scheduler decides, without the timer interrupt's lateness that TCG adds on a busy host."""
+    latency the scheduler decides, without the timer interrupt's lateness that TCG adds on a busy host.
 
-    def __init__(self, seconds: float, own_session: bool = True, histogram: bool = True) -> None:
+    cyclictest pins its measuring thread to one CPU (the first it may use: CPU 0) even without `-a`; with
+    `pinned=False` that thread's affinity is widened again to every CPU the process may use once it has
+    pinned itself, so it wakes as a daemon's thread does (unpinned), free to go to another CPU."""
+
+    def __init__(self, seconds: float, own_session: bool = True, histogram: bool = True,
+                 pinned: bool = True) -> None:
         self.seconds = seconds
         self.histogram = histogram
         self.proc = subprocess.Popen(
@@ -115,6 +123,9 @@ class Sleeper:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/tmp",
         )
         self.tid = sleeper_tid(self.proc)
+        self.cpus = 0  # CPUs the measuring thread may use, as last read while it ran
+        if not pinned:
+            unpin(self.tid, os.sched_getaffinity(self.proc.pid))
         self.first = self.last = schedstat(self.tid)
         self.poller = threading.Thread(target=self._poll, daemon=True)
         self.poller.start()
@@ -124,6 +135,7 @@ class Sleeper:
             time.sleep(0.25)
             with contextlib.suppress(OSError, ValueError, IndexError):
                 self.last = schedstat(self.tid)
+                self.cpus = len(os.sched_getaffinity(self.tid))
 
     def result(self) -> dict[str, float]:
         text = self.proc.communicate(timeout=self.seconds + 60)[0]
@@ -131,6 +143,7 @@ class Sleeper:
         self.poller.join()
         waits = self.last[2] - self.first[2]
         out["runq_wait_us"] = (self.last[1] - self.first[1]) / max(waits, 1) / 1e3
+        out["sleeper_cpus"] = float(self.cpus)
         return out
 
 
@@ -199,6 +212,19 @@ def sleeper_tid(proc: subprocess.Popen[str]) -> int:
     raise RuntimeError(f"cyclictest's measuring thread did not appear (exit {proc.poll()})")
 
 
+def unpin(tid: int, cpus: set[int]) -> None:
+    """Widen the measuring thread's affinity to `cpus` once it has pinned itself (it does so as it starts,
+    before its first wake-up), so that no later pin undoes it."""
+    deadline = time.monotonic() + 10
+    while os.sched_getaffinity(tid) == cpus:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cyclictest's thread {tid} never pinned itself: is this another cyclictest?")
+        time.sleep(0.005)
+    os.sched_setaffinity(tid, cpus)
+    if os.sched_getaffinity(tid) != cpus:
+        raise RuntimeError(f"cyclictest's thread {tid} kept its pin: {os.sched_getaffinity(tid)}")
+
+
 @contextlib.contextmanager
 def engine(active: bool, seconds: float) -> Iterator[tuple[int, subprocess.Popen[str]] | None]:
     """The engine-step engine in this script's session: its tid and process, waiting for go."""
@@ -255,7 +281,7 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any) -
             esb.apply_intent(sched, case["intent"])
             assert eng[0] in {k.id for k in sched.read_back()}, "the intent did not reach the engine"
         counters = sched.counters() if sched is not None else {}
-        cyc = Sleeper(seconds, case.get("own_session", True))
+        cyc = Sleeper(seconds, case.get("own_session", True), pinned=PINNED)
         if eng is not None:
             esb._in(eng[1]).write("go\n")
             esb._in(eng[1]).flush()
@@ -346,6 +372,7 @@ def preempted_on_wake(text: str, tid: int) -> dict[str, int]:
 
 
 def main() -> int:
+    global PINNED
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--rounds", type=int, default=5)
@@ -357,12 +384,15 @@ def main() -> int:
                         help="append each case's result there as a JSON line as soon as it ends")
     parser.add_argument("--earlier", type=Path, default=None,
                         help=f"an earlier revision's folder (scripts/bench-earlier-scheduler): {EARLIER!r}")
+    parser.add_argument("--unpinned", action="store_true",
+                        help="widen cyclictest's measuring thread to every CPU (Sleeper): a daemon's thread")
     parser.add_argument("--paired", action="store_true", help="the lab test's run: see paired()")
     parser.add_argument("--peers-dir", type=Path, default=None, help="where scx_simple is (a peer case)")
     esb.add_skip(parser)
     args = parser.parse_args()
     if args.peers_dir is not None:
         esb.PEERS_DIR = args.peers_dir
+    PINNED = not args.unpinned
     if args.paired:
         print(json.dumps(paired(args.rounds, args.seconds)))
         return 0
