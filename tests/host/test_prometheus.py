@@ -178,6 +178,10 @@ class _Endpoint(http.server.BaseHTTPRequestHandler):
 
 
 class _CountServer(http.server.ThreadingHTTPServer):
+    """A scrape target on a free local port whose `failing` event the test sets to make scrapes miss
+    while the server stays up, as a slow target does, so that only staleness changes what Prometheus
+    answers."""
+
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Endpoint)
         self.failing = threading.Event()
