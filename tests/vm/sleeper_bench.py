@@ -60,8 +60,6 @@ CASES: dict[str, dict[str, Any]] = {
 EARLIER = "ours earlier no policy"
 EARLIER_IN_SESSION = "ours earlier hogs in session"
 HISTOGRAM_US = 100_000
-# --unpinned: the measuring thread free to use every CPU (Sleeper); else pinned where cyclictest puts it
-PINNED = True
 
 
 def parse_histogram(text: str) -> dict[str, float]:
@@ -122,11 +120,18 @@ class Sleeper:
              "-D", f"{int(seconds)}", "--policy=other", *(["-h", str(HISTOGRAM_US)] if histogram else [])],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/tmp",
         )
-        self.tid = sleeper_tid(self.proc)
+        self.pinned = pinned
+        self.allowed = len(os.sched_getaffinity(self.proc.pid))
         self.cpus = 0  # CPUs the measuring thread may use, as last read while it ran
-        if not pinned:
-            unpin(self.tid, os.sched_getaffinity(self.proc.pid))
-        self.first = self.last = schedstat(self.tid)
+        try:
+            self.tid = sleeper_tid(self.proc)
+            if not pinned:
+                unpin(self.tid, os.sched_getaffinity(self.proc.pid))
+            self.first = self.last = schedstat(self.tid)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self.poller = threading.Thread(target=self._poll, daemon=True)
         self.poller.start()
 
@@ -143,6 +148,9 @@ class Sleeper:
         self.poller.join()
         waits = self.last[2] - self.first[2]
         out["runq_wait_us"] = (self.last[1] - self.first[1]) / max(waits, 1) / 1e3
+        if not self.pinned and self.cpus != self.allowed:
+            raise RuntimeError(f"the measuring thread ended on {self.cpus} CPUs, not the {self.allowed} it "
+                               "was widened to: a pin after the widening")
         out["sleeper_cpus"] = float(self.cpus)
         return out
 
@@ -213,16 +221,18 @@ def sleeper_tid(proc: subprocess.Popen[str]) -> int:
 
 
 def unpin(tid: int, cpus: set[int]) -> None:
-    """Widen the measuring thread's affinity to `cpus` once it has pinned itself (it does so as it starts,
-    before its first wake-up), so that no later pin undoes it."""
+    """Widen the measuring thread's affinity to `cpus` once it has pinned itself to a single CPU. It does
+    that once, as it starts and before its first wake-up, after narrowing itself to its NUMA node's CPUs
+    (a mask that already differs from `cpus` on a guest of two nodes): widened before the pin, the pin
+    would undo it. Nothing to do where the process may use one CPU only."""
+    if len(cpus) == 1:
+        return
     deadline = time.monotonic() + 10
-    while os.sched_getaffinity(tid) == cpus:
+    while len(os.sched_getaffinity(tid)) != 1:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"cyclictest's thread {tid} never pinned itself: is this another cyclictest?")
+            raise RuntimeError(f"cyclictest's thread {tid} never pinned itself: {os.sched_getaffinity(tid)}")
         time.sleep(0.005)
     os.sched_setaffinity(tid, cpus)
-    if os.sched_getaffinity(tid) != cpus:
-        raise RuntimeError(f"cyclictest's thread {tid} kept its pin: {os.sched_getaffinity(tid)}")
 
 
 @contextlib.contextmanager
@@ -256,12 +266,13 @@ def earlier(folder: str | None) -> Iterator[None]:
 OVERHEAD = {"hackbench_s": "hackbench -p -g 2 -l 200", "pipe_s": "perf sched pipe -l 20000"}
 
 
-def run_case(name: str, seconds: float, trace: bool, overhead: bool = False) -> dict[str, Any]:
+def run_case(name: str, seconds: float, trace: bool, overhead: bool = False,
+             pinned: bool = True) -> dict[str, Any]:
     case = CASES[name]
     out: dict[str, Any] = {}
     with earlier(case.get("earlier")), esb.peer(case.get("peer")), \
             esb.scheduler(case.get("sched", False), None) as sched:
-        out.update(sleeper_run(case, seconds, trace, sched))
+        out.update(sleeper_run(case, seconds, trace, sched, pinned))
         if overhead:
             for key, workload in OVERHEAD.items():
                 out[key] = sched_overhead_bench.timed(workload)
@@ -270,8 +281,10 @@ def run_case(name: str, seconds: float, trace: bool, overhead: bool = False) -> 
     return out
 
 
-def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any) -> dict[str, Any]:
-    """The sleeper beside the case's hogs (and engine), under the scheduler `sched` (None: EEVDF)."""
+def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any,
+                pinned: bool = True) -> dict[str, Any]:
+    """The sleeper beside the case's hogs (and engine), under the scheduler `sched` (None: EEVDF); its
+    measuring thread pinned where cyclictest puts it, or free on every CPU (Sleeper)."""
     out: dict[str, Any] = {}
     with (
         esb.hogs(case["hogs"], seconds, own_session=case.get("hogs_session", True)) as hog,
@@ -281,7 +294,7 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any) -
             esb.apply_intent(sched, case["intent"])
             assert eng[0] in {k.id for k in sched.read_back()}, "the intent did not reach the engine"
         counters = sched.counters() if sched is not None else {}
-        cyc = Sleeper(seconds, case.get("own_session", True), pinned=PINNED)
+        cyc = Sleeper(seconds, case.get("own_session", True), pinned=pinned)
         if eng is not None:
             esb._in(eng[1]).write("go\n")
             esb._in(eng[1]).flush()
@@ -372,7 +385,6 @@ def preempted_on_wake(text: str, tid: int) -> dict[str, int]:
 
 
 def main() -> int:
-    global PINNED
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--rounds", type=int, default=5)
@@ -392,7 +404,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.peers_dir is not None:
         esb.PEERS_DIR = args.peers_dir
-    PINNED = not args.unpinned
     if args.paired:
         print(json.dumps(paired(args.rounds, args.seconds)))
         return 0
@@ -404,7 +415,8 @@ def main() -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
-    esb.interleave(names, args.rounds, lambda name: run_case(name, args.seconds, args.trace, args.overhead),
+    esb.interleave(names, args.rounds,
+                   lambda name: run_case(name, args.seconds, args.trace, args.overhead, not args.unpinned),
                    args.progress, args.seconds, args.skip)
     return 0
 
