@@ -194,10 +194,11 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 
 /*
  * A run younger than this is safe from a waker of its own group and from one that only its larger credit
- * lets preempt: the tasks of one crowded group (hackbench's 80) would otherwise preempt each other's short
- * runs in chains, a message per preemption (6.12 beside a loaded host: 4-13x EEVDF's time while only the
- * credited wakers were held off). Not from a waker of another group: a lone sleeper in its own session
- * paid 1.4x EEVDF's latency when every waker was held off (7.3, 2026-12-07).
+ * lets preempt, unless the waker may run on that CPU only (wakeup_preempts): the tasks of one crowded group
+ * (hackbench's 80) would otherwise preempt each other's short runs in chains, a message per preemption
+ * (6.12 beside a loaded host: 4-13x EEVDF's time while only the credited wakers were held off). Not from a
+ * waker of another group: a lone sleeper in its own session paid 1.4x EEVDF's latency when every waker was
+ * held off (7.3, 2026-12-07).
  */
 #define PROTECT_NS 1000000ULL
 
@@ -251,21 +252,29 @@ enum wake_verdict {
  * pays nine default slices of vtime for one default slice of run: one default slice of vtime credit left it
  * judged behind the running hog at most wake-ups (4.4x EEVDF's latency). One default slice of run is the
  * credit a lone nice 0 sleeper has; EEVDF too keeps a sleeper's lag in its own weight's terms. A task's own
- * longer slice buys it no credit: its later deadline stays later.
+ * longer slice buys it no credit: its later deadline stays later. A waker `bound` to this one CPU is judged
+ * by the rule alone.
  */
 static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, u64 group, s32 cpu, u64 now,
-							 bool woken)
+							 bool woken, bool bound)
 {
 	struct cpu_ctx *c = cpu_ctx_of(cpu);
 	u64 full = tctx->vtime + tctx->forgiven, credit = settings.default_slice_ns;
 	enum wake_verdict verdict = WAKE_USUAL;
+	bool young;
 
 	if (!c || c->prio)
 		return WAKE_NO;
-	if (group && group == c->run_group && before(now, c->run_start + PROTECT_NS))
+	/*
+	 * Not from a waker that may run on this CPU only: it has no other CPU to go to, and refused it waited
+	 * in the fair queue for a slice of its own session to end (a thread pinned among eight hogs of its
+	 * session: p99 1.20x EEVDF's, 0.63x with this; hackbench's tasks are not bound).
+	 */
+	young = !bound && before(now, c->run_start + PROTECT_NS);
+	if (young && group && group == c->run_group)
 		return WAKE_NO;
 	if (!beats(tctx, c, full, credit)) {
-		if (!woken || tctx->wake_credit <= credit || before(now, c->run_start + PROTECT_NS) ||
+		if (!woken || tctx->wake_credit <= credit || young ||
 		    !beats(tctx, c, full, tctx->wake_credit))
 			return WAKE_NO;
 		verdict = WAKE_CREDIT;
@@ -290,13 +299,13 @@ static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 fr
 	s32 best = -1, cpu;
 	int *i;
 
-	if (wakeup_preempts(tctx, group, from, now, woken))
+	if (wakeup_preempts(tctx, group, from, now, woken, false))
 		return from;
 	bpf_iter_num_new(&it, 1, n <= WAKE_SCAN ? n : WAKE_SCAN + 1);
 	while ((i = bpf_iter_num_next(&it))) {
 		cpu = ((u32)from + (u32)*i) % n;
 		if (domain_of(cpu) != node || !bpf_cpumask_test_cpu(cpu, p->cpus_ptr) ||
-		    !wakeup_preempts(tctx, group, cpu, now, woken))
+		    !wakeup_preempts(tctx, group, cpu, now, woken, false))
 			continue;
 		c = cpu_ctx_of(cpu);
 		if (c && (best < 0 || before(latest, c->deadline))) {
@@ -322,7 +331,7 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 {
 	enum wake_verdict verdict = WAKE_NO;
 	s32 cpu = scx_bpf_task_cpu(p);
-	bool cut = tctx->cut_short;
+	bool cut = tctx->cut_short, woken = enq_flags & ENQ_WAKEUP;
 
 	tctx->cut_short = 0; /* one re-placement per cut: a later enqueue (setaffinity, nice) is not one */
 	if (!(enq_flags & ENQ_WAKEUP) && cut && p->nr_cpus_allowed > 1)
@@ -330,8 +339,8 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 	else if (!(enq_flags & ENQ_WAKEUP))
 		return false;
 	if (cpu >= 0 && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
-		verdict = wakeup_preempts(tctx, group_key(p, tctx), cpu, bpf_ktime_get_ns(),
-					  enq_flags & ENQ_WAKEUP);
+		verdict = wakeup_preempts(tctx, group_key(p, tctx), cpu, bpf_ktime_get_ns(), woken,
+					  woken && p->nr_cpus_allowed == 1);
 	if (verdict == WAKE_NO) {
 		if (!boosted)
 			count(fair_wakeups_queued);
