@@ -182,10 +182,11 @@ static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
  * unboosted task a CPU runs when it is eligible (its vtime not past the pool's, vtime_now: it has not had
  * more than its share) and its deadline comes first, its vtime floored one default slice behind the pool, or
  * one default slice at its own weight against a run older than PROTECT_NS; never a run of its own group
- * younger than that (wakeup_preempts). The head-start tier is judged on its full-charge vtime both as waker
- * and as the running task (twin_vtime): its head start is CPU share, never a place ahead at wake-up. The rule
- * this replaced (half a slice behind the running task's vtime) held for a sleeper floored one slice behind
- * the pool only against the task that started last (docs/scheduler.md).
+ * younger than that, unless it may run on that CPU only (wakeup_preempts). The head-start tier is judged on
+ * its full-charge vtime both as waker and as the running task (twin_vtime): its head start is CPU share,
+ * never a place ahead at wake-up. The rule this replaced (half a slice behind the running task's vtime) held
+ * for a sleeper floored one slice behind the pool only against the task that started last
+ * (docs/scheduler.md).
  */
 static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 {
@@ -194,7 +195,7 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 
 /*
  * A run younger than this is safe from a waker of its own group and from one that only its larger credit
- * lets preempt, unless the waker may run on that CPU only (wakeup_preempts): the tasks of one crowded group
+ * lets preempt (unless the waker may run on that CPU only: wakeup_preempts): the tasks of one crowded group
  * (hackbench's 80) would otherwise preempt each other's short runs in chains, a message per preemption
  * (6.12 beside a loaded host: 4-13x EEVDF's time while only the credited wakers were held off). Not from a
  * waker of another group: a lone sleeper in its own session paid 1.4x EEVDF's latency when every waker was
@@ -266,9 +267,10 @@ static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, 
 	if (!c || c->prio)
 		return WAKE_NO;
 	/*
-	 * Not from a waker that may run on this CPU only: it has no other CPU to go to, and refused it waited
+	 * Not from a waker that may run on this CPU only: it has no other CPU to go to, and, refused, it waited
 	 * in the fair queue for a slice of its own session to end (a thread pinned among eight hogs of its
-	 * session: p99 1.20x EEVDF's, 0.63x with this; hackbench's tasks are not bound).
+	 * session, 7.3, 2026-12-07: p99 1.20x EEVDF's, 0.63x with this). hackbench's tasks are not bound; a
+	 * crowded group pinned to one CPU (`taskset -c N hackbench`) loses the protection and is not measured.
 	 */
 	young = !bound && before(now, c->run_start + PROTECT_NS);
 	if (young && group && group == c->run_group)
