@@ -121,12 +121,13 @@ class Sleeper:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/tmp",
         )
         self.pinned = pinned
-        self.allowed = len(os.sched_getaffinity(self.proc.pid))
+        allowed = os.sched_getaffinity(self.proc.pid)
+        self.allowed = len(allowed)
         self.cpus = 0  # CPUs the measuring thread may use, as last read while it ran
         try:
             self.tid = sleeper_tid(self.proc)
             if not pinned:
-                unpin(self.tid, os.sched_getaffinity(self.proc.pid))
+                unpin(self.tid, allowed)
             self.first = self.last = schedstat(self.tid)
         except BaseException:
             self.proc.kill()
