@@ -13,6 +13,7 @@ import ctypes
 import json
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -518,6 +519,31 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
         out["health"] = backend.health().state.value
     return out
 
+
+
+PINNED_HACKBENCH = ["taskset", "-c", "0", "hackbench", "-p", "-g", "2", "-l", "200"]
+
+
+def _hackbench_seconds(cmd: list[str]) -> float:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    m = re.search(r"Time:\s*([\d.]+)", r.stdout)
+    if r.returncode != 0 or m is None:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-500:]}\n{r.stderr[-500:]}")
+    return float(m[1])
+
+
+def pinned_group(args: argparse.Namespace) -> dict[str, Any]:
+    """hackbench's 80 tasks, one session, all pinned to CPU 0: twice under EEVDF, then twice under ours
+    (one load). Every wake-up there is a bound waker against a bound run of its own group."""
+    out: dict[str, Any] = {"kernel": os.uname().release,
+                           "EEVDF": [_hackbench_seconds(PINNED_HACKBENCH) for _ in range(2)]}
+    with scheduler() as backend:
+        before = backend.counters()
+        out["ours"] = [_hackbench_seconds(PINNED_HACKBENCH) for _ in range(2)]
+        after = backend.counters()
+        out["fair_preemptions"] = after["fair_preemptions"] - before["fair_preemptions"]
+        out["health"] = backend.health().state.value
+    return out
 
 NODES = Path("/sys/devices/system/node")
 
@@ -1319,6 +1345,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "no-leak-agent": no_leak_agent,
     "starvation": starvation,
     "affinity": affinity,
+    "pinned-group": pinned_group,
     "numa": numa,
     "node-balance": node_balance,
     "kthread-lock-holder": kthread_lock_holder,
