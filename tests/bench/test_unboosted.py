@@ -14,8 +14,9 @@ the medians beside the goal (at most 1.10 for avg and p99). GTHULHU_BENCH_SECOND
 GTHULHU_BENCH_ROUNDS (default 5) size it, GTHULHU_BENCH_CASES (comma-separated) picks cases of
 tests/vm/sleeper_bench.py; GTHULHU_BENCH_UNPINNED=1 widens cyclictest's measuring thread (which pins itself
 to CPU 0) to every CPU, as a daemon's thread runs;
-GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler REV) adds an earlier revision's scheduler with no
-policy, the hogs in their own session and in the sleeper's (a change's before and after, same boot).
+GTHULHU_BENCH_EARLIER=$(scripts/bench-earlier-scheduler REV) adds an earlier revision's scheduler beside
+"ours no policy", "ours hogs in session" and "ours engine boosted" where those are chosen (the engine boosted
+through that revision's agent path): a change's before and after, same boot.
 """
 
 from __future__ import annotations
@@ -44,9 +45,16 @@ TRACE = os.environ.get("GTHULHU_BENCH_TRACE", "") == "1"
 CASES = [c for c in os.environ.get("GTHULHU_BENCH_CASES", "").split(",") if c] or [
     "EEVDF", "ours no policy", "EEVDF engine", "ours engine boosted", "EEVDF engine session",
     "ours engine boosted session", "EEVDF hogs in session", "ours hogs in session"]
+# with GTHULHU_BENCH_EARLIER, each of these cases chosen brings its twin under the earlier scheduler
+EARLIER_TWINS = {"ours no policy": "ours earlier no policy",
+                 "ours hogs in session": "ours earlier hogs in session",
+                 "ours engine boosted": "ours earlier engine boosted"}
+if EARLIER:
+    CASES += [EARLIER_TWINS[c] for c in CASES if c in EARLIER_TWINS]
 # ours' case -> the EEVDF case it is measured against
 AGAINST = {"ours no policy": "EEVDF", "ours earlier no policy": "EEVDF",
            "ours earlier hogs in session": "EEVDF hogs in session",
+           "ours earlier engine boosted": "EEVDF engine",
            "ours engine boosted": "EEVDF engine", "ours engine boosted session": "EEVDF engine session",
            "ours hogs in session": "EEVDF hogs in session", "scx_simple": "EEVDF"}
 GOAL = 1.10
@@ -126,14 +134,13 @@ def print_trace(runs: dict[str, list[dict[str, Any]]]) -> None:
 @pytest.mark.parametrize("bench_lab", [*matrix.BOTH_KERNELS, *matrix.WIDE], indirect=True)
 @pytest.mark.timeout(BUDGET_S * (benchlab.DEATHS_ALLOWED + 1))
 def test_what_unboosted_work_pays(bench_lab: Lab) -> None:
-    cases = CASES + (["ours earlier no policy", "ours earlier hogs in session"] if EARLIER else [])
     data = benchlab.run_interleaved(bench_lab, "tests/vm/sleeper_bench.py", "sleeper_progress.jsonl",
-                                    BUDGET_S, "--cases", ",".join(cases), "--overhead",
+                                    BUDGET_S, "--cases", ",".join(CASES), "--overhead",
                                     *(["--trace"] if TRACE else []),
                                     *(["--unpinned"] if UNPINNED else []),
                                     *(["--earlier", EARLIER] if EARLIER else []),
                                     seconds=SECONDS, rounds=ROUNDS,
-                                    stage=benchlab.peers_args(bench_lab) if "scx_simple" in cases else None)
+                                    stage=benchlab.peers_args(bench_lab) if "scx_simple" in CASES else None)
     print(json.dumps(data["runs"]))
     print_table(data)
     if TRACE:

@@ -25,8 +25,9 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -45,13 +46,28 @@ NODES = Path("/sys/devices/system/node")
 
 # Loads an earlier revision's scheduler with that revision's own code (its folder first on sys.path) and
 # holds it until SIGINT: the layouts of its maps are its own, which this revision's loader would refuse.
+# Each line on its stdin is an intent, applied by that revision's agent path (one full scan, as
+# engine_step_bench.apply_intent does) and answered with the ids the scheduler's maps then hold. Every
+# import comes before "loaded": the process is protected as the agent is (boosted), and the imports, done
+# by a thread after it, ran boosted for seconds of the first run under TCG (the sleeper at 7.6x EEVDF's).
 HOLD_EARLIER = """
-import signal, sys
+import json, signal, sys, threading
 sys.path.insert(0, sys.argv[1])
+from gthulhu_node.intents.model import Intent
+from gthulhu_node.matching import PolicySet
+from gthulhu_node.reconciler import Reconciler
 from gthulhu_node.scheduler.backend import SchedExtBackend
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 backend = SchedExtBackend(protect_agent=True)
 backend.start()
+
+def serve():
+    for line in sys.stdin:
+        model = Intent.model_validate(json.loads(line))
+        Reconciler(backend, policy=PolicySet.build([("bench/earlier", model)])).rescan()
+        print("ids", json.dumps(sorted(k.id for k in backend.read_back())), flush=True)
+
+threading.Thread(target=serve, daemon=True).start()
 print("loaded", flush=True)
 signal.sigwait({signal.SIGINT, signal.SIGTERM})
 backend.stop()
@@ -63,23 +79,38 @@ def numa_nodes() -> int:
 
 
 @contextlib.contextmanager
-def earlier(folder: Path) -> Iterator[None]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_EARLIER, str(folder)], stdout=subprocess.PIPE,
-                            text=True, cwd=folder)
+def earlier(folder: Path) -> Iterator[Callable[[dict[str, Any]], set[int]]]:
+    """The earlier revision's scheduler loaded for the block; yields a function that applies an intent
+    through that revision's agent path and returns the ids then in its maps (HOLD_EARLIER)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_EARLIER, str(folder)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=folder)
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def apply(intent: dict[str, Any]) -> set[int]:
+        stdin.write(json.dumps(intent) + "\n")
+        stdin.flush()
+        # its log lines (structlog prints to stdout) come before the answer
+        for line in stdout:
+            if line.startswith("ids "):
+                return set(json.loads(line[4:]))
+        raise RuntimeError(f"the earlier scheduler ({folder}) exited applying {intent}: {proc.wait(60)}")
+
     try:
-        assert proc.stdout is not None
-        # its log lines (structlog prints to stdout) come first; EOF means it exited
-        for line in proc.stdout:
+        # its log lines come first; EOF means it exited
+        for line in stdout:
             if line.strip() == "loaded":
                 break
         else:
             raise RuntimeError(f"the earlier scheduler ({folder}) did not load: exit {proc.wait(60)}")
-        yield
+        yield apply
         state = engine_step_bench._sched_ext()
         if state != ("enabled", "gthulhu"):
             raise RuntimeError(f"the earlier scheduler is no longer running: {state}")
     finally:
         engine_step_bench.interrupt(proc, 60)
+
+
 # name -> (command, pattern of its time in seconds). Sized for a few seconds each under TCG.
 WORKLOADS: dict[str, tuple[list[str], str]] = {
     "hackbench -p -g 2 -l 200": (["hackbench", "-p", "-g", "2", "-l", "200"], r"Time:\s*([\d.]+)"),

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,11 @@ CASES: dict[str, dict[str, Any]] = {
     # minimal vtime scheduler makes of the same wake-ups, hackbench and pipe (issue 40, item 3)
     "scx_simple": {"hogs": True, "peer": "scx_simple"},
 }
-# with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy, the hogs
-# in their own session or in the sleeper's
+# with --earlier DIR (scripts/bench-earlier-scheduler): an earlier revision's scheduler, no policy with the
+# hogs in their own session or in the sleeper's, and beside the engine it boosts as "ours engine boosted"
 EARLIER = "ours earlier no policy"
 EARLIER_IN_SESSION = "ours earlier hogs in session"
+EARLIER_ENGINE = "ours earlier engine boosted"
 HISTOGRAM_US = 100_000
 
 
@@ -253,13 +254,14 @@ def engine(active: bool, seconds: float) -> Iterator[tuple[int, subprocess.Popen
 
 
 @contextlib.contextmanager
-def earlier(folder: str | None) -> Iterator[None]:
-    """An earlier revision's scheduler loaded for the block (sched_overhead_bench.earlier), if asked."""
+def earlier(folder: str | None) -> Iterator[Callable[[dict[str, Any]], set[int]] | None]:
+    """An earlier revision's scheduler loaded for the block (sched_overhead_bench.earlier), if asked; yields
+    what applies an intent through that revision's agent path, or None."""
     if folder is None:
-        yield
+        yield None
         return
-    with sched_overhead_bench.earlier(Path(folder)):
-        yield
+    with sched_overhead_bench.earlier(Path(folder)) as apply:
+        yield apply
 
 
 # What unboosted work pays beside the sleeper (--overhead): these two of sched_overhead_bench's workloads,
@@ -271,9 +273,9 @@ def run_case(name: str, seconds: float, trace: bool, overhead: bool = False,
              pinned: bool = True) -> dict[str, Any]:
     case = CASES[name]
     out: dict[str, Any] = {}
-    with earlier(case.get("earlier")), esb.peer(case.get("peer")), \
+    with earlier(case.get("earlier")) as apply_earlier, esb.peer(case.get("peer")), \
             esb.scheduler(case.get("sched", False), None) as sched:
-        out.update(sleeper_run(case, seconds, trace, sched, pinned))
+        out.update(sleeper_run(case, seconds, trace, sched, pinned, apply_earlier))
         if overhead:
             for key, workload in OVERHEAD.items():
                 out[key] = sched_overhead_bench.timed(workload)
@@ -282,10 +284,11 @@ def run_case(name: str, seconds: float, trace: bool, overhead: bool = False,
     return out
 
 
-def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any,
-                pinned: bool = True) -> dict[str, Any]:
-    """The sleeper beside the case's hogs (and engine), under the scheduler `sched` (None: EEVDF); its
-    measuring thread pinned where cyclictest puts it, or free on every CPU (Sleeper)."""
+def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any, pinned: bool = True,
+                apply_earlier: Callable[[dict[str, Any]], set[int]] | None = None) -> dict[str, Any]:
+    """The sleeper beside the case's hogs (and engine), under the scheduler `sched` (None: EEVDF, or an
+    earlier revision's, whose intents `apply_earlier` applies); its measuring thread pinned where cyclictest
+    puts it, or free on every CPU (Sleeper)."""
     out: dict[str, Any] = {}
     with (
         esb.hogs(case["hogs"], seconds, own_session=case.get("hogs_session", True)) as hog,
@@ -294,6 +297,9 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any,
         if eng is not None and sched is not None and case.get("intent"):
             esb.apply_intent(sched, case["intent"])
             assert eng[0] in {k.id for k in sched.read_back()}, "the intent did not reach the engine"
+        elif eng is not None and apply_earlier is not None and case.get("intent"):
+            ids = apply_earlier({"id": "engine", "commandRegex": f"^{esb.COMM}$", **case["intent"]})
+            assert eng[0] in ids, "the intent did not reach the engine under the earlier scheduler"
         counters = sched.counters() if sched is not None else {}
         cyc = Sleeper(seconds, case.get("own_session", True), pinned=pinned)
         if eng is not None:
@@ -314,7 +320,8 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any,
         if sched is not None:
             after = sched.counters()
             for key in ("fair_preemptions", "fair_dispatches", "direct_dispatches", "preemptions",
-                        "demotions", "fair_wakeups_queued", "fair_wakeups_held", "fair_preemptions_credit"):
+                        "demotions", "fair_wakeups_queued", "fair_wakeups_held", "fair_preemptions_credit",
+                        "bound_steers"):
                 out[key] = after.get(key, 0) - counters.get(key, 0)
             out["health_ok"] = float(sched.health().state.value == "running")
     out.update(hog)
@@ -412,6 +419,7 @@ def main() -> int:
         CASES[EARLIER] = {"hogs": True, "earlier": str(args.earlier)}
         CASES[EARLIER_IN_SESSION] = {"hogs": True, "earlier": str(args.earlier), "own_session": False,
                                      "hogs_session": False}
+        CASES[EARLIER_ENGINE] = {**CASES["ours engine boosted"], "sched": False, "earlier": str(args.earlier)}
     names = [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
