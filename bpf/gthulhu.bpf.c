@@ -14,7 +14,9 @@
  *    levels go first, and a weaker one that has waited long enough goes before a fresh stronger one
  *    (aging). A waking boosted task preempts a task that is unboosted or of a strictly weaker level, never
  *    an equal or stronger one, found through a mask of the CPUs running nothing boosted; nor does it go
- *    before an equal or stronger task already handed to that CPU and not yet run.
+ *    before an equal or stronger task already handed to that CPU and not yet run. It leaves its default
+ *    pick for another CPU running nothing boosted when an unboosted task bound to the pick lately waited
+ *    there for boosted work (find_unbound): that one cannot move, it can.
  *  - priority 10-20, the head-start tier: an unboosted task in every respect (fair queue, the unboosted
  *    wake-up rule, preempted by the preempt tier) except that part of each run's charge is forgiven, 50 %
  *    at 10 down to 5 % at 20 (upstream's vtime reduction): a share at most twice its unboosted one, never a
@@ -332,19 +334,26 @@ static s32 find_preemptible(struct task_struct *p, struct task_ctx *tctx, s32 fr
  */
 static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 slice, u64 enq_flags, bool boosted)
 {
+	bool cut = tctx->cut_short, woken = enq_flags & ENQ_WAKEUP, bound = woken && p->nr_cpus_allowed == 1;
 	enum wake_verdict verdict = WAKE_NO;
 	s32 cpu = scx_bpf_task_cpu(p);
-	bool cut = tctx->cut_short, woken = enq_flags & ENQ_WAKEUP;
+	u64 now = bpf_ktime_get_ns();
 
 	tctx->cut_short = 0; /* one re-placement per cut: a later enqueue (setaffinity, nice) is not one */
-	if (!(enq_flags & ENQ_WAKEUP) && cut && p->nr_cpus_allowed > 1)
+	if (!woken && cut && p->nr_cpus_allowed > 1) {
 		cpu = find_preemptible(p, tctx, cpu, false);
-	else if (!(enq_flags & ENQ_WAKEUP))
+	} else if (!woken) {
+		/* cut short on the one CPU it may use: the boosted waker runs its burst here first */
+		if (cut && !boosted)
+			note_bound_wait(cpu, now, true);
 		return false;
+	}
 	if (cpu >= 0 && bpf_cpumask_test_cpu(cpu, p->cpus_ptr))
-		verdict = wakeup_preempts(tctx, group_key(p, tctx), cpu, bpf_ktime_get_ns(), woken,
-					  woken && p->nr_cpus_allowed == 1);
+		verdict = wakeup_preempts(tctx, group_key(p, tctx), cpu, now, woken, bound);
 	if (verdict == WAKE_NO) {
+		/* boosted wakers keep off this CPU a while if they can (find_unbound): this one cannot */
+		if (bound && !boosted)
+			note_bound_wait(cpu, now, false);
 		if (!boosted)
 			count(fair_wakeups_queued);
 		return false;
@@ -358,7 +367,7 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 	if (verdict == WAKE_CREDIT)
 		count(fair_preemptions_credit);
 	tctx->stats.preemptions++;
-	if (!(enq_flags & ENQ_WAKEUP)) {
+	if (!woken) {
 		dsq_insert_vtime(p, fair_dsq(domain_of(cpu)), slice, fair_vtime(tctx), enq_flags);
 		scx_bpf_kick_cpu(cpu, KICK_PREEMPT);
 		return true;
@@ -437,9 +446,17 @@ s32 OP(gthulhu_select_cpu, struct task_struct *p, s32 prev_cpu, u64 wake_flags)
 	 * kept while an unboosted waker waits in its local DSQ: inserted at the head, this one would make it
 	 * wait through a whole burst (a sleeper beside a boosted engine: 1.9 ms per wake-up against 0.5).
 	 */
-	if (placed || p->nr_cpus_allowed == 1 ||
-	    (!prio_on(cpu) && preemptible_for(cpu, prio, now) && local_free(cpu)))
+	if (placed || p->nr_cpus_allowed == 1)
 		return cpu;
+	if (!prio_on(cpu) && preemptible_for(cpu, prio, now) && local_free(cpu)) {
+		/* Not over a waker bound to this CPU while another CPU runs nothing boosted (find_unbound). */
+		if (!bound_waits(cpu, now))
+			return cpu;
+		victim = find_unbound(p, cpu, prio, now);
+		if (victim >= 0)
+			count(bound_steers);
+		return victim >= 0 ? victim : cpu;
+	}
 	victim = find_victim(p, cpu, prio, now);
 	return victim >= 0 ? victim : cpu;
 }

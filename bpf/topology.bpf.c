@@ -5,7 +5,8 @@
  *  - the CPUs running nothing boosted, as a cpumask a boosted waker searches in one operation;
  *  - domains (NUMA nodes): each CPU's, the online CPUs per domain, each domain's cpumask, and the fair
  *    queue of each (FAIR_DSQ_BASE + domain);
- *  - placing a boosted waker: a CPU running nothing boosted, else a lesser boost (find_victim); on CPUs of
+ *  - placing a boosted waker: a CPU running nothing boosted, else a lesser boost (find_victim), not one
+ *    where an unboosted waker bound to it waited while another qualifies (find_unbound); on CPUs of
  *    different capacity, the most capable one (find_capable);
  *  - the CPU masks and domain counts as init finds them (init_cpus, init_domain_masks).
  */
@@ -200,6 +201,60 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio, u64 now)
 	}
 	bpf_iter_num_destroy(&it);
 	scx_bpf_put_cpumask(online);
+	return found;
+}
+
+/*
+ * How long boosted wakers keep off a CPU after an unboosted task bound to it waited there for boosted work:
+ * longer than a boosted task's usual sleep, so its next wake-ups go elsewhere too.
+ */
+#define BOUND_WAIT_NS 100000000ULL
+
+/* CPUs a boosted waker scans for one where no bound task waited (find_unbound). */
+#define UNBOUND_SCAN 8
+
+/*
+ * Note that an unboosted task that may run on this CPU only waits for boosted work there: a waker that
+ * found it running, or a run a boosted waker cut short (`cut`; the CPU still shows the cut run's rank).
+ */
+static __always_inline void note_bound_wait(s32 cpu, u64 now, bool cut)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	if (c && (cut || c->prio))
+		c->bound_waited = now;
+}
+
+static __always_inline bool bound_waits(s32 cpu, u64 now)
+{
+	struct cpu_ctx *c = cpu_ctx_of(cpu);
+
+	return c && c->bound_waited && before(now, c->bound_waited + BOUND_WAIT_NS);
+}
+
+/*
+ * Another CPU of from's node the boosted waker may use that runs nothing boosted, has nothing waiting in
+ * its local DSQ and where no bound task waited (bound_waits); -1 if none among the UNBOUND_SCAN after it.
+ * A thread pinned to `from` (taskset, cyclictest's measuring thread) cannot go elsewhere; the boosted task
+ * can: beside a boosted engine on its one CPU, such a thread waited for every burst (1.40x EEVDF's latency).
+ */
+static s32 find_unbound(struct task_struct *p, s32 from, u32 prio, u64 now)
+{
+	u32 n = settings.nr_cpus, node = domain_of(from);
+	struct bpf_iter_num it;
+	s32 found = -1, cpu;
+	int *i;
+
+	bpf_iter_num_new(&it, 1, n <= UNBOUND_SCAN ? n : UNBOUND_SCAN + 1);
+	while ((i = bpf_iter_num_next(&it))) {
+		cpu = ((u32)from + (u32)*i) % n;
+		if (domain_of(cpu) == node && !prio_on(cpu) && preemptible_for(cpu, prio, now) &&
+		    local_free(cpu) && !bound_waits(cpu, now) && bpf_cpumask_test_cpu(cpu, p->cpus_ptr)) {
+			found = cpu;
+			break;
+		}
+	}
+	bpf_iter_num_destroy(&it);
 	return found;
 }
 

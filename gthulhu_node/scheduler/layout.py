@@ -65,6 +65,7 @@ STAT_COUNTERS = (
     "fair_wakeups_queued",
     "fair_wakeups_held",
     "fair_preemptions_credit",
+    "bound_steers",
 )
 #: current sizes, not events: they go down as well as up (.bss, exported as gauges, SchedExtBackend.gauges())
 STAT_GAUGES = ("live_tid_entries", "live_tgid_entries")

@@ -520,6 +520,80 @@ def affinity(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _waking_engine(out_fd: int, wake_fd: int) -> Callable[[], None]:
+    """An engine step that wakes a peer halfway through its 2 ms burst, then sleeps 5 ms; it writes the CPU
+    of each of its own wake-ups (one byte) to `out_fd`."""
+
+    def body() -> None:
+        while True:
+            os.write(out_fd, bytes([min(_libc.sched_getcpu(), 255)]))
+            for _ in range(2):
+                end = time.thread_time_ns() + 1_000_000
+                while time.thread_time_ns() < end:
+                    pass
+                os.write(wake_fd, b"w")
+            time.sleep(0.005)
+
+    return body
+
+
+def _woken_sleeper(read_fd: int) -> Callable[[], None]:
+    """In a session of its own, wakes at each message and works 0.1 ms (a request handler)."""
+
+    def body() -> None:
+        os.setsid()
+        while True:
+            os.read(read_fd, 64)
+            end = time.thread_time_ns() + 100_000
+            while time.thread_time_ns() < end:
+                pass
+
+    return body
+
+
+def bound_steer(args: argparse.Namespace) -> dict[str, Any]:
+    """A boosted engine free to use every CPU that wakes an unboosted thread pinned to CPU 0 in the middle
+    of each burst, hogs on every CPU. The engine starts on CPU 0 (pinned there, then widened), where the
+    thread can only wait for the rest of the burst; its wake-ups should take it to another CPU
+    (find_unbound, docs/scheduler.md). The engine reports the CPU of each wake-up itself: a driver polling
+    /proc at the agent's rank preempted it, and the boosted queue handed it to whichever CPU took it."""
+    ncpu = os.cpu_count() or 1
+    out: dict[str, Any] = {"kernel": os.uname().release}
+    cpu_r, cpu_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(cpu_r, False)
+    with scheduler() as backend, workers() as pids:
+        for i in range(2 * ncpu):
+            pids.append(fork_worker(spin, f"hog{i}"))
+        sleeper = fork_worker(_woken_sleeper(wake_r), "bound-sleeper", {0})
+        engine = fork_worker(_waking_engine(cpu_w, wake_w), "free-engine", {0})
+        pids += [sleeper, engine]
+        for fd in (cpu_w, wake_r, wake_w):
+            os.close(fd)
+        _wait_pinned([sleeper, engine], 0)
+        k, s = key_for(KeyKind.TID, engine)
+        backend.apply({k: Entry(1, 0, s)}, [])
+        time.sleep(0.3)
+        os.sched_setaffinity(engine, range(ncpu))
+        before, wait0 = backend.counters(), schedstat(sleeper)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(cpu_r, 65536):
+                pass
+        time.sleep(args.seconds)
+        woke = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(cpu_r, 65536):
+                woke += chunk
+        after, wait1 = backend.counters(), schedstat(sleeper)
+        out["engine_wakeups"] = len(woke)
+        out["engine_on_cpu0"] = woke.count(0) / max(1, len(woke))
+        out["counters"] = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+        turns = max(1, wait1[2] - wait0[2])
+        out["sleeper_wait_us_per_turn"] = (wait1[1] - wait0[1]) / turns / 1000
+        out["health"] = backend.health().state.value
+    os.close(cpu_r)
+    return out
+
 
 PINNED_HACKBENCH = ["taskset", "-c", "0", "hackbench", "-p", "-g", "2", "-l", "200"]
 
@@ -1345,6 +1419,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "no-leak-agent": no_leak_agent,
     "starvation": starvation,
     "affinity": affinity,
+    "bound-steer": bound_steer,
     "pinned-group": pinned_group,
     "numa": numa,
     "node-balance": node_balance,
