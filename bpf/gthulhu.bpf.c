@@ -547,6 +547,9 @@ static void enqueue_boosted(struct task_struct *p, struct task_ctx *tctx, struct
 	tctx->prio = prio;
 	if (!(enq_flags & ENQ_WAKEUP) && move_to_capable(p, tctx, s, prio, cpu, enq_flags))
 		return;
+	/* Bound behind its CPU's boosted run: marked as its unboosted twin would be (find_unbound). */
+	if ((enq_flags & ENQ_WAKEUP) && p->nr_cpus_allowed == 1 && c && c->prio)
+		note_bound_wait(cpu, now, false);
 	/* Earliest deadline first: rank buys a head start, waiting catches up with it. */
 	dsq_insert_vtime(p, BOOST_DSQ, s->slice, boost_deadline(prio, now), enq_flags);
 	kick_idle(p);

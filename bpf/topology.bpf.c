@@ -214,8 +214,9 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio, u64 now)
 #define UNBOUND_SCAN 8
 
 /*
- * Note that an unboosted task that may run on this CPU only waits for boosted work there: a waker that
- * found it running, or a run a boosted waker cut short (`cut`; the CPU still shows the cut run's rank).
+ * Note that a task that may run on this CPU only waits for boosted work there: an unboosted waker that found
+ * it running, a boosted one that does not go first, or a run a boosted waker cut short (`cut`; the CPU still
+ * shows the cut run's rank).
  */
 static __always_inline void note_bound_wait(s32 cpu, u64 now, bool cut)
 {

@@ -50,7 +50,7 @@ EARLIER_TWINS = {"ours no policy": "ours earlier no policy",
                  "ours hogs in session": "ours earlier hogs in session",
                  "ours engine boosted": "ours earlier engine boosted"}
 if EARLIER:
-    CASES += [EARLIER_TWINS[c] for c in CASES if c in EARLIER_TWINS]
+    CASES = list(dict.fromkeys(CASES + [EARLIER_TWINS[c] for c in CASES if c in EARLIER_TWINS]))
 # ours' case -> the EEVDF case it is measured against
 AGAINST = {"ours no policy": "EEVDF", "ours earlier no policy": "EEVDF",
            "ours earlier hogs in session": "EEVDF hogs in session",

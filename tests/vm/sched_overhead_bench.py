@@ -63,9 +63,12 @@ backend.start()
 
 def serve():
     for line in sys.stdin:
-        model = Intent.model_validate(json.loads(line))
-        Reconciler(backend, policy=PolicySet.build([("bench/earlier", model)])).rescan()
-        print("ids", json.dumps(sorted(k.id for k in backend.read_back())), flush=True)
+        try:
+            model = Intent.model_validate(json.loads(line))
+            Reconciler(backend, policy=PolicySet.build([("bench/earlier", model)])).rescan()
+            print("ids", json.dumps(sorted(k.id for k in backend.read_back())), flush=True)
+        except Exception as e:
+            print("error", json.dumps(repr(e)), flush=True)
 
 threading.Thread(target=serve, daemon=True).start()
 print("loaded", flush=True)
@@ -94,6 +97,8 @@ def earlier(folder: Path) -> Iterator[Callable[[dict[str, Any]], set[int]]]:
         for line in stdout:
             if line.startswith("ids "):
                 return set(json.loads(line[4:]))
+            if line.startswith("error "):
+                raise RuntimeError(f"the earlier scheduler ({folder}) could not apply {intent}: {line[6:]}")
         raise RuntimeError(f"the earlier scheduler ({folder}) exited applying {intent}: {proc.wait(60)}")
 
     try:
@@ -108,6 +113,7 @@ def earlier(folder: Path) -> Iterator[Callable[[dict[str, Any]], set[int]]]:
         if state != ("enabled", "gthulhu"):
             raise RuntimeError(f"the earlier scheduler is no longer running: {state}")
     finally:
+        stdin.close()
         engine_step_bench.interrupt(proc, 60)
 
 

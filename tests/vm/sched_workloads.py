@@ -552,46 +552,50 @@ def _woken_sleeper(read_fd: int) -> Callable[[], None]:
 
 
 def bound_steer(args: argparse.Namespace) -> dict[str, Any]:
-    """A boosted engine free to use every CPU that wakes an unboosted thread pinned to CPU 0 in the middle
-    of each burst, hogs on every CPU. The engine starts on CPU 0 (pinned there, then widened), where the
-    thread can only wait for the rest of the burst; its wake-ups should take it to another CPU
+    """A boosted engine free to use every CPU that wakes a thread pinned to CPU 0 in the middle of each
+    burst, hogs on every CPU; the thread unboosted, or with `arg` "boosted" at priority 5 (weaker than the
+    engine's 1, so it waits for the burst too). The engine starts on CPU 0 (pinned there, then widened),
+    where the thread can only wait for the rest of the burst; its wake-ups should take it to another CPU
     (find_unbound, docs/scheduler.md). The engine reports the CPU of each wake-up itself: a driver polling
     /proc at the agent's rank preempted it, and the boosted queue handed it to whichever CPU took it."""
     ncpu = os.cpu_count() or 1
-    out: dict[str, Any] = {"kernel": os.uname().release}
+    out: dict[str, Any] = {"kernel": os.uname().release, "sleeper": args.arg or "unboosted"}
     cpu_r, cpu_w = os.pipe()
     wake_r, wake_w = os.pipe()
     os.set_blocking(cpu_r, False)
-    with scheduler() as backend, workers() as pids:
-        for i in range(2 * ncpu):
-            pids.append(fork_worker(spin, f"hog{i}"))
-        sleeper = fork_worker(_woken_sleeper(wake_r), "bound-sleeper", {0})
-        engine = fork_worker(_waking_engine(cpu_w, wake_w), "free-engine", {0})
-        pids += [sleeper, engine]
-        for fd in (cpu_w, wake_r, wake_w):
-            os.close(fd)
-        _wait_pinned([sleeper, engine], 0)
-        k, s = key_for(KeyKind.TID, engine)
-        backend.apply({k: Entry(1, 0, s)}, [])
-        time.sleep(0.3)
-        os.sched_setaffinity(engine, range(ncpu))
-        before, wait0 = backend.counters(), schedstat(sleeper)
-        with contextlib.suppress(BlockingIOError):
-            while os.read(cpu_r, 65536):
-                pass
-        time.sleep(args.seconds)
-        woke = b""
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(cpu_r, 65536):
-                woke += chunk
-        after, wait1 = backend.counters(), schedstat(sleeper)
-        out["engine_wakeups"] = len(woke)
-        out["engine_on_cpu0"] = woke.count(0) / max(1, len(woke))
-        out["counters"] = {k: after[k] - before[k] for k in after if after[k] != before[k]}
-        turns = max(1, wait1[2] - wait0[2])
-        out["sleeper_wait_us_per_turn"] = (wait1[1] - wait0[1]) / turns / 1000
-        out["health"] = backend.health().state.value
-    os.close(cpu_r)
+    try:
+        with scheduler() as backend, workers() as pids:
+            for i in range(2 * ncpu):
+                pids.append(fork_worker(spin, f"hog{i}"))
+            sleeper = fork_worker(_woken_sleeper(wake_r), "bound-sleeper", {0})
+            engine = fork_worker(_waking_engine(cpu_w, wake_w), "free-engine", {0})
+            pids += [sleeper, engine]
+            for fd in (cpu_w, wake_r, wake_w):
+                os.close(fd)
+            _wait_pinned([sleeper, engine], 0)
+            k, s = key_for(KeyKind.TID, engine)
+            sk, ss = key_for(KeyKind.TID, sleeper)
+            backend.apply({k: Entry(1, 0, s), **({sk: Entry(5, 0, ss)} if args.arg == "boosted" else {})}, [])
+            time.sleep(0.3)
+            os.sched_setaffinity(engine, range(ncpu))
+            before, wait0 = backend.counters(), schedstat(sleeper)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(cpu_r, 65536):
+                    pass
+            time.sleep(args.seconds)
+            woke = b""
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(cpu_r, 65536):
+                    woke += chunk
+            after, wait1 = backend.counters(), schedstat(sleeper)
+            out["engine_wakeups"] = len(woke)
+            out["engine_on_cpu0"] = woke.count(0) / max(1, len(woke))
+            out["counters"] = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+            turns = max(1, wait1[2] - wait0[2])
+            out["sleeper_wait_us_per_turn"] = (wait1[1] - wait0[1]) / turns / 1000
+            out["health"] = backend.health().state.value
+    finally:
+        os.close(cpu_r)
     return out
 
 
@@ -599,7 +603,7 @@ PINNED_HACKBENCH = ["taskset", "-c", "0", "hackbench", "-p", "-g", "2", "-l", "2
 
 
 def _hackbench_seconds(cmd: list[str]) -> float:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     m = re.search(r"Time:\s*([\d.]+)", r.stdout)
     if r.returncode != 0 or m is None:
         raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-500:]}\n{r.stderr[-500:]}")

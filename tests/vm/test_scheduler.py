@@ -253,17 +253,21 @@ def test_pinned_tasks_run_only_where_allowed(lab: Any) -> None:
 
 
 @both_kernels
-def test_a_boosted_task_leaves_the_cpu_of_a_waker_bound_there(lab: Any) -> None:
-    """A boosted engine that wakes an unboosted thread pinned to CPU 0 in the middle of each burst, started on
-    CPU 0 and free to move: it goes to another CPU, where it preempts a hog, instead of making the thread
-    wait for the rest of every burst (docs/scheduler.md, "A boosted waker leaves a bound waker's CPU").
-    Without find_unbound it stayed on CPU 0, its default pick, at most wake-ups on 7.3."""
-    out = scenario(lab, "bound-steer", "--seconds", "2")
+@pytest.mark.parametrize("sleeper", ["unboosted", "boosted"])
+def test_a_boosted_task_leaves_the_cpu_of_a_waker_bound_there(lab: Any, sleeper: str) -> None:
+    """A boosted engine that wakes a thread pinned to CPU 0 in the middle of each burst, started on CPU 0 and
+    free to move: it goes to another CPU, where it preempts a hog, instead of making the thread wait for
+    the rest of every burst (docs/scheduler.md, "A boosted waker leaves a bound waker's CPU"); the same
+    when the thread is boosted at a weaker level (never worse off for being boosted). Without find_unbound
+    the engine stayed on CPU 0, its default pick, at most wake-ups on 7.3."""
+    out = scenario(lab, "bound-steer", *([sleeper] if sleeper == "boosted" else []), "--seconds", "2")
     print("bound steer:", json.dumps(out))
     assert out["counters"].get("boosted_dispatches", 0) > 0 and out["engine_wakeups"] > 50, out
     # 7.3 without it: 0.78 (with it 0.06); 6.12 moved the engine off CPU 0 by itself (0.0 both ways), so
-    # `bound_steers` is reported, not asserted
+    # there the outcome is checked and `bound_steers` printed
     assert out["engine_on_cpu0"] <= 0.5, out
+    if out["kernel"].startswith("7."):
+        assert out["counters"].get("bound_steers", 0) > 0, out
     assert out["health"] == "running"
 
 
@@ -273,7 +277,7 @@ def test_a_group_pinned_to_one_cpu_keeps_its_runs_first_millisecond(lab: Any) ->
     there, and the first-millisecond protection of a run from its own group's wakers must hold for them
     (docs/scheduler.md, "Not its own group's run in its first millisecond"). When a bound waker skipped it
     whatever the run (8110737), 6.12 on a loaded host took 9.7-12.2 s against EEVDF's 0.88-0.90."""
-    out = scenario(lab, "pinned-group")
+    out = scenario(lab, "pinned-group", timeout=600)
     print("pinned group:", json.dumps(out))
     ratio = statistics.median(out["ours"]) / statistics.median(out["EEVDF"])
     assert ratio <= 3.0, out
