@@ -15,7 +15,7 @@
  *    (aging). A waking boosted task preempts a task that is unboosted or of a strictly weaker level, never
  *    an equal or stronger one, found through a mask of the CPUs running nothing boosted; nor does it go
  *    before an equal or stronger task already handed to that CPU and not yet run. It leaves its default
- *    pick for another CPU running nothing boosted when an unboosted task bound to the pick lately waited
+ *    pick for another CPU running nothing boosted when a task bound to the pick lately waited
  *    there for boosted work (find_unbound): that one cannot move, it can.
  *  - priority 10-20, the head-start tier: an unboosted task in every respect (fair queue, the unboosted
  *    wake-up rule, preempted by the preempt tier) except that part of each run's charge is forgiven, 50 %

@@ -73,7 +73,7 @@ struct gthulhu_counters {
 	u64 fair_wakeups_queued; /* unboosted wake-ups (and cut runs) the wake-up rule found no CPU for */
 	u64 fair_wakeups_held;  /* those that found one while boosted tasks waited in BOOST_DSQ (they go first) */
 	u64 fair_preemptions_credit; /* of fair_preemptions, wake-ups only the crowded-group credit allowed */
-	u64 bound_steers;       /* boosted wakers sent off a CPU where an unboosted waker bound to it waited */
+	u64 bound_steers;       /* boosted wakers sent off a CPU where a task bound to it waited for boosted work */
 };
 
 /* Current sizes (.bss), refreshed by the count_entries program and on each tick of CPU 0. */

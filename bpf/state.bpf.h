@@ -194,7 +194,7 @@ struct cpu_ctx {
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
 	u64 run_start;     /* when its current run started (running) */
-	u64 bound_waited;  /* when an unboosted task bound to it last waited there for boosted work */
+	u64 bound_waited;  /* when a task bound to it last waited there for boosted work (note_bound_wait) */
 	struct bpf_timer bw_stop; /* ends a limited task's run when its cgroup's budget does */
 };
 

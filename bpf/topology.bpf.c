@@ -6,7 +6,7 @@
  *  - domains (NUMA nodes): each CPU's, the online CPUs per domain, each domain's cpumask, and the fair
  *    queue of each (FAIR_DSQ_BASE + domain);
  *  - placing a boosted waker: a CPU running nothing boosted, else a lesser boost (find_victim), not one
- *    where an unboosted waker bound to it waited while another qualifies (find_unbound); on CPUs of
+ *    where a task bound to it waited for boosted work while another qualifies (find_unbound); on CPUs of
  *    different capacity, the most capable one (find_capable);
  *  - the CPU masks and domain counts as init finds them (init_cpus, init_domain_masks).
  */
@@ -205,7 +205,7 @@ static s32 find_victim(struct task_struct *p, s32 from, u32 prio, u64 now)
 }
 
 /*
- * How long boosted wakers keep off a CPU after an unboosted task bound to it waited there for boosted work:
+ * How long boosted wakers keep off a CPU after a task bound to it waited there for boosted work:
  * longer than a boosted task's usual sleep, so its next wake-ups go elsewhere too.
  */
 #define BOUND_WAIT_NS 100000000ULL
