@@ -52,11 +52,10 @@ EARLIER_TWINS = {"ours no policy": "ours earlier no policy",
 if EARLIER:
     CASES = list(dict.fromkeys(CASES + [EARLIER_TWINS[c] for c in CASES if c in EARLIER_TWINS]))
 # ours' case -> the EEVDF case it is measured against
-AGAINST = {"ours no policy": "EEVDF", "ours earlier no policy": "EEVDF",
-           "ours earlier hogs in session": "EEVDF hogs in session",
-           "ours earlier engine boosted": "EEVDF engine",
-           "ours engine boosted": "EEVDF engine", "ours engine boosted session": "EEVDF engine session",
+AGAINST = {"ours no policy": "EEVDF", "ours engine boosted": "EEVDF engine",
+           "ours engine boosted session": "EEVDF engine session",
            "ours hogs in session": "EEVDF hogs in session", "scx_simple": "EEVDF"}
+AGAINST |= {twin: AGAINST[case] for case, twin in EARLIER_TWINS.items()}
 GOAL = 1.10
 # a run took up to 150 s beside its 10 s under TCG on a host at load 6-11 (2026-12-05)
 BUDGET_S = ROUNDS * (len(CASES) + 1) * (SECONDS + 180) + 300

@@ -256,9 +256,14 @@ def engine_cgroup(weight: int | None, cpu_max: str | None = None) -> Iterator[Pa
             ENGINE_CGROUP.rmdir()
 
 
+def engine_intent(intent: dict[str, Any]) -> dict[str, Any]:
+    """`intent` (priority, slice) as a whole intent matching the engine's threads by name."""
+    return {"id": "engine", "commandRegex": f"^{COMM}$", **intent}
+
+
 def apply_intent(backend: SchedExtBackend, intent: dict[str, Any]) -> None:
     """The agent's path: intent -> PolicySet -> reconciler full scan + diff -> backend.apply."""
-    model = Intent.model_validate({"id": "engine", "commandRegex": f"^{COMM}$", **intent})
+    model = Intent.model_validate(engine_intent(intent))
     reconciler = Reconciler(backend, policy=PolicySet.build([("bench/engine", model)]))
     reconciler.rescan()
 

@@ -298,7 +298,7 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any, p
             esb.apply_intent(sched, case["intent"])
             assert eng[0] in {k.id for k in sched.read_back()}, "the intent did not reach the engine"
         elif eng is not None and apply_earlier is not None and case.get("intent"):
-            ids = apply_earlier({"id": "engine", "commandRegex": f"^{esb.COMM}$", **case["intent"]})
+            ids = apply_earlier(esb.engine_intent(case["intent"]))
             assert eng[0] in ids, "the intent did not reach the engine under the earlier scheduler"
         counters = sched.counters() if sched is not None else {}
         cyc = Sleeper(seconds, case.get("own_session", True), pinned=pinned)
