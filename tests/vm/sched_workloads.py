@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -622,6 +623,75 @@ def pinned_group(args: argparse.Namespace) -> dict[str, Any]:
         out["fair_preemptions"] = after["fair_preemptions"] - before["fair_preemptions"]
         out["health"] = backend.health().state.value
     return out
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _sleep_until(ns: int) -> None:
+    """clock_nanosleep to an absolute CLOCK_MONOTONIC time, as cyclictest sleeps (Python has no wrapper)."""
+    ts = _Timespec(ns // 1_000_000_000, ns % 1_000_000_000)
+    while _libc.clock_nanosleep(1, 1, ctypes.byref(ts), None) == 4:  # CLOCK_MONOTONIC, TIMER_ABSTIME; EINTR
+        pass
+
+
+JOINT_RECORD = struct.Struct("=Bqq")  # which sleeper, the boundary it slept to, when it ran for it (ns)
+
+
+def _boundary_sleeper(which: int, out_fd: int, start_ns: int, period_ns: int) -> Callable[[], None]:
+    """In a session of its own, sleeps to each `period_ns` boundary after `start_ns`; records when it ran."""
+
+    def body() -> None:
+        os.setsid()
+        target = start_ns
+        while True:
+            target += period_ns
+            _sleep_until(target)
+            os.write(out_fd, JOINT_RECORD.pack(which, target, time.monotonic_ns()))
+
+    return body
+
+
+def joint_wake(args: argparse.Namespace) -> dict[str, Any]:
+    """Two threads pinned to CPU 0, each in a session of its own, sleep to the same absolute 5 ms boundaries,
+    so one timer interrupt wakes both, beside hogs on every CPU: under EEVDF, then under ours. The first to
+    wake preempts CPU 0's hog; the second must run right after it, not after the rest of that hog's slice
+    (docs/scheduler.md, "A bound waker joins the wakers before it"). Per boundary both reached, how far
+    apart the two ran: the timer's lateness, which TCG makes long, is the same for both."""
+    ncpu = os.cpu_count() or 1
+    out: dict[str, Any] = {"kernel": os.uname().release}
+    for name in ("EEVDF", "ours"):
+        with (scheduler() if name == "ours" else contextlib.nullcontext()) as backend, workers() as pids:
+            read_fd, write_fd = os.pipe()
+            for i in range(4 * ncpu):
+                pids.append(fork_worker(spin, f"hog{i}"))
+            start = time.monotonic_ns() + 300_000_000
+            for which in range(2):
+                pids.append(fork_worker(_boundary_sleeper(which, write_fd, start, 5_000_000), f"joint{which}",
+                                        {0}))
+            os.close(write_fd)
+            before = backend.counters() if backend else {}
+            time.sleep(0.3 + args.seconds)
+            after = backend.counters() if backend else {}
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            data = b""
+            while chunk := os.read(read_fd, 65536):
+                data += chunk
+            os.close(read_fd)
+            ran: dict[int, list[int]] = {}
+            whole = len(data) - len(data) % JOINT_RECORD.size
+            for which, target, at in JOINT_RECORD.iter_unpack(data[:whole]):
+                ran.setdefault(target, [0, 0])[which] = at
+            gaps = sorted(abs(a - b) / 1000 for a, b in ran.values() if a and b)
+            out[name] = {"boundaries": len(gaps), "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
+                         "apart": sum(g > 2500 for g in gaps) / max(1, len(gaps)),
+                         "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
+                         - before.get("fair_wakeups_queued", 0)}
+            if backend:
+                out["health"] = backend.health().state.value
+    return out
+
 
 NODES = Path("/sys/devices/system/node")
 
@@ -1425,6 +1495,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "affinity": affinity,
     "bound-steer": bound_steer,
     "pinned-group": pinned_group,
+    "joint-wake": joint_wake,
     "numa": numa,
     "node-balance": node_balance,
     "kthread-lock-holder": kthread_lock_holder,
