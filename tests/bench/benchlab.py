@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -55,7 +56,10 @@ def survive(lab: Lab, deaths: list[str], died: LabDied, when: str) -> None:
     after the firmware's banner (2026-12-05), right after two int3 deaths."""
     while True:
         deaths.append(died.reason)
-        print(f"the guest died {when} ({died.reason}); console: {died.console.splitlines()[-3:]}", flush=True)
+        lines = died.console.splitlines()
+        # the oops's own lines say which death it was (the emulator's int3, or another), the tail only "panic"
+        cause = [line for line in lines if re.search(r"Oops|BUG:|RIP:|sched_ext", line)][-4:]
+        print(f"the guest died {when} ({died.reason}); console: {cause + lines[-3:]}", flush=True)
         if len(deaths) > DEATHS_ALLOWED:
             raise died
         try:

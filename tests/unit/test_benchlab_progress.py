@@ -61,3 +61,17 @@ def test_past_the_allowance_the_last_death_is_raised(monkeypatch: pytest.MonkeyP
     with pytest.raises(LabBootError):
         benchlab.survive(lab, deaths, LabDied("kernel panic", "Oops"), "during the run")  # type: ignore[arg-type]
     assert len(deaths) == 3 and lab.boots == 2
+
+
+def test_a_death_prints_the_oops_lines_not_only_the_panics_tail(capsys: pytest.CaptureFixture[str]) -> None:
+    """The console's last three lines were the panic's boilerplate ("Kernel panic - not syncing: Fatal
+    exception in interrupt", the kernel offset): which death it was, the emulator's int3 or another, was
+    in the oops above them and not printed (three deaths on 2026-12-07 read alike)."""
+    console = "\n".join([
+        "[ 1.0] boot", "[ 655.9] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI",
+        "[ 655.9] RIP: 0010:enqueue_task_scx+0x1/0x2", *(f"[ 656.{i}] regs" for i in range(9)),
+        "[ 656.9] PKRU: 55555554", "[ 656.9] Kernel panic - not syncing: Fatal exception in interrupt",
+        "[ 656.9] Kernel Offset: 0x1da00000"])
+    benchlab.survive(_Lab(hangs=0), [], LabDied("kernel panic", console), "after 23 runs")  # type: ignore[arg-type]
+    printed = capsys.readouterr().out
+    assert "Oops: int3" in printed and "RIP: 0010:enqueue_task_scx" in printed and "Kernel Offset" in printed
