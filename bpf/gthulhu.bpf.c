@@ -242,7 +242,7 @@ static __always_inline u64 group_key(struct task_struct *p, struct task_ctx *tct
 
 /* What wakeup_preempts found; WAKE_NO is false, so a caller may test it as a bool. */
 enum wake_verdict {
-	WAKE_NO,     /* the rule does not hold, or the CPU's local DSQ is not free */
+	WAKE_NO,     /* the rule does not hold, or the CPU's local DSQ is taken (a bound waker may join) */
 	WAKE_USUAL,  /* holds with the usual credit */
 	WAKE_CREDIT, /* holds only with the crowded-group credit (fair_preemptions_credit) */
 };
@@ -285,10 +285,11 @@ static __always_inline enum wake_verdict wakeup_preempts(struct task_ctx *tctx, 
 		verdict = WAKE_CREDIT;
 	}
 	/*
-	 * A waker bound here joins unboosted wakers inserted before it that have not run yet: refused, it
-	 * waited in the fair queue behind the run they cut, whose key is older than a sleeper's floor, for that
-	 * run's whole slice (cyclictest's pinned thread, woken in the interrupt that woke its main thread onto
-	 * this CPU first: 6.12, 80-120 such wake-ups per 8 s). Nothing boosted may wait there (handed).
+	 * A waker bound here joins unboosted wakers inserted to preempt whose preemption is still pending
+	 * (fair_waker): refused, it waited in the fair queue behind the run they cut, whose key is older than a
+	 * sleeper's floor, for that run's whole slice (cyclictest's pinned thread, woken in the interrupt that
+	 * put its main thread on this CPU first: 6.12, 78-93 such refusals per 8 s). Nothing boosted may wait
+	 * there (handed).
 	 */
 	if (local_free(cpu) || (bound && c->fair_waker && !c->handed))
 		return verdict;
@@ -381,8 +382,13 @@ static bool wakeup_preempt(struct task_struct *p, struct task_ctx *tctx, u64 sli
 		scx_bpf_kick_cpu(cpu, KICK_PREEMPT);
 		return true;
 	}
-	dsq_insert(p, DSQ_LOCAL_ON | cpu, slice, enq_flags | ENQ_PREEMPT);
 	c = cpu_ctx_of(cpu);
+	/* a bound waker joining (wakeup_preempts) queues behind the wakers whose preemption is pending */
+	if (!local_free(cpu)) {
+		dsq_insert(p, DSQ_LOCAL_ON | cpu, slice, enq_flags);
+		return true;
+	}
+	dsq_insert(p, DSQ_LOCAL_ON | cpu, slice, enq_flags | ENQ_PREEMPT);
 	if (c)
 		c->fair_waker = 1;
 	return true;
@@ -916,10 +922,9 @@ void OP(gthulhu_running, struct task_struct *p)
 		c->run_bound = p->nr_cpus_allowed == 1;
 		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
-		if (local_free(cpu)) {
+		c->fair_waker = 0; /* the preemption it noted happened */
+		if (local_free(cpu))
 			c->handed = 0; /* all it was handed runs or ran */
-			c->fair_waker = 0;
-		}
 		bw_limit_run(tctx, c, p->scx.slice, tctx->started_at);
 	}
 }

@@ -624,6 +624,7 @@ def pinned_group(args: argparse.Namespace) -> dict[str, Any]:
         out["health"] = backend.health().state.value
     return out
 
+
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
@@ -636,6 +637,7 @@ def _sleep_until(ns: int) -> None:
 
 
 JOINT_RECORD = struct.Struct("=Bqq")  # which sleeper, the boundary it slept to, when it ran for it (ns)
+JOINT_APART_US = 2500  # half the default slice (5 ms): a waker refused waited for some of a hog's slice
 
 
 def _boundary_sleeper(which: int, out_fd: int, start_ns: int, period_ns: int) -> Callable[[], None]:
@@ -653,9 +655,9 @@ def _boundary_sleeper(which: int, out_fd: int, start_ns: int, period_ns: int) ->
 
 
 def joint_wake(args: argparse.Namespace) -> dict[str, Any]:
-    """Two threads pinned to CPU 0, each in a session of its own, sleep to the same absolute 5 ms boundaries,
-    so one timer interrupt wakes both, beside hogs on every CPU: under EEVDF, then under ours. The first to
-    wake preempts CPU 0's hog; the second must run right after it, not after the rest of that hog's slice
+    """Two processes pinned to CPU 0, each in a session of its own, sleep to the same absolute 5 ms
+    boundaries, so one timer interrupt wakes both, beside hogs on every CPU: under EEVDF, then under ours.
+    The first to wake preempts CPU 0's hog; the second must run right after it, not after that hog's slice
     (docs/scheduler.md, "A bound waker joins the wakers before it"). Per boundary both reached, how far
     apart the two ran: the timer's lateness, which TCG makes long, is the same for both."""
     ncpu = os.cpu_count() or 1
@@ -685,7 +687,7 @@ def joint_wake(args: argparse.Namespace) -> dict[str, Any]:
                 ran.setdefault(target, [0, 0])[which] = at
             gaps = sorted(abs(a - b) / 1000 for a, b in ran.values() if a and b)
             out[name] = {"boundaries": len(gaps), "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
-                         "apart": sum(g > 2500 for g in gaps) / max(1, len(gaps)),
+                         "apart": sum(g > JOINT_APART_US for g in gaps) / max(1, len(gaps)),
                          "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
                          - before.get("fair_wakeups_queued", 0)}
             if backend:

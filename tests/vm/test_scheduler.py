@@ -286,13 +286,14 @@ def test_a_group_pinned_to_one_cpu_keeps_its_runs_first_millisecond(lab: Any) ->
 
 @both_kernels
 def test_a_bound_waker_runs_right_after_the_waker_before_it(lab: Any) -> None:
-    """Two threads pinned to CPU 0 woken by one timer interrupt (cyclictest's measuring thread and its main
-    thread are woken so every other period) beside hogs: the second is admitted with the first, not sent
-    to the fair queue because the first waits in CPU 0's local DSQ, and runs right after it, as under
-    EEVDF (docs/scheduler.md, "A bound waker joins the wakers before it"). Before the change the second was
-    refused at every boundary (7.3 410 of 411, 6.12 411 of 408 with the pair's other refusals); in this
-    scenario the fair queue then served it next, where cyclictest's measuring thread waited for the slice
-    of a hog with an older key (the sleeper bench, docs/benchmarks.md)."""
+    """Two processes pinned to CPU 0 woken by one timer interrupt (cyclictest's measuring thread and its
+    main thread are woken so every other period) beside hogs: the second is admitted behind the first, not
+    sent to the fair queue because the first waits in CPU 0's local DSQ (docs/scheduler.md, "A bound waker
+    joins the wakers before it"). Before the change `fair_wakeups_queued`, which counts every unboosted
+    waker of the guest, read 410 for 411 boundaries on 7.3 and 411 for 408 on 6.12: the second refused at
+    every boundary. In this scenario the fair queue then served it next all the same (cyclictest's thread
+    waited behind a hog with an older key, the sleeper bench in docs/benchmarks.md), so the gap between
+    the two is a guard that the join costs no wait, not the failing-before check."""
     out = scenario(lab, "joint-wake", "--seconds", "2")
     print("joint wake:", json.dumps(out))
     ours = out["ours"]
