@@ -30,7 +30,8 @@
  *  - a woken task takes an idle CPU when there is one (the kernel's pick, asked without the synchronous
  *    flag, so never the waker's busy CPU); else the rules above and below place it.
  *  - an unboosted waker (the head-start tier judged as its unboosted twin) preempts the unboosted task of a
- *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF, unless
+ *    CPU when it is eligible (not ahead of the pool) and its virtual deadline comes first, as EEVDF, its
+ *    vtime floored a slice behind the lower of the pool's clock and the running task's own, unless
  *    that run is its own group's and in its first millisecond; one that shares its group with other
  *    runnable tasks is judged with a default slice at its weight of credit, against a run past its first
  *    millisecond (a sleeper in a crowded session, without hackbench's chains).
@@ -182,8 +183,9 @@ static __always_inline bool over_budget(struct task_ctx *tctx, u64 now)
  * its vtime plus what a whole slice costs it at its weight (slice_vtime): a light sleeper alone in its
  * session pays one slice for it, each of eight hogs sharing another session eight. A waking task preempts the
  * unboosted task a CPU runs when it is eligible (its vtime not past the pool's, vtime_now: it has not had
- * more than its share) and its deadline comes first, its vtime floored one default slice behind the pool, or
- * one default slice at its own weight against a run older than PROTECT_NS; never a run of its own group
+ * more than its share) and its deadline comes first, its vtime floored one default slice behind the pool (or
+ * the running task, where that is behind: beats), or one default slice at its own weight against a run
+ * older than PROTECT_NS; never a run of its own group
  * younger than that, unless it may run on that CPU only (wakeup_preempts). The head-start tier is judged on
  * its full-charge vtime both as waker and as the running task (twin_vtime): its head start is CPU share,
  * never a place ahead at wake-up. The rule this replaced (half a slice behind the running task's vtime) held
@@ -205,10 +207,19 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
  */
 #define PROTECT_NS 1000000ULL
 
-/* Eligible (not past the pool), deadline before the running task's, its vtime floored `credit` behind. */
+/*
+ * Eligible (not past the pool), deadline before the running task's, its vtime floored `credit` behind the
+ * pool or behind the running task's (full-charge, floored) vtime where that is lower. vtime_now is the
+ * latest run's start, which leads the pool by up to what one run costs: a hog of a crowded group pays
+ * eight slices of vtime for one, so a sleeper floored against it alone was judged as having run more than
+ * a busy task alone in its session, refused at 80 % of its wake-ups, and queued behind most of the hogs
+ * (6.12, one busy shell loop beside `stress-ng --cpu 8`: run-queue wait 2.4-2.8 ms against EEVDF's
+ * 0.12-0.15).
+ */
 static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 full, u64 credit)
 {
-	u64 vtime = floored_by(full, credit);
+	u64 level = before(c->vtime, vtime_now) ? c->vtime : vtime_now;
+	u64 vtime = before(full, level - credit) ? level - credit : full;
 
 	return !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline);
 }
@@ -916,11 +927,11 @@ void OP(gthulhu_running, struct task_struct *p)
 	c = cpu_ctx_of(cpu);
 	if (c) {
 		set_cpu_prio(cpu, c, tctx->prio);
-		c->vtime = tctx->vtime;
+		c->vtime = twin_vtime(tctx);
 		c->run_start = tctx->started_at; /* before the deadline; read unlocked, the pair is a hint */
 		c->run_group = tctx->group;
 		c->run_bound = p->nr_cpus_allowed == 1;
-		c->deadline = twin_vtime(tctx) + slice_vtime(tctx);
+		c->deadline = c->vtime + slice_vtime(tctx);
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
 		c->fair_waker = 0; /* the preemption it noted happened */
 		if (local_free(cpu))

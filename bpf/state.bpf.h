@@ -178,7 +178,7 @@ struct {
  */
 struct cpu_ctx {
 	u64 last_reserve; /* when this CPU last gave the reserve a turn */
-	u64 vtime;        /* vtime of the unboosted task it runs */
+	u64 vtime;        /* full-charge vtime of the unboosted task it runs, floored (twin_vtime) */
 	u64 deadline;     /* and its virtual deadline: its full-charge vtime + what its slice costs it */
 	u64 run_group;    /* and its group (task_ctx.group), 0 none */
 	u64 window_start; /* this CPU's boost accounting window */

@@ -654,6 +654,26 @@ def _boundary_sleeper(which: int, out_fd: int, start_ns: int, period_ns: int) ->
     return body
 
 
+def _boundary_runs(ncpu: int) -> Iterator[tuple[str, SchedExtBackend | None, list[int], int, int]]:
+    """EEVDF, then ours, each with four hogs per CPU in this session and a pipe for the boundary sleepers'
+    records: (its name, ours' backend or None, the workers to kill, the pipe's read and write ends)."""
+    for name in ("EEVDF", "ours"):
+        with (scheduler() if name == "ours" else contextlib.nullcontext()) as backend, workers() as pids:
+            read_fd, write_fd = os.pipe()
+            for i in range(4 * ncpu):
+                pids.append(fork_worker(spin, f"hog{i}"))
+            yield name, backend, pids, read_fd, write_fd
+
+
+def _records(read_fd: int) -> list[tuple[int, int, int]]:
+    """Every whole record the boundary sleepers wrote (their writers gone), the pipe then closed."""
+    data = b""
+    while chunk := os.read(read_fd, 65536):
+        data += chunk
+    os.close(read_fd)
+    return list(JOINT_RECORD.iter_unpack(data[: len(data) - len(data) % JOINT_RECORD.size]))
+
+
 def joint_wake(args: argparse.Namespace) -> dict[str, Any]:
     """Two processes pinned to CPU 0, each in a session of its own, sleep to the same absolute 5 ms
     boundaries, so one timer interrupt wakes both, beside hogs on every CPU: under EEVDF, then under ours.
@@ -662,36 +682,70 @@ def joint_wake(args: argparse.Namespace) -> dict[str, Any]:
     apart the two ran: the timer's lateness, which TCG makes long, is the same for both."""
     ncpu = os.cpu_count() or 1
     out: dict[str, Any] = {"kernel": os.uname().release}
-    for name in ("EEVDF", "ours"):
-        with (scheduler() if name == "ours" else contextlib.nullcontext()) as backend, workers() as pids:
-            read_fd, write_fd = os.pipe()
-            for i in range(4 * ncpu):
-                pids.append(fork_worker(spin, f"hog{i}"))
-            start = time.monotonic_ns() + 300_000_000
-            for which in range(2):
-                pids.append(fork_worker(_boundary_sleeper(which, write_fd, start, 5_000_000), f"joint{which}",
-                                        {0}))
-            os.close(write_fd)
-            before = backend.counters() if backend else {}
-            time.sleep(0.3 + args.seconds)
-            after = backend.counters() if backend else {}
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
-            data = b""
-            while chunk := os.read(read_fd, 65536):
-                data += chunk
-            os.close(read_fd)
-            ran: dict[int, list[int]] = {}
-            whole = len(data) - len(data) % JOINT_RECORD.size
-            for which, target, at in JOINT_RECORD.iter_unpack(data[:whole]):
-                ran.setdefault(target, [0, 0])[which] = at
-            gaps = sorted(abs(a - b) / 1000 for a, b in ran.values() if a and b)
-            out[name] = {"boundaries": len(gaps), "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
-                         "apart": sum(g > JOINT_APART_US for g in gaps) / max(1, len(gaps)),
-                         "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
-                         - before.get("fair_wakeups_queued", 0)}
-            if backend:
-                out["health"] = backend.health().state.value
+    for name, backend, pids, read_fd, write_fd in _boundary_runs(ncpu):
+        start = time.monotonic_ns() + 300_000_000
+        for which in range(2):
+            pids.append(fork_worker(_boundary_sleeper(which, write_fd, start, 5_000_000), f"joint{which}",
+                                    {0}))
+        os.close(write_fd)
+        before = backend.counters() if backend else {}
+        time.sleep(0.3 + args.seconds)
+        after = backend.counters() if backend else {}
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        ran: dict[int, list[int]] = {}
+        for which, target, at in _records(read_fd):
+            ran.setdefault(target, [0, 0])[which] = at
+        gaps = sorted(abs(a - b) / 1000 for a, b in ran.values() if a and b)
+        out[name] = {"boundaries": len(gaps), "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
+                     "apart": sum(g > JOINT_APART_US for g in gaps) / max(1, len(gaps)),
+                     "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
+                     - before.get("fair_wakeups_queued", 0)}
+        if backend:
+            out["health"] = backend.health().state.value
+    return out
+
+
+def _own_session(body: Callable[[], None]) -> Callable[[], None]:
+    """`body` run in a session of its own (an autogroup of its own, as a daemon or a shell's job has)."""
+
+    def run() -> None:
+        os.setsid()
+        body()
+
+    return run
+
+
+def lone_busy(args: argparse.Namespace) -> dict[str, Any]:
+    """A sleeper pinned to CPU 0 (5 ms periods, a session of its own) beside hogs sharing one session (four
+    per CPU) and one busy process alone in a session of its own, as a build or a data loader beside a
+    crowded service: under EEVDF, then under ours. Per scheduler, the sleeper's run-queue wait per wake-up
+    (schedstat) and how late it ran past each boundary; under ours also how many wake-ups the wake-up rule
+    refused (`fair_wakeups_queued`, every unboosted waker of the guest). The hogs' crowded session makes
+    vtime_now lead the pool by eight slices' worth: the busy process's deadline then beat a sleeper floored
+    against vtime_now alone (docs/scheduler.md, "Floored against the run it would cut")."""
+    ncpu = os.cpu_count() or 1
+    out: dict[str, Any] = {"kernel": os.uname().release}
+    for name, backend, pids, read_fd, write_fd in _boundary_runs(ncpu):
+        pids.append(fork_worker(_own_session(spin), "lone-busy"))
+        start = time.monotonic_ns() + 300_000_000
+        sleeper = fork_worker(_boundary_sleeper(0, write_fd, start, 5_000_000), "lone-sleeper", {0})
+        pids.append(sleeper)
+        os.close(write_fd)
+        time.sleep(0.3)
+        before, wait0 = backend.counters() if backend else {}, schedstat(sleeper)
+        time.sleep(args.seconds)
+        after, wait1 = backend.counters() if backend else {}, schedstat(sleeper)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        late = [(at - target) / 1000 for _, target, at in _records(read_fd)]
+        turns = wait1[2] - wait0[2]
+        out[name] = {"wakeups": turns, "wait_us": (wait1[1] - wait0[1]) / max(1, turns) / 1000,
+                     "late_us_avg": sum(late) / max(1, len(late)),
+                     "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
+                     - before.get("fair_wakeups_queued", 0)}
+        if backend:
+            out["health"] = backend.health().state.value
     return out
 
 
@@ -1498,6 +1552,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "bound-steer": bound_steer,
     "pinned-group": pinned_group,
     "joint-wake": joint_wake,
+    "lone-busy": lone_busy,
     "numa": numa,
     "node-balance": node_balance,
     "kthread-lock-holder": kthread_lock_holder,
