@@ -6,7 +6,9 @@ alone, against scx_simple, at 8 vCPUs too).
 The sleeper is `cyclictest -t1 -i 5000 --policy=other` in a session of its own beside `stress-ng --cpu 8`
 in another; cases: EEVDF and ours with no policy; then with the engine-step engine running in the bench's
 session, unboosted under EEVDF and boosted under ours (the seed policy's shape: only the engine, priority
-1, through the agent's path); the sleeper in the engine's session; the hogs in the sleeper's session; and,
+1, through the agent's path); the sleeper in the engine's session; the hogs in the sleeper's session; the
+hogs beside one busy process alone in a session of its own (`lone busy`); the
+hogs each bound to one CPU (`hogs pinned`: the sleeper's CPU runs a pool no other CPU takes from); and,
 when GTHULHU_BENCH_CASES names it, `scx_simple` (the kernel's reference scheduler, weighted vtime; its
 ratios printed for scale, not judged). Prints, per case, the sleeper's avg / p99 / max latency, the hogs'
 bogo-ops/s and the engine's steps/s as median [min-max] over the rounds, and the ratios ours / EEVDF of
@@ -44,7 +46,8 @@ UNPINNED = os.environ.get("GTHULHU_BENCH_UNPINNED", "") == "1"
 TRACE = os.environ.get("GTHULHU_BENCH_TRACE", "") == "1"
 CASES = [c for c in os.environ.get("GTHULHU_BENCH_CASES", "").split(",") if c] or [
     "EEVDF", "ours no policy", "EEVDF engine", "ours engine boosted", "EEVDF engine session",
-    "ours engine boosted session", "EEVDF hogs in session", "ours hogs in session"]
+    "ours engine boosted session", "EEVDF hogs in session", "ours hogs in session", "EEVDF lone busy",
+    "ours lone busy", "EEVDF hogs pinned", "ours hogs pinned"]
 # with GTHULHU_BENCH_EARLIER, each of these cases chosen brings its twin under the earlier scheduler
 EARLIER_TWINS = {"ours no policy": "ours earlier no policy",
                  "ours hogs in session": "ours earlier hogs in session",
@@ -54,7 +57,9 @@ if EARLIER:
 # ours' case -> the EEVDF case it is measured against
 AGAINST = {"ours no policy": "EEVDF", "ours engine boosted": "EEVDF engine",
            "ours engine boosted session": "EEVDF engine session",
-           "ours hogs in session": "EEVDF hogs in session", "scx_simple": "EEVDF"}
+           "ours hogs in session": "EEVDF hogs in session", "ours hogs pinned": "EEVDF hogs pinned",
+           "ours lone busy": "EEVDF lone busy",
+           "scx_simple": "EEVDF"}
 AGAINST |= {twin: AGAINST[case] for case, twin in EARLIER_TWINS.items()}
 GOAL = 1.10
 # a run took up to 150 s beside its 10 s under TCG on a host at load 6-11 (2026-12-05)

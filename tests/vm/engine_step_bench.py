@@ -140,7 +140,9 @@ def autogroup(enabled: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = (),
-         own_session: bool = True) -> Iterator[dict[str, float]]:
+         own_session: bool = True, pinned: bool = False) -> Iterator[dict[str, float]]:
+    """`stress-ng --cpu HOGS` for the block; its bogo-ops/s land in the yielded dict afterwards. `pinned`:
+    each worker bound to one CPU, round robin (pin_round_robin), as pinned workers of a real host are."""
     result: dict[str, float] = {}
     if not active:
         yield result
@@ -156,6 +158,8 @@ def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = (),
         )
         try:
             time.sleep(1.0)
+            if pinned:
+                pin_round_robin(proc.pid, HOGS)
             yield result
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -168,6 +172,36 @@ def hogs(active: bool, seconds: float, prefix: tuple[str, ...] = (),
         with contextlib.suppress(OSError, yaml.YAMLError, KeyError, TypeError, IndexError):
             metrics = yaml.safe_load(report.read_text())["metrics"][0]
             result["bogo_ops_per_s"] = float(metrics["bogo-ops-per-second-real-time"])
+
+
+def children(parent: int) -> list[int]:
+    """The processes whose parent is `parent`, from /proc (a worker that exits meanwhile is skipped)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # the field after the parenthesised name: state, then the parent's pid
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                kids.append(int(entry.name))
+    return sorted(kids)
+
+
+def pin_round_robin(parent: int, expected: int, timeout: float = 10.0) -> list[int]:
+    """Bind each of `parent`'s `expected` worker processes to one CPU of the caller's, round robin, once all
+    have started; the CPU each got, in worker order. Raises if they do not all appear: a bench that pinned
+    half of them would measure another shape than it names."""
+    cpus = sorted(os.sched_getaffinity(0))
+    deadline = time.monotonic() + timeout
+    while len(kids := children(parent)) < expected:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(kids)} of {expected} workers of {parent} started; none pinned")
+        time.sleep(0.05)
+    placed = []
+    for i, kid in enumerate(kids[:expected]):
+        os.sched_setaffinity(kid, {cpus[i % len(cpus)]})
+        placed.append(cpus[i % len(cpus)])
+    return placed
 
 
 @contextlib.contextmanager

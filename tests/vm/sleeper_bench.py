@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +49,13 @@ CASES: dict[str, dict[str, Any]] = {
     # the hogs in the sleeper's session (autogroup): the sleeper competes with them inside one group
     "EEVDF hogs in session": {"hogs": True, "own_session": False, "hogs_session": False},
     "ours hogs in session": {"hogs": True, "sched": True, "own_session": False, "hogs_session": False},
+    # each hog bound to one CPU (four per CPU), as a host's pinned workers are: the sleeper's CPU then runs a
+    # pool of its own, whose tasks no other CPU takes
+    # and one busy process alone in a session of its own beside the hogs' crowded one
+    "EEVDF lone busy": {"hogs": True, "lone_busy": True},
+    "ours lone busy": {"hogs": True, "sched": True, "lone_busy": True},
+    "EEVDF hogs pinned": {"hogs": True, "hogs_pinned": True},
+    "ours hogs pinned": {"hogs": True, "sched": True, "hogs_pinned": True},
     "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
     "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1},
                                     "own_session": False},
@@ -254,6 +262,23 @@ def engine(active: bool, seconds: float) -> Iterator[tuple[int, subprocess.Popen
 
 
 @contextlib.contextmanager
+def lone_busy(active: bool) -> Iterator[None]:
+    """One busy process alone in a session of its own for the block (a build, a data loader): beside the
+    hogs' crowded session it is the shape where a sleeper was floored too far ahead (docs/scheduler.md)."""
+    if not active:
+        yield
+        return
+    proc = subprocess.Popen(["setsid", "-w", "sh", "-c", "while :; do :; done"])
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
 def earlier(folder: str | None) -> Iterator[Callable[[dict[str, Any]], set[int]] | None]:
     """An earlier revision's scheduler loaded for the block (sched_overhead_bench.earlier), if asked; yields
     what applies an intent through that revision's agent path, or None."""
@@ -291,8 +316,10 @@ def sleeper_run(case: dict[str, Any], seconds: float, trace: bool, sched: Any, p
     puts it, or free on every CPU (Sleeper)."""
     out: dict[str, Any] = {}
     with (
-        esb.hogs(case["hogs"], seconds, own_session=case.get("hogs_session", True)) as hog,
+        esb.hogs(case["hogs"], seconds, own_session=case.get("hogs_session", True),
+                 pinned=case.get("hogs_pinned", False)) as hog,
         engine(case.get("engine", False), seconds + 1) as eng,
+        lone_busy(case.get("lone_busy", False)),
     ):
         if eng is not None and sched is not None and case.get("intent"):
             esb.apply_intent(sched, case["intent"])
