@@ -209,16 +209,19 @@ static __always_inline u64 slice_vtime(struct task_ctx *tctx)
 
 /*
  * Eligible (not past the pool), deadline before the running task's, its vtime floored `credit` behind the
- * pool or behind the running task's (full-charge, floored) vtime where that is lower. vtime_now is the
- * latest run's start, which leads the pool by up to what one run costs: a hog of a crowded group pays
- * eight slices of vtime for one, so a sleeper floored against it alone was judged as having run more than
- * a busy task alone in its session, refused at 80 % of its wake-ups, and queued behind most of the hogs
- * (6.12, one busy shell loop beside `stress-ng --cpu 8`: run-queue wait 2.4-2.8 ms against EEVDF's
- * 0.12-0.15).
+ * pool or behind the running task's (full-charge, floored) vtime where that is lower; behind the pool only
+ * while no run of ours is on (a higher class holds the CPU, or it idles: the record is the last run's).
+ * vtime_now, the highest vtime an unboosted run started at, leads the pool by up to what one run costs the
+ * task that set it: a hog of a crowded group pays eight slices of vtime for one, so a sleeper floored
+ * against it alone was judged as having run more than a busy task alone in its session, refused at 80 % of
+ * its wake-ups, and queued behind most of the hogs (6.12, one busy shell loop beside `stress-ng --cpu 8`:
+ * run-queue wait 2.4-2.8 ms against EEVDF's 0.12-0.15). Two floored runs tie no more: a waker floored now
+ * goes before a run floored at its start (a light task of another session at every wake-up, as EEVDF's
+ * earlier deadline does), at most once per wake-up, since a cut run is requeued, not re-placed.
  */
 static __always_inline bool beats(struct task_ctx *tctx, struct cpu_ctx *c, u64 full, u64 credit)
 {
-	u64 level = before(c->vtime, vtime_now) ? c->vtime : vtime_now;
+	u64 level = c->run_on && before(c->vtime, vtime_now) ? c->vtime : vtime_now;
 	u64 vtime = before(full, level - credit) ? level - credit : full;
 
 	return !before(vtime_now, vtime) && before(vtime + slice_vtime(tctx), c->deadline);
@@ -931,6 +934,7 @@ void OP(gthulhu_running, struct task_struct *p)
 		c->run_start = tctx->started_at; /* before the deadline; read unlocked, the pair is a hint */
 		c->run_group = tctx->group;
 		c->run_bound = p->nr_cpus_allowed == 1;
+		c->run_on = 1;
 		c->deadline = c->vtime + slice_vtime(tctx);
 		c->boost_waker = 0; /* it was for the run before, or for none (an idle CPU) */
 		c->fair_waker = 0; /* the preemption it noted happened */
@@ -1164,6 +1168,7 @@ void OP(gthulhu_stopping, struct task_struct *p, bool runnable)
 	if (c) {
 		set_cpu_prio(cpu, c, 0);
 		bw_run_ended(c);
+		c->run_on = 0;
 	}
 	if (!tctx)
 		return;
@@ -1274,6 +1279,7 @@ static void reset_cpu(s32 cpu, bool offline)
 	c->offline = offline;
 	c->handed = 0;
 	c->fair_waker = 0;
+	c->run_on = 0;
 	set_cpu_prio(cpu, c, offline ? ~0U : 0);
 	c->boost_used = 0;
 	c->window_start = 0;

@@ -192,6 +192,7 @@ struct cpu_ctx {
 	u32 handed;        /* the strongest rank handed to its local DSQ since that was last empty */
 	u32 run_bound;     /* whether the task it runs may run on this CPU only */
 	u32 fair_waker;    /* an unboosted waker was inserted to preempt and nothing has started here since */
+	u32 run_on;        /* a run of ours is on (running to stopping): vtime and deadline describe it */
 	u64 bw_stop_at;    /* when it was armed to fire: an earlier fire is an older arm's */
 	u64 pull_after;    /* a pull from a crowded node found nothing this CPU may run: not again before */
 	u64 run_start;     /* when its current run started (running) */

@@ -189,16 +189,18 @@ def children(parent: int) -> list[int]:
 
 def pin_round_robin(parent: int, expected: int, timeout: float = 10.0) -> list[int]:
     """Bind each of `parent`'s `expected` worker processes to one CPU of the caller's, round robin, once all
-    have started; the CPU each got, in worker order. Raises if they do not all appear: a bench that pinned
-    half of them would measure another shape than it names."""
+    have started; the CPU each got, in worker order. Raises if they do not all appear, or more do: a bench
+    that pinned some of them would measure another shape than it names."""
     cpus = sorted(os.sched_getaffinity(0))
     deadline = time.monotonic() + timeout
     while len(kids := children(parent)) < expected:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(kids)} of {expected} workers of {parent} started; none pinned")
         time.sleep(0.05)
+    if len(kids) > expected:
+        raise RuntimeError(f"{len(kids)} workers of {parent}, not {expected}; none pinned")
     placed = []
-    for i, kid in enumerate(kids[:expected]):
+    for i, kid in enumerate(kids):
         os.sched_setaffinity(kid, {cpus[i % len(cpus)]})
         placed.append(cpus[i % len(cpus)])
     return placed

@@ -654,9 +654,14 @@ def _boundary_sleeper(which: int, out_fd: int, start_ns: int, period_ns: int) ->
     return body
 
 
-def _boundary_runs(ncpu: int) -> Iterator[tuple[str, SchedExtBackend | None, list[int], int, int]]:
+def _boundary_runs(ncpu: int, sleepers: int, seconds: float
+                   ) -> Iterator[tuple[str, SchedExtBackend | None, list[int], int, int]]:
     """EEVDF, then ours, each with four hogs per CPU in this session and a pipe for the boundary sleepers'
-    records: (its name, ours' backend or None, the workers to kill, the pipe's read and write ends)."""
+    records: (its name, ours' backend or None, the workers to kill, the pipe's read and write ends). The
+    pipe is read once the sleepers are gone, so a run must fit its 64 KiB: a sleeper blocked on a full pipe
+    would measure the pipe. Use it under contextlib.closing, so a failed run unloads ours at once."""
+    if sleepers * (seconds + 1) / 0.005 * JOINT_RECORD.size > 65536:
+        raise ValueError(f"{sleepers} boundary sleepers for {seconds} s overflow the records' pipe")
     for name in ("EEVDF", "ours"):
         with (scheduler() if name == "ours" else contextlib.nullcontext()) as backend, workers() as pids:
             read_fd, write_fd = os.pipe()
@@ -682,27 +687,28 @@ def joint_wake(args: argparse.Namespace) -> dict[str, Any]:
     apart the two ran: the timer's lateness, which TCG makes long, is the same for both."""
     ncpu = os.cpu_count() or 1
     out: dict[str, Any] = {"kernel": os.uname().release}
-    for name, backend, pids, read_fd, write_fd in _boundary_runs(ncpu):
-        start = time.monotonic_ns() + 300_000_000
-        for which in range(2):
-            pids.append(fork_worker(_boundary_sleeper(which, write_fd, start, 5_000_000), f"joint{which}",
-                                    {0}))
-        os.close(write_fd)
-        before = backend.counters() if backend else {}
-        time.sleep(0.3 + args.seconds)
-        after = backend.counters() if backend else {}
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        ran: dict[int, list[int]] = {}
-        for which, target, at in _records(read_fd):
-            ran.setdefault(target, [0, 0])[which] = at
-        gaps = sorted(abs(a - b) / 1000 for a, b in ran.values() if a and b)
-        out[name] = {"boundaries": len(gaps), "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
-                     "apart": sum(g > JOINT_APART_US for g in gaps) / max(1, len(gaps)),
-                     "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
-                     - before.get("fair_wakeups_queued", 0)}
-        if backend:
-            out["health"] = backend.health().state.value
+    with contextlib.closing(_boundary_runs(ncpu, 2, args.seconds)) as runs:
+        for name, backend, pids, read_fd, write_fd in runs:
+            start = time.monotonic_ns() + 300_000_000
+            for which in range(2):
+                pids.append(fork_worker(_boundary_sleeper(which, write_fd, start, 5_000_000), f"joint{which}",
+                                        {0}))
+            os.close(write_fd)
+            before = backend.counters() if backend else {}
+            time.sleep(0.3 + args.seconds)
+            after = backend.counters() if backend else {}
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            ran: dict[int, list[int]] = {}
+            for which, target, at in _records(read_fd):
+                ran.setdefault(target, [0, 0])[which] = at
+            gaps = sorted(abs(a - b) / 1000 for a, b in ran.values() if a and b)
+            out[name] = {"boundaries": len(gaps), "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
+                         "apart": sum(g > JOINT_APART_US for g in gaps) / max(1, len(gaps)),
+                         "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
+                         - before.get("fair_wakeups_queued", 0)}
+            if backend:
+                out["health"] = backend.health().state.value
     return out
 
 
@@ -726,26 +732,29 @@ def lone_busy(args: argparse.Namespace) -> dict[str, Any]:
     against vtime_now alone (docs/scheduler.md, "Floored against the run it would cut")."""
     ncpu = os.cpu_count() or 1
     out: dict[str, Any] = {"kernel": os.uname().release}
-    for name, backend, pids, read_fd, write_fd in _boundary_runs(ncpu):
-        pids.append(fork_worker(_own_session(spin), "lone-busy"))
-        start = time.monotonic_ns() + 300_000_000
-        sleeper = fork_worker(_boundary_sleeper(0, write_fd, start, 5_000_000), "lone-sleeper", {0})
-        pids.append(sleeper)
-        os.close(write_fd)
-        time.sleep(0.3)
-        before, wait0 = backend.counters() if backend else {}, schedstat(sleeper)
-        time.sleep(args.seconds)
-        after, wait1 = backend.counters() if backend else {}, schedstat(sleeper)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        late = [(at - target) / 1000 for _, target, at in _records(read_fd)]
-        turns = wait1[2] - wait0[2]
-        out[name] = {"wakeups": turns, "wait_us": (wait1[1] - wait0[1]) / max(1, turns) / 1000,
-                     "late_us_avg": sum(late) / max(1, len(late)),
-                     "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
-                     - before.get("fair_wakeups_queued", 0)}
-        if backend:
-            out["health"] = backend.health().state.value
+    with contextlib.closing(_boundary_runs(ncpu, 1, args.seconds)) as runs:
+        for name, backend, pids, read_fd, write_fd in runs:
+            pids.append(fork_worker(_own_session(spin), "lone-busy"))
+            start = time.monotonic_ns() + 300_000_000
+            sleeper = fork_worker(_boundary_sleeper(0, write_fd, start, 5_000_000), "lone-sleeper", {0})
+            pids.append(sleeper)
+            os.close(write_fd)
+            time.sleep(0.3)
+            before = backend.counters() if backend else {}
+            wait0 = schedstat(sleeper)
+            time.sleep(args.seconds)
+            after = backend.counters() if backend else {}
+            wait1 = schedstat(sleeper)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            late = [(at - target) / 1000 for _, target, at in _records(read_fd)]
+            turns = wait1[2] - wait0[2]
+            out[name] = {"wakeups": turns, "wait_us": (wait1[1] - wait0[1]) / max(1, turns) / 1000,
+                         "late_us_avg": sum(late) / max(1, len(late)),
+                         "fair_wakeups_queued": after.get("fair_wakeups_queued", 0)
+                         - before.get("fair_wakeups_queued", 0)}
+            if backend:
+                out["health"] = backend.health().state.value
     return out
 
 

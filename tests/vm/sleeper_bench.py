@@ -45,20 +45,20 @@ CASES: dict[str, dict[str, Any]] = {
     "ours engine no policy": {"hogs": True, "sched": True, "engine": True},
     # the seed's policy shape: only the engine boosted, at the seed's priority 1
     "ours engine boosted": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1}},
-    # the sleeper in the engine's session (autogroup) instead of one of its own: a helper thread of the app
     # the hogs in the sleeper's session (autogroup): the sleeper competes with them inside one group
     "EEVDF hogs in session": {"hogs": True, "own_session": False, "hogs_session": False},
     "ours hogs in session": {"hogs": True, "sched": True, "own_session": False, "hogs_session": False},
-    # each hog bound to one CPU (four per CPU), as a host's pinned workers are: the sleeper's CPU then runs a
-    # pool of its own, whose tasks no other CPU takes
-    # and one busy process alone in a session of its own beside the hogs' crowded one
-    "EEVDF lone busy": {"hogs": True, "lone_busy": True},
-    "ours lone busy": {"hogs": True, "sched": True, "lone_busy": True},
-    "EEVDF hogs pinned": {"hogs": True, "hogs_pinned": True},
-    "ours hogs pinned": {"hogs": True, "sched": True, "hogs_pinned": True},
+    # the sleeper in the engine's session (autogroup) instead of one of its own: a helper thread of the app
     "EEVDF engine session": {"hogs": True, "engine": True, "own_session": False},
     "ours engine boosted session": {"hogs": True, "sched": True, "engine": True, "intent": {"priority": 1},
                                     "own_session": False},
+    # one busy process alone in a session of its own beside the hogs' crowded one (a build, a data loader)
+    "EEVDF lone busy": {"hogs": True, "lone_busy": True},
+    "ours lone busy": {"hogs": True, "sched": True, "lone_busy": True},
+    # each hog bound to one CPU (four per CPU), as a host's pinned workers are: the sleeper's CPU then runs a
+    # pool of its own, whose tasks no other CPU takes
+    "EEVDF hogs pinned": {"hogs": True, "hogs_pinned": True},
+    "ours hogs pinned": {"hogs": True, "sched": True, "hogs_pinned": True},
     # the kernel's reference scheduler (tests/vm/peers.py) in its default mode, weighted vtime: what a
     # minimal vtime scheduler makes of the same wake-ups, hackbench and pipe (issue 40, item 3)
     "scx_simple": {"hogs": True, "peer": "scx_simple"},
@@ -268,13 +268,12 @@ def lone_busy(active: bool) -> Iterator[None]:
     if not active:
         yield
         return
-    proc = subprocess.Popen(["setsid", "-w", "sh", "-c", "while :; do :; done"])
+    proc = subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=True)
     try:
         yield
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
-        proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
